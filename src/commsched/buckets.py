@@ -1,0 +1,132 @@
+"""Flat per-bucket gradient buffers over the trainable parameters, and the plan that lays them out.
+
+A `BucketPlan` is built identically on every rank from the module alone (names, shapes, dtypes,
+ready order) and then checked: every rank hashes its plan and all-gathers the hashes, so a rank
+whose model differs fails at setup with a message instead of corrupting gradients later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from commsched.errors import CommSchedConfigError
+from commsched.fusion import ParamInfo
+from commsched.links import Link
+
+
+@dataclass
+class Bucket:
+    """One flat buffer; `views[i]` is parameter `params[i]`'s gradient inside it."""
+
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # padded to a multiple of the world size, padding kept at zero
+    views: list[torch.Tensor]
+    numel: int  # unpadded
+    shard_numel: int  # buffer.numel() // world_size
+
+    def offsets(self) -> list[int]:
+        """Start of each parameter's gradient inside the flat buffer."""
+        starts, offset = [], 0
+        for p in self.params:
+            starts.append(offset)
+            offset += p.numel()
+        return starts
+
+
+@dataclass
+class BucketPlan:
+    """The buckets, in launch order (= backward order), and where each parameter lives."""
+
+    buckets: list[Bucket]
+    world_size: int
+
+    @property
+    def num_params(self) -> int:
+        return sum(len(b.params) for b in self.buckets)
+
+    def signature(self) -> str:
+        lines = [f"world_size={self.world_size}"]
+        for b in self.buckets:
+            shapes = ",".join(f"{n}:{tuple(p.shape)}" for n, p in zip(b.names, b.params))
+            lines.append(f"{b.index}|{b.buffer.dtype}|{b.buffer.device.type}|{b.buffer.numel()}|{shapes}")
+        return "\n".join(lines)
+
+    def digest(self) -> int:
+        """A signed 64-bit hash of the signature (fits an int64 tensor for the all-gather)."""
+        raw = hashlib.sha256(self.signature().encode()).digest()[:8]
+        return int.from_bytes(raw, "little", signed=True)
+
+    def describe(self) -> str:
+        return ", ".join(f"b{b.index}:{len(b.params)}p/{b.numel * b.buffer.element_size() / 2**20:.2f}MB" for b in self.buckets)
+
+
+def trainable_in_ready_order(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[int]]:
+    """Trainable parameters in the order gradients usually become ready: reverse registration order.
+
+    Returns names, parameters and, per parameter, the index of its owning module ("layer"), which
+    the N-layers policy groups by. Tied parameters appear once, under their first owner.
+    """
+    owners: dict[int, int] = {}
+    layer_of_module: dict[int, int] = {}
+    for name, sub in module.named_modules():
+        for p in sub.parameters(recurse=False):
+            if p.requires_grad and id(p) not in owners:
+                owners[id(p)] = layer_of_module.setdefault(id(sub), len(layer_of_module))
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named.reverse()
+    n_layers = len(layer_of_module)
+    names = [n for n, _ in named]
+    params = [p for _, p in named]
+    layers = [n_layers - 1 - owners[id(p)] for p in params]
+    return names, params, layers
+
+
+def build_plan(
+    module: nn.Module,
+    world_size: int,
+    planner: Callable[[Sequence[ParamInfo]], list[list[int]]],
+) -> BucketPlan:
+    names, params, layers = trainable_in_ready_order(module)
+    if not params:
+        raise CommSchedConfigError("commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise.")
+    infos = [
+        ParamInfo(n, p.numel(), p.element_size(), p.dtype, p.device, layer)
+        for n, p, layer in zip(names, params, layers)
+    ]
+    groups = planner(infos)
+    flat = sorted(i for g in groups for i in g)
+    if flat != list(range(len(params))):
+        raise RuntimeError(f"commsched: fusion planner returned an invalid grouping {groups}")
+    buckets = []
+    for index, group in enumerate(groups):
+        numel = sum(params[i].numel() for i in group)
+        padded = -(-numel // world_size) * world_size
+        first = params[group[0]]
+        buffer = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        for i in group:
+            n = params[i].numel()
+            views.append(buffer.narrow(0, offset, n).view_as(params[i]))
+            offset += n
+        buckets.append(
+            Bucket(index, [names[i] for i in group], [params[i] for i in group], buffer, views, numel, padded // world_size)
+        )
+    return BucketPlan(buckets, world_size)
+
+
+def verify_same_on_all_ranks(plan: BucketPlan, link: Link) -> None:
+    """All-gather plan hashes; every rank raises the same error if any rank's plan differs."""
+    digests = link.all_gather_int(plan.digest(), "bucket-plan-hash")
+    if len(set(digests)) != 1:
+        raise CommSchedConfigError(
+            "commsched: the bucket plan differs between ranks (hash per rank: "
+            f"{digests}). Every rank must build the same model: the same trainable parameters with the "
+            "same names, shapes, dtypes and registration order. This rank's plan:\n" + plan.signature()
+        )

@@ -1,0 +1,13 @@
+"""Fusion planners: decide which trainable parameters share a communication bucket.
+
+A planner sees the parameters in gradient-ready order (backward order) and returns contiguous
+groups of their indices. Grouping changes how communication overlaps compute, never the math.
+"""
+
+from commsched.fusion.fixed import plan_fixed
+from commsched.fusion.layers import plan_layers
+from commsched.fusion.grouping import ParamInfo
+
+FUSION_POLICIES = ("fixed", "layers")
+
+__all__ = ["FUSION_POLICIES", "ParamInfo", "plan_fixed", "plan_layers"]

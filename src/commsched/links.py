@@ -1,0 +1,109 @@
+"""A process group plus what every schedule needs around its collectives.
+
+All communication of a schedule goes through one `Link`, so there is a single place that
+(a) picks the collective available in the installed torch, (b) turns a failed or timed-out
+collective into an error that says which collective and why, and (c) can record the exact
+sequence of collectives a rank issued, which tests compare across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import PeerFailureError
+
+# torch 2.10+ renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.3.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as issued by this rank: enough to prove every rank issued the same sequence."""
+
+    op: str
+    tag: str
+    numel: int
+    dtype: str
+
+
+class Pending:
+    """An in-flight collective; `wait()` re-raises failures as `PeerFailureError` with context."""
+
+    __slots__ = ("_work", "_what")
+
+    def __init__(self, work: dist.Work, what: str) -> None:
+        self._work = work
+        self._what = what
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as exc:  # gloo/NCCL raise plain RuntimeError subclasses
+            raise PeerFailureError(
+                f"commsched: {self._what} failed. A peer process probably died, hung past the "
+                f"process-group timeout, or the network link broke. Original error: {exc}"
+            ) from exc
+
+
+class Link:
+    """Issues asynchronous collectives on one process group (None = the default group)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, trace: bool = False) -> None:
+        self.group = group
+        self.trace: Optional[list[CollectiveRecord]] = [] if trace else None
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def _record(self, op: str, tag: str, tensor: torch.Tensor) -> str:
+        if self.trace is not None:
+            self.trace.append(CollectiveRecord(op, tag, tensor.numel(), str(tensor.dtype)))
+        return f"{op} of {tag} ({tensor.numel()} x {tensor.dtype})"
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+        what = self._record("all_reduce", tag, tensor)
+        return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str) -> Pending:
+        what = self._record("reduce_scatter", tag, full)
+        return Pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what)
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> Pending:
+        what = self._record("all_gather", tag, full)
+        return Pending(_all_gather_single(full, shard, group=self.group, async_op=True), what)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> Pending:
+        what = self._record("broadcast", tag, tensor)
+        return Pending(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what)
+
+    def all_gather_int(self, value: int, tag: str) -> list[int]:
+        """Blocking all-gather of one int64 per rank (plan hashes, decisions)."""
+        mine = torch.tensor([value], dtype=torch.int64)
+        everyone = torch.empty(self.world_size, dtype=torch.int64)
+        self.all_gather(everyone, mine, tag).wait()
+        return everyone.tolist()
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int, tag: str) -> None:
+        """Blocking broadcast of many tensors from `src`, one flat message per dtype (as DDP coalesces)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for dtype, group in by_dtype.items():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self.broadcast(flat, src, f"{tag}[{dtype}]").wait()
+                offset = 0
+                for t in group:
+                    n = t.numel()
+                    t.copy_(flat[offset : offset + n].view_as(t))
+                    offset += n

@@ -1,0 +1,214 @@
+"""DeAR: reduce-scatter in backward (BackPipe), all-gather overlapped with the next forward (FeedPipe).
+
+Update arrangement (DESIGN.md §4 option a): after the closure each rank holds its shard of every
+bucket's averaged gradient. Clipping is done on the shards (one scalar all-reduce gives the global
+norm). The all-gathers of the *gradients* start right away, and the user's own optimizer is run
+bucket by bucket in the next forward, just before the first module that owns a parameter of the
+bucket runs, with the hyper-parameters snapshotted at step time. This keeps any torch optimizer,
+its state and its checkpoints exactly as under DDP (a plain `ddp` run can resume from them), at
+the price of the full optimizer work on every rank -- the same work DDP does.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from commsched.buckets import BucketPlan
+from commsched.links import Link, Pending
+from commsched.schedules.base import Schedule
+from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
+
+
+class _PendingUpdate:
+    """The update of one optimizer step, waiting to be applied bucket by bucket."""
+
+    def __init__(
+        self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: list[Optional[Pending]]
+    ) -> None:
+        self.stepper = stepper
+        self.step = step
+        self.hyper = hyper
+        self.gathers = gathers  # None once the bucket is applied
+        self.left = sum(g is not None for g in gathers)
+
+
+class DeARSchedule(Schedule):
+    name = "dear"
+    grads_complete_after_closure = False
+
+    def __init__(self, plan: BucketPlan, link: Link) -> None:
+        super().__init__(plan, link)
+        self._shards = [torch.zeros(b.shard_numel, dtype=b.buffer.dtype, device=b.buffer.device) for b in plan.buckets]
+        self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
+        self._pending: Optional[_PendingUpdate] = None
+        self._stepper: Optional[SubsetStepper] = None
+        self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int]]]] = {}
+        self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
+        self._early: list[bool] = [False] * len(plan.buckets)
+        self._learning = True  # first training step: learn which parameters are read outside their module
+        self._recording = False
+        self._modules_run: set[int] = set()
+        self._owners_of: list[list[tuple[int, ...]]] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    def attach(self, module: nn.Module) -> None:
+        super().attach(module)
+        where = {id(p): (bucket.index, slot) for bucket in self.plan.buckets for slot, p in enumerate(bucket.params)}
+        owners: list[list[list[int]]] = [[[] for _ in b.params] for b in self.plan.buckets]
+        for p in module.parameters(recurse=False):  # the LightningModule's own: read in training_step
+            if id(p) in where:
+                self._early[where[id(p)][0]] = True
+        for sub in module.modules():
+            if sub is module:
+                continue
+            buckets = set()
+            for p in sub.parameters(recurse=False):
+                if id(p) in where:
+                    b, slot = where[id(p)]
+                    buckets.add(b)
+                    owners[b][slot].append(id(sub))
+            if buckets:
+                self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
+                self._handles.append(sub.register_forward_pre_hook(partial(self._before_module, id(sub))))
+        self._owners_of = [[tuple(o) for o in per_bucket] for per_bucket in owners]
+
+    # ------------------------------------------------------------------ backward
+    def _launch(self, b: int) -> None:
+        self._scatters[b] = self.link.reduce_scatter(self._shards[b], self.plan.buckets[b].buffer, f"bucket{b}")
+
+    def _complete_reduction(self) -> None:
+        for b, work in enumerate(self._scatters):
+            assert work is not None
+            work.wait()
+            self._scatters[b] = None
+        if self._learning:
+            self._learn_early_buckets()
+
+    def _learn_early_buckets(self) -> None:
+        """A parameter that got a gradient although none of its modules ran is read directly (e.g. a
+        parameter of the LightningModule itself); its bucket is applied before `training_step`."""
+        for b, bucket in enumerate(self.plan.buckets):
+            for slot in range(len(bucket.params)):
+                ran = any(owner in self._modules_run for owner in self._owners_of[b][slot])
+                if self._filled[b][slot] and not ran:
+                    self._early[b] = True
+        self._learning = False
+        self._modules_run.clear()
+
+    # ------------------------------------------------------------------ clipping
+    def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int]]]:
+        """Per bucket, the (start, length) ranges of this rank's shard that belong to `optimizer`'s parameters."""
+        key = SubsetStepper.key(optimizer)
+        if key not in self._norm_segments:
+            members = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            rank = self.link.rank
+            per_bucket = []
+            for bucket in self.plan.buckets:
+                lo, hi = rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel
+                ranges = []
+                for p, start in zip(bucket.params, bucket.offsets()):
+                    a, z = max(start, lo), min(start + p.numel(), hi)
+                    if id(p) in members and a < z:
+                        ranges.append((a - lo, z - a))
+                per_bucket.append(ranges)
+            self._norm_segments[key] = per_bucket
+        return self._norm_segments[key]
+
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
+        squares = torch.zeros(1, dtype=torch.float32, device=self._shards[0].device)
+        for shard, ranges in zip(self._shards, self._segments(optimizer)):
+            for start, length in ranges:
+                squares += torch.linalg.vector_norm(shard.narrow(0, start, length), dtype=torch.float32).square()
+        self.link.all_reduce(squares, "clip-norm").wait()
+        total_norm = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for shard in self._shards:
+            shard.mul_(coefficient.to(shard.dtype))
+
+    def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:
+        for shard in self._shards:
+            shard.clamp_(min=-clip_value, max=clip_value)
+
+    # ------------------------------------------------------------------- update
+    def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
+        """Let Lightning run closure, hooks and clipping, but defer the actual update to the next forward."""
+        real_step = optimizer.step
+        had_instance_step = "step" in optimizer.__dict__
+
+        def deferred_step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            loss = closure() if closure is not None else None
+            self._defer(optimizer, real_step)
+            return loss
+
+        optimizer.step = deferred_step  # type: ignore[method-assign]
+        try:
+            return run_step()
+        finally:
+            if had_instance_step:
+                optimizer.step = real_step  # type: ignore[method-assign]
+            else:
+                del optimizer.step
+
+    def _defer(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
+        self.flush()
+        if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
+            self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
+        gathers: list[Optional[Pending]] = [None] * len(self.plan.buckets)
+        for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
+            gathers[b] = self.link.all_gather(self.plan.buckets[b].buffer, self._shards[b], f"bucket{b}")
+        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), gathers)
+        # The update is real, only later: keep torch's scheduler from warning that it stepped first.
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _apply(self, b: int) -> None:
+        pending = self._pending
+        if pending is None or pending.gathers[b] is None:
+            return
+        work = pending.gathers[b]
+        work.wait()
+        pending.gathers[b] = None
+        bucket = self.plan.buckets[b]
+        for param, view, used in zip(bucket.params, bucket.views, self.globally_used[b]):
+            param.grad = view if used else None
+        try:
+            pending.stepper.step_bucket(b, pending.hyper, pending.step)
+        finally:
+            for param in bucket.params:
+                param.grad = None
+        pending.left -= 1
+        if pending.left == 0:
+            self._pending = None
+
+    def _before_module(self, module_id: int, module: nn.Module, args: Any) -> None:
+        if self._pending is not None:
+            for b in self._owner_buckets[module_id]:
+                self._apply(b)
+        elif self._recording:
+            self._modules_run.add(module_id)
+
+    def before_forward(self) -> None:
+        self._stale[:] = [False] * len(self._stale)
+        self._recording = self._learning
+        if self._pending is not None:
+            for b in reversed(range(len(self.plan.buckets))):
+                if self._early[b]:
+                    self._apply(b)
+
+    def after_forward(self) -> None:
+        """Buckets whose modules did not run this forward are applied now and watched: a gradient
+        for one of their parameters would mean it was read while stale."""
+        self._recording = False
+        if self._pending is not None:
+            for b in reversed(range(len(self.plan.buckets))):
+                if self._pending is not None and self._pending.gathers[b] is not None:
+                    self._stale[b] = True
+                    self._apply(b)
+
+    def flush(self) -> None:
+        for b in reversed(range(len(self.plan.buckets))):
+            self._apply(b)

@@ -1,0 +1,57 @@
+"""Run the user's optimizer on a subset of its parameters, with hyper-parameters of an earlier moment.
+
+DeAR applies the update of step t bucket by bucket during the forward of step t+1. By then
+Lightning has already stepped the LR scheduler, so the update must use the hyper-parameters as
+they were when step t was taken. torch optimizers are element-wise per parameter (state keyed by
+parameter, parameters without `.grad` skipped), so stepping bucket by bucket with the snapshot
+gives exactly the update a single `optimizer.step()` at step t would have made.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+HyperParams = list[dict[str, Any]]
+
+
+def snapshot_hyperparams(optimizer: Optimizer) -> HyperParams:
+    """Everything in each param group except the parameter list; tensors cloned (schedulers may mutate them)."""
+    return [
+        {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
+
+
+class SubsetStepper:
+    """Steps `optimizer` on one bucket's parameters; the per-group subsets are computed once per bucket."""
+
+    def __init__(self, optimizer: Optimizer, buckets: list[list[nn.Parameter]]) -> None:
+        self.optimizer = optimizer
+        self.key_at_build = self.key(optimizer)
+        group_members = [{id(p) for p in g["params"]} for g in optimizer.param_groups]
+        self._subsets: list[list[list[nn.Parameter]]] = [
+            [[p for p in params if id(p) in members] for members in group_members] for params in buckets
+        ]
+
+    @staticmethod
+    def key(optimizer: Optimizer) -> tuple[int, ...]:
+        """Changes when the optimizer's parameter lists change (e.g. `add_param_group`): subsets are then stale."""
+        return (id(optimizer), *(len(g["params"]) for g in optimizer.param_groups))
+
+    def step_bucket(self, bucket: int, hyper: HyperParams, step: Callable[[], Any]) -> None:
+        """Call `step` (the optimizer's own, unwrapped by us) with only `bucket`'s parameters visible."""
+        groups = self.optimizer.param_groups
+        saved = [(g["params"], {k: g[k] for k in hp}) for g, hp in zip(groups, hyper)]
+        try:
+            for g, subset, hp in zip(groups, self._subsets[bucket], hyper):
+                g["params"] = subset
+                g.update(hp)
+            step()
+        finally:
+            for g, (params, current) in zip(groups, saved):
+                g["params"] = params
+                g.update(current)

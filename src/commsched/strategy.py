@@ -1,0 +1,298 @@
+"""The Lightning strategies: lifecycle, flush points and checkpoint glue around a `Schedule`.
+
+`CommSchedStrategy` subclasses Lightning's `DDPStrategy` for everything DDP already does right
+(launcher, ranks, process group, distributed sampler, `sync_dist` logging) but never builds a
+`DistributedDataParallel`: `self.model` stays the LightningModule and the schedule installs its
+own hooks. The strategy knows *when* things happen in Lightning's loop; the schedule knows *what*
+to communicate. Module buffers (BatchNorm statistics) are broadcast from rank 0 at exactly the
+forwards where DDP broadcasts them, so runs match `ddp` bit for bit in intent.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import partial
+from typing import Any, Callable, ClassVar, Generator, Optional, Union
+
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from commsched import options
+from commsched.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
+from commsched.errors import CommSchedConfigError
+from commsched.fusion import plan_fixed, plan_layers
+from commsched.links import CollectiveRecord, Link
+from commsched.schedules import DeARSchedule, Schedule, WFBPSchedule
+
+_CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+class CommSchedStrategy(DDPStrategy):
+    """Data-parallel training with a communication schedule chosen by the subclass."""
+
+    schedule_class: ClassVar[type[Schedule]]
+
+    def __init__(
+        self,
+        bucket_cap_mb: float = 25.0,
+        fusion: str = "fixed",
+        bucket_layers: int = 1,
+        broadcast_buffers: bool = True,
+        trace_collectives: bool = False,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: Optional[str] = None,
+        start_method: str = "popen",
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        """
+        Args:
+            bucket_cap_mb: size limit of one bucket for ``fusion="fixed"`` (MB of gradient, any dtype).
+            fusion: ``"fixed"`` (buckets up to ``bucket_cap_mb``) or ``"layers"`` (``bucket_layers`` layers each).
+            bucket_layers: layers per bucket for ``fusion="layers"``; a layer is a module owning parameters.
+            broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
+            trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
+            timeout: process-group timeout; a dead or hung peer ends the run with an error after it.
+        """
+        self._bucket_cap_mb = options.positive_number("bucket_cap_mb", bucket_cap_mb)
+        self._fusion = options.fusion_policy(fusion)
+        self._bucket_layers = options.positive_int("bucket_layers", bucket_layers)
+        self._broadcast_buffers = options.flag("broadcast_buffers", broadcast_buffers)
+        self._trace_collectives = options.flag("trace_collectives", trace_collectives)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=options.timeout(timeout),
+            start_method=options.choice("start_method", start_method, options.START_METHODS),  # type: ignore[arg-type]
+        )
+        self._schedule: Optional[Schedule] = None
+        self._link: Optional[Link] = None
+        self._buffers_need_sync = True
+        self._failed = False
+
+    # ------------------------------------------------------------------ public
+    @property
+    def schedule(self) -> Optional[Schedule]:
+        return self._schedule
+
+    @property
+    def bucket_plan(self) -> Optional[BucketPlan]:
+        return self._schedule.plan if self._schedule is not None else None
+
+    @property
+    def collective_trace(self) -> list[CollectiveRecord]:
+        """Collectives issued by this rank during the last fit (needs ``trace_collectives=True``)."""
+        return list(self._link.trace or []) if self._link is not None else []
+
+    # ---------------------------------------------------------- before launch
+    def _configure_launcher(self) -> None:
+        # Runs in the Trainer constructor, before any worker process exists: refuse here what we can.
+        if self._layer_sync is not None and isinstance(self.accelerator, CPUAccelerator):
+            raise CommSchedConfigError(
+                "commsched: Trainer(sync_batchnorm=True) is not supported on CPU (SyncBatchNorm needs GPUs). "
+                "Use sync_batchnorm=False; BatchNorm buffers are then broadcast from rank 0 as under DDP."
+            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not self.schedule_class.grads_complete_after_closure:
+            raise CommSchedConfigError(
+                f"commsched: precision with a GradScaler (fp16 '16-mixed') is not supported by "
+                f"strategy='{self.schedule_class.name}': gradients are sharded when the scaler would unscale "
+                "them. Use precision='bf16-mixed' or strategy='wfbp'."
+            )
+        super()._configure_launcher()
+
+    # ------------------------------------------------------------------ setup
+    def configure_ddp(self) -> None:
+        """Build buckets and install hooks instead of wrapping the model in DistributedDataParallel."""
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise CommSchedConfigError(
+                f"commsched: strategy='{self.schedule_class.name}' supports automatic optimization only "
+                "(LightningModule.automatic_optimization=True); manual optimization (several optimizers, "
+                "GANs) is not supported yet. Use strategy='ddp' for this module."
+            )
+        self._link = Link(trace=self._trace_collectives)
+        self._link.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
+        plan = build_plan(module, self.world_size, self._planner())
+        verify_same_on_all_ranks(plan, self._link)
+        self._schedule = self.schedule_class(plan, self._link)
+        self._schedule.attach(module)
+        self._buffers_need_sync = True
+        self._failed = False
+
+    def _planner(self) -> Callable[..., list[list[int]]]:
+        if self._fusion == "layers":
+            return partial(plan_layers, layers_per_bucket=self._bucket_layers)
+        return partial(plan_fixed, cap_bytes=int(self._bucket_cap_mb * 2**20))
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_optimizers()
+            # Lightning clips through the precision plugin; route it to the schedule, which knows where
+            # the averaged gradients are (whole in `.grad` for wfbp, sharded for dear).
+            self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]
+
+    def _check_optimizers(self) -> None:
+        if len(self.optimizers) != 1:
+            raise CommSchedConfigError(
+                f"commsched: strategy='{self.schedule_class.name}' supports exactly one optimizer; "
+                f"configure_optimizers returned {len(self.optimizers)}."
+            )
+        optimizer = self.optimizers[0]
+        if isinstance(optimizer, _CLOSURE_OPTIMIZERS):
+            raise CommSchedConfigError(
+                f"commsched: optimizer {type(optimizer).__name__} re-evaluates the closure inside step() and "
+                f"cannot be used with strategy='{self.schedule_class.name}'; allowed: torch.optim optimizers "
+                "that step once per closure (SGD, Adam, AdamW, RMSprop, Adagrad, ...)."
+            )
+
+    # --------------------------------------------------------------- training
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batches: gradients stay local, nothing is communicated."""
+        if self._schedule is None:
+            yield None
+            return
+        self._schedule.sync_enabled = False
+        try:
+            yield None
+        finally:
+            self._schedule.sync_enabled = True
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._schedule is None:
+            return super().training_step(*args, **kwargs)
+        self._sync_buffers_before_forward()
+        self._schedule.before_forward()
+        output = super().training_step(*args, **kwargs)
+        self._schedule.after_forward()
+        self._note_forward_done()
+        return output
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_forward(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_forward(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_forward(super().predict_step, *args, **kwargs)
+
+    def _evaluation_forward(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers_before_forward()
+        output = step(*args, **kwargs)
+        self._note_forward_done()
+        return output
+
+    def _sync_buffers_before_forward(self) -> None:
+        # DDP broadcasts buffers before a forward iff the previous forward ran with grad and sync.
+        if self._schedule is not None and self._broadcast_buffers and self._buffers_need_sync:
+            buffers = list(self.lightning_module.buffers())
+            if buffers:
+                assert self._link is not None
+                self._link.broadcast_tensors(buffers, src=0, tag="buffers")
+
+    def _note_forward_done(self) -> None:
+        if self._schedule is not None:
+            self._buffers_need_sync = torch.is_grad_enabled() and self._schedule.sync_enabled
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        schedule = self._schedule
+        if schedule is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_reduce() -> Any:
+            output = closure()
+            schedule.finish_backward()
+            return output
+
+        # Strategy.optimizer_step, not DDPStrategy's: DDP's only adds post-localSGD model averaging.
+        run = partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs)
+        return schedule.optimizer_step(optimizer, run)
+
+    def _clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0 or self._schedule is None:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self._schedule.clip_grad_value(optimizer, float(clip_val))
+        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self._schedule.clip_grad_norm(optimizer, float(clip_val))
+
+    # ------------------------------------------------------------ flush points
+    def _flush(self) -> None:
+        if self._schedule is not None and not self._failed:
+            self._schedule.flush()
+
+    def on_validation_start(self) -> None:
+        self._flush()
+
+    def on_test_start(self) -> None:
+        self._flush()
+
+    def on_predict_start(self) -> None:
+        self._flush()
+
+    def on_train_end(self) -> None:
+        self._flush()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._flush()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+        self._flush()
+        return super().optimizer_state(optimizer)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self._schedule is not None:
+            self._flush()
+            self._schedule.detach()
+            self._schedule = None
+        self.precision_plugin.__dict__.pop("clip_gradients", None)
+        super().teardown()
+
+
+class WFBPStrategy(CommSchedStrategy):
+    """Bucketed all-reduce launched during backward as buckets fill (DDP's schedule, in the open)."""
+
+    schedule_class = WFBPSchedule
+
+
+class DeARStrategy(CommSchedStrategy):
+    """DeAR: reduce-scatter during backward, all-gather overlapped with the next forward."""
+
+    schedule_class = DeARSchedule

@@ -1,0 +1,105 @@
+"""Run named training cases one after another in one set of worker processes; save what each ended with.
+
+Usage: python run_cases.py OUT_DIR WORLD_SIZE CASE [CASE ...]
+
+Lightning's subprocess launcher re-runs this script for ranks 1..N-1; later Trainers in the same
+processes reuse the process group, so one invocation covers many cases. Each rank writes
+OUT_DIR/<case>.rank<r>.pt with the final state dict, the collective trace and the losses.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import commsched  # noqa: F401  (registers "dear" and "wfbp")
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy import ToyNet  # noqa: E402
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*Checkpoint directory.*exists.*")
+
+STEPS_PER_EPOCH = 12
+ACCUMULATE = 2
+BATCH = 4
+
+
+def make_strategy(kind: str):
+    if kind == "ddp":
+        return DDPStrategy(find_unused_parameters=True)
+    cls = commsched.DeARStrategy if kind == "dear" else commsched.WFBPStrategy
+    # 600-byte buckets: several buckets, sizes that no world size divides
+    return cls(bucket_cap_mb=600 / 2**20, trace_collectives=True)
+
+
+def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epochs: int = 1,
+        clip: str = "norm", precision: str = "32-true", resume_from: str | None = None, **strategy_overrides) -> None:
+    pl.seed_everything(1234, verbose=False)
+    model = ToyNet(optimizer=optimizer, batch_size=BATCH, train_size=STEPS_PER_EPOCH * ACCUMULATE * BATCH * world)
+    strategy = make_strategy(kind)
+    for key, value in strategy_overrides.items():
+        setattr(strategy, f"_{key}", value)
+    ckpt = ModelCheckpoint(dirpath=out / f"{name}-ckpt", save_last=True, save_top_k=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, precision=precision,
+        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5, gradient_clip_algorithm=clip,
+        limit_val_batches=2, val_check_interval=0.5, num_sanity_val_steps=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
+        default_root_dir=out,
+    )
+    ckpt_path = str(out / f"{resume_from}-ckpt" / "last.ckpt") if resume_from else None
+    trainer.fit(model, ckpt_path=ckpt_path)
+    trace = [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])]
+    result = {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "trace": trace,
+        "global_step": trainer.global_step,
+    }
+    if name.endswith("-eval"):
+        result["test"] = trainer.test(model, verbose=False)
+        result["predict"] = torch.cat(trainer.predict(model))
+    torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
+
+
+CASES = {
+    # name: (kind, kwargs)
+    **{f"{kind}-{opt}": (kind, {"optimizer": opt}) for kind in ("ddp", "wfbp", "dear") for opt in ("sgd", "adamw")},
+    "ddp-value": ("ddp", {"clip": "value"}),
+    "dear-value": ("dear", {"clip": "value"}),
+    "wfbp-value": ("wfbp", {"clip": "value"}),
+    "ddp-bf16": ("ddp", {"precision": "bf16-mixed"}),
+    "dear-bf16": ("dear", {"precision": "bf16-mixed"}),
+    "dear-layers": ("dear", {"fusion": "layers", "bucket_layers": 2}),
+    "dear-onebucket": ("dear", {"bucket_cap_mb": 25.0}),
+    "ddp-2ep": ("ddp", {"epochs": 2}),
+    "dear-2ep": ("dear", {"epochs": 2}),
+    "wfbp-2ep": ("wfbp", {"epochs": 2}),
+    "dear-1ep": ("dear", {"epochs": 1}),
+    "ddp-1ep": ("ddp", {"epochs": 1}),
+    "dear-resume": ("dear", {"epochs": 2, "resume_from": "dear-1ep"}),
+    "ddp-from-dear": ("ddp", {"epochs": 2, "resume_from": "dear-1ep"}),
+    "dear-from-ddp": ("dear", {"epochs": 2, "resume_from": "ddp-1ep"}),
+    "wfbp-from-ddp": ("wfbp", {"epochs": 2, "resume_from": "ddp-1ep"}),
+    "dear-eval": ("dear", {}),
+    "ddp-eval": ("ddp", {}),
+}
+
+
+def main() -> None:
+    out, world, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        kind, kwargs = CASES[name]
+        fit(out, name, world, kind, **kwargs)
+
+
+if __name__ == "__main__":
+    main()
