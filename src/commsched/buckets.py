@@ -58,11 +58,6 @@ class BucketPlan:
             lines.append(f"{b.index}|{b.buffer.dtype}|{b.buffer.device.type}|{b.buffer.numel()}|{shapes}")
         return "\n".join(lines)
 
-    def digest(self) -> int:
-        """A signed 64-bit hash of the signature (fits an int64 tensor for the all-gather)."""
-        raw = hashlib.sha256(self.signature().encode()).digest()[:8]
-        return int.from_bytes(raw, "little", signed=True)
-
     def describe(self) -> str:
         return ", ".join(f"b{b.index}:{len(b.params)}p/{b.numel * b.buffer.element_size() / 2**20:.2f}MB" for b in self.buckets)
 
@@ -121,12 +116,23 @@ def build_plan(
     return BucketPlan(buckets, world_size)
 
 
-def verify_same_on_all_ranks(plan: BucketPlan, link: Link) -> None:
-    """All-gather plan hashes; every rank raises the same error if any rank's plan differs."""
-    digests = link.all_gather_int(plan.digest(), "bucket-plan-hash")
+def module_layout(module: nn.Module) -> str:
+    """Names, shapes and dtypes of every parameter and buffer: what rank 0's broadcast overwrites."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return "\n".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in tensors)
+
+
+def verify_same_on_all_ranks(plan: BucketPlan, module: nn.Module, link: Link) -> None:
+    """All-gather one hash of plan and module layout; every rank raises the same error if any differs.
+
+    Runs before anything is broadcast or reduced: mismatched messages would corrupt or hang.
+    """
+    text = plan.signature() + "\n" + module_layout(module)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    digests = link.all_gather_int(digest, "model-layout-hash")
     if len(set(digests)) != 1:
         raise CommSchedConfigError(
-            "commsched: the bucket plan differs between ranks (hash per rank: "
-            f"{digests}). Every rank must build the same model: the same trainable parameters with the "
-            "same names, shapes, dtypes and registration order. This rank's plan:\n" + plan.signature()
+            "commsched: the model or its bucket plan differs between ranks (hash per rank: "
+            f"{digests}). Every rank must build the same model: the same parameters and buffers with the "
+            "same names, shapes, dtypes and registration order. This rank's plan:\n" + plan.describe()
         )

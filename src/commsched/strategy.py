@@ -10,6 +10,7 @@ forwards where DDP broadcasts them, so runs match `ddp` bit for bit in intent.
 
 from __future__ import annotations
 
+import signal
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -29,7 +30,7 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 from commsched import options
 from commsched.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
-from commsched.errors import CommSchedConfigError
+from commsched.errors import CommSchedConfigError, PeerFailureError
 from commsched.fusion import plan_fixed, plan_layers
 from commsched.links import CollectiveRecord, Link
 from commsched.schedules import DeARSchedule, Schedule, WFBPSchedule
@@ -130,9 +131,9 @@ class CommSchedStrategy(DDPStrategy):
                 "GANs) is not supported yet. Use strategy='ddp' for this module."
             )
         self._link = Link(trace=self._trace_collectives)
-        self._link.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         plan = build_plan(module, self.world_size, self._planner())
-        verify_same_on_all_ranks(plan, self._link)
+        verify_same_on_all_ranks(plan, module, self._link)
+        self._link.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self._schedule = self.schedule_class(plan, self._link)
         self._schedule.attach(module)
         self._buffers_need_sync = True
@@ -276,6 +277,10 @@ class CommSchedStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         super().on_exception(exception)
+        if isinstance(exception, PeerFailureError) and self.launcher is not None:
+            # Lightning leaves worker processes alone on ordinary errors; a hung peer would then
+            # outlive the run. The run is over: end the workers this process launched (none on ranks > 0).
+            self.launcher.kill(signal.SIGKILL)
 
     def teardown(self) -> None:
         if self._schedule is not None:

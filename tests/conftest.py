@@ -1,0 +1,73 @@
+"""Shared fixtures: each world size runs its training cases once, in one real multi-process job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+WORKERS = Path(__file__).parent / "workers"
+
+CASES_BY_WORLD = {
+    2: [
+        "ddp-sgd", "wfbp-sgd", "dear-sgd", "ddp-adamw", "wfbp-adamw", "dear-adamw",
+        "ddp-value", "wfbp-value", "dear-value", "ddp-bf16", "dear-bf16", "dear-layers", "dear-onebucket",
+        "ddp-eval", "dear-eval",
+    ],
+    3: [
+        "ddp-sgd", "wfbp-sgd", "dear-sgd", "ddp-adamw", "wfbp-adamw", "dear-adamw",
+        "ddp-1ep", "dear-1ep", "ddp-2ep", "wfbp-2ep", "dear-2ep",
+        "dear-resume", "ddp-from-dear", "dear-from-ddp", "wfbp-from-ddp",
+    ],
+}
+
+
+def run_worker(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(WORKERS / script), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=WORKERS,
+    )
+
+
+class CaseResults:
+    """Loads `<case>.rank<r>.pt` written by workers/run_cases.py."""
+
+    def __init__(self, directory: Path, world: int) -> None:
+        self.directory = directory
+        self.world = world
+
+    def load(self, case: str, rank: int = 0) -> dict:
+        return torch.load(self.directory / f"{case}.rank{rank}.pt", weights_only=False)
+
+    def all_ranks(self, case: str) -> list[dict]:
+        return [self.load(case, r) for r in range(self.world)]
+
+
+@pytest.fixture(scope="session")
+def cases(tmp_path_factory) -> Callable[[int], CaseResults]:
+    done: dict[int, CaseResults] = {}
+
+    def get(world: int) -> CaseResults:
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"cases-ws{world}")
+            proc = run_worker("run_cases.py", str(out), str(world), *CASES_BY_WORLD[world])
+            if proc.returncode != 0:
+                pytest.fail(f"training cases at world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            done[world] = CaseResults(out, world)
+        return done[world]
+
+    return get
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest element-wise difference over every entry of two state dicts (parameters and buffers)."""
+    assert a.keys() == b.keys()
+    worst = (0.0, "")
+    for key in a:
+        diff = (a[key].double() - b[key].double()).abs().max().item() if a[key].numel() else 0.0
+        worst = max(worst, (diff, key))
+    return worst

@@ -1,0 +1,69 @@
+"""Bucket planning: deterministic, dtype-pure, padded, frozen parameters excluded, tied ones once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from commsched.buckets import build_plan, trainable_in_ready_order
+from commsched.fusion import ParamInfo, plan_fixed, plan_layers
+
+
+def _info(numel: int, layer: int, dtype=torch.float32) -> ParamInfo:
+    return ParamInfo(f"p{layer}", numel, torch.empty(0, dtype=dtype).element_size(), dtype, torch.device("cpu"), layer)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 5)
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+        self.half = nn.Linear(5, 3).to(torch.float64)
+        self.out = nn.Linear(5, 7)
+        self.out.weight = self.embed.weight
+
+
+def test_fixed_closes_bucket_before_exceeding_cap():
+    params = [_info(n, i) for i, n in enumerate([10, 10, 10, 30, 5])]
+    assert plan_fixed(params, cap_bytes=80) == [[0, 1], [2], [3], [4]]
+
+
+def test_fixed_never_mixes_dtypes():
+    params = [_info(4, 0), _info(4, 1, torch.float64), _info(4, 2)]
+    assert plan_fixed(params, cap_bytes=10**9) == [[0], [1], [2]]
+
+
+def test_layers_groups_n_consecutive_layers():
+    params = [_info(3, layer) for layer in (0, 0, 1, 2, 2, 3, 4)]
+    assert plan_layers(params, layers_per_bucket=2) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_ready_order_excludes_frozen_and_lists_tied_once():
+    names, params, _ = trainable_in_ready_order(Tied())
+    assert "frozen.weight" not in names and "frozen.bias" not in names
+    assert names.count("embed.weight") == 1 and "out.weight" not in names
+    assert names[0] == "out.bias"  # reverse registration order: last layer's gradient is ready first
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_buffers_padded_to_world_size_with_zero_padding_and_views_in_place(world):
+    model = Tied()
+    plan = build_plan(model, world, lambda infos: plan_fixed(infos, cap_bytes=64))
+    for bucket in plan.buckets:
+        assert bucket.buffer.numel() % world == 0
+        assert bucket.shard_numel * world == bucket.buffer.numel()
+        assert torch.count_nonzero(bucket.buffer) == 0
+        assert len({p.dtype for p in bucket.params}) == 1
+        for param, view, start in zip(bucket.params, bucket.views, bucket.offsets()):
+            assert view.shape == param.shape
+            assert view.data_ptr() == bucket.buffer.data_ptr() + start * bucket.buffer.element_size()
+
+
+def test_plan_signature_is_deterministic():
+    a = build_plan(Tied(), 2, lambda i: plan_fixed(i, 100))
+    b = build_plan(Tied(), 2, lambda i: plan_fixed(i, 100))
+    assert a.signature() == b.signature()
+    c = build_plan(Tied(), 3, lambda i: plan_fixed(i, 100))
+    assert a.signature() != c.signature()
