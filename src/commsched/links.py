@@ -9,7 +9,8 @@ sequence of collectives a rank issued, which tests compare across ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,13 +33,18 @@ class CollectiveRecord:
 
 
 class Pending:
-    """An in-flight collective; `wait()` re-raises failures as `PeerFailureError` with context."""
+    """An in-flight collective; `wait()` re-raises failures as `PeerFailureError` with context.
 
-    __slots__ = ("_work", "_what")
+    `then` runs once, right after the collective completed (e.g. the local sum that turns an
+    all-to-all into a reduce-scatter).
+    """
 
-    def __init__(self, work: dist.Work, what: str) -> None:
+    __slots__ = ("_work", "_what", "_then")
+
+    def __init__(self, work: dist.Work, what: str, then: Optional[Callable[[], object]] = None) -> None:
         self._work = work
         self._what = what
+        self._then = then
 
     def wait(self) -> None:
         try:
@@ -48,14 +54,18 @@ class Pending:
                 f"commsched: {self._what} failed. A peer process probably died, hung past the "
                 f"process-group timeout, or the network link broke. Original error: {exc}"
             ) from exc
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
 
 
 class Link:
     """Issues asynchronous collectives on one process group (None = the default group)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, trace: bool = False) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, trace: Optional[list[CollectiveRecord]] = None) -> None:
+        """`trace`: a list to append a record of every collective to (links may share one)."""
         self.group = group
-        self.trace: Optional[list[CollectiveRecord]] = [] if trace else None
+        self.trace = trace
 
     @property
     def world_size(self) -> int:
@@ -74,9 +84,23 @@ class Link:
         what = self._record("all_reduce", tag, tensor)
         return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what)
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str) -> Pending:
+    @property
+    def native_reduce_scatter(self) -> bool:
+        """gloo's reduce-scatter costs a whole all-reduce (measured: 12 MB at 1 Gbit, 208 ms vs 203 ms
+        all-reduce vs 102 ms all-gather); an all-to-all plus a local sum moves half the bytes."""
+        return dist.get_backend(self.group) != "gloo"
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str, scratch: torch.Tensor) -> Pending:
+        """Sum `full` over ranks and leave this rank's slice in `shard`.
+
+        `scratch` (same size as `full`) receives the other ranks' slices when the backend has no
+        efficient reduce-scatter; callers allocate it once.
+        """
         what = self._record("reduce_scatter", tag, full)
-        return Pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what)
+        if self.native_reduce_scatter:
+            return Pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what)
+        work = dist.all_to_all_single(scratch, full, group=self.group, async_op=True)
+        return Pending(work, what, then=partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> Pending:
         what = self._record("all_gather", tag, full)

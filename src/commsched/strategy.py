@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any, Callable, ClassVar, Generator, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -84,7 +85,9 @@ class CommSchedStrategy(DDPStrategy):
             start_method=options.choice("start_method", start_method, options.START_METHODS),  # type: ignore[arg-type]
         )
         self._schedule: Optional[Schedule] = None
-        self._link: Optional[Link] = None
+        self._link: Optional[Link] = None  # the schedule's own process group
+        self._control = Link(None)  # the default group: setup checks, buffer broadcasts
+        self._trace: Optional[list[CollectiveRecord]] = None
         self._buffers_need_sync = True
         self._failed = False
 
@@ -100,7 +103,7 @@ class CommSchedStrategy(DDPStrategy):
     @property
     def collective_trace(self) -> list[CollectiveRecord]:
         """Collectives issued by this rank during the last fit (needs ``trace_collectives=True``)."""
-        return list(self._link.trace or []) if self._link is not None else []
+        return list(self._trace or [])
 
     # ---------------------------------------------------------- before launch
     def _configure_launcher(self) -> None:
@@ -130,10 +133,17 @@ class CommSchedStrategy(DDPStrategy):
                 "(LightningModule.automatic_optimization=True); manual optimization (several optimizers, "
                 "GANs) is not supported yet. Use strategy='ddp' for this module."
             )
-        self._link = Link(trace=self._trace_collectives)
+        # A process group of our own: Lightning issues blocking collectives on the default group every
+        # step (e.g. its SIGTERM broadcast), which would otherwise queue behind DeAR's all-gathers
+        # and serialise them with the next forward.
+        self._trace = [] if self._trace_collectives else None
+        self._link = Link(dist.new_group(timeout=self._timeout), trace=self._trace)
+        # Setup checks and DDP-style buffer broadcasts stay on the default group, so they never
+        # queue behind the schedule's in-flight collectives either.
+        self._control = Link(None, trace=self._trace)
         plan = build_plan(module, self.world_size, self._planner())
-        verify_same_on_all_ranks(plan, module, self._link)
-        self._link.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
+        verify_same_on_all_ranks(plan, module, self._control)
+        self._control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self._schedule = self.schedule_class(plan, self._link)
         self._schedule.attach(module)
         self._buffers_need_sync = True
@@ -209,8 +219,7 @@ class CommSchedStrategy(DDPStrategy):
         if self._schedule is not None and self._broadcast_buffers and self._buffers_need_sync:
             buffers = list(self.lightning_module.buffers())
             if buffers:
-                assert self._link is not None
-                self._link.broadcast_tensors(buffers, src=0, tag="buffers")
+                self._control.broadcast_tensors(buffers, src=0, tag="buffers")
 
     def _note_forward_done(self) -> None:
         if self._schedule is not None:
@@ -287,6 +296,9 @@ class CommSchedStrategy(DDPStrategy):
             self._flush()
             self._schedule.detach()
             self._schedule = None
+        if self._link is not None and self._link.group is not None and not self._failed:
+            dist.destroy_process_group(self._link.group)
+            self._link.group = None
         self.precision_plugin.__dict__.pop("clip_gradients", None)
         super().teardown()
 

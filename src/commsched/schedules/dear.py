@@ -44,6 +44,7 @@ class DeARSchedule(Schedule):
     def __init__(self, plan: BucketPlan, link: Link) -> None:
         super().__init__(plan, link)
         self._shards = [torch.zeros(b.shard_numel, dtype=b.buffer.dtype, device=b.buffer.device) for b in plan.buckets]
+        self._scratch = [torch.empty_like(b.buffer) if not link.native_reduce_scatter else b.buffer for b in plan.buckets]
         self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
         self._pending: Optional[_PendingUpdate] = None
         self._stepper: Optional[SubsetStepper] = None
@@ -79,7 +80,9 @@ class DeARSchedule(Schedule):
 
     # ------------------------------------------------------------------ backward
     def _launch(self, b: int) -> None:
-        self._scatters[b] = self.link.reduce_scatter(self._shards[b], self.plan.buckets[b].buffer, f"bucket{b}")
+        self._scatters[b] = self.link.reduce_scatter(
+            self._shards[b], self.plan.buckets[b].buffer, f"bucket{b}", scratch=self._scratch[b]
+        )
 
     def _complete_reduction(self) -> None:
         for b, work in enumerate(self._scatters):

@@ -1,0 +1,34 @@
+# Quick start: `make demo` (install + a real 2-process training run) and `make test` (install + tests).
+#
+# The install creates .venv and puts torch in it first. TORCH_SPEC defaults to the CPU build
+# torch==2.13.0 where a local wheel of it is offered to pip (as on our CPU machines); if .venv
+# already has a torch (e.g. a CUDA build you installed), it is left alone. To choose another,
+# install it into .venv before `make`, or pass pip arguments: make demo TORCH_SPEC="torch==2.9.1"
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.commsched-installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m commsched.demo
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) recipes/bench_schedules.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
