@@ -58,9 +58,10 @@ def test_parameters_identical_on_every_rank(cases, world, schedule):
                 assert torch.equal(tensor, ranks[0]["state"][name]), f"rank {rank} {name}"
 
 
-def test_evaluation_after_fit_equals_ddp(cases):
+def test_validate_test_predict_equal_ddp(cases):
     results = cases(2)
     dear, ddp = results.load("dear-eval"), results.load("ddp-eval")
+    assert dear["validate_before_fit"][0]["val_loss"] == pytest.approx(ddp["validate_before_fit"][0]["val_loss"], abs=1e-6)
     assert dear["test"][0]["test_loss"] == pytest.approx(ddp["test"][0]["test_loss"], abs=1e-5)
     assert torch.allclose(dear["predict"], ddp["predict"], atol=1e-5)
 

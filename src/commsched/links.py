@@ -90,7 +90,9 @@ class Link:
         all-reduce vs 102 ms all-gather); an all-to-all plus a local sum moves half the bytes."""
         return dist.get_backend(self.group) != "gloo"
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str, scratch: torch.Tensor) -> Pending:
+    def reduce_scatter(
+        self, shard: torch.Tensor, full: torch.Tensor, tag: str, scratch: Optional[torch.Tensor] = None
+    ) -> Pending:
         """Sum `full` over ranks and leave this rank's slice in `shard`.
 
         `scratch` (same size as `full`) receives the other ranks' slices when the backend has no
@@ -99,6 +101,8 @@ class Link:
         what = self._record("reduce_scatter", tag, full)
         if self.native_reduce_scatter:
             return Pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what)
+        if scratch is None:
+            raise ValueError("commsched: reduce_scatter over gloo needs a scratch tensor the size of `full`")
         work = dist.all_to_all_single(scratch, full, group=self.group, async_op=True)
         return Pending(work, what, then=partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard))
 

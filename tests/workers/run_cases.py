@@ -56,6 +56,7 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
         default_root_dir=out,
     )
     ckpt_path = str(out / f"{resume_from}-ckpt" / "last.ckpt") if resume_from else None
+    validate_before = trainer.validate(model, verbose=False) if name.endswith("-eval") else None
     trainer.fit(model, ckpt_path=ckpt_path)
     trace = [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])]
     result = {
@@ -64,6 +65,7 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
         "global_step": trainer.global_step,
     }
     if name.endswith("-eval"):
+        result["validate_before_fit"] = validate_before
         result["test"] = trainer.test(model, verbose=False)
         result["predict"] = torch.cat(trainer.predict(model))
     torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")

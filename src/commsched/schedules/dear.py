@@ -44,7 +44,9 @@ class DeARSchedule(Schedule):
     def __init__(self, plan: BucketPlan, link: Link) -> None:
         super().__init__(plan, link)
         self._shards = [torch.zeros(b.shard_numel, dtype=b.buffer.dtype, device=b.buffer.device) for b in plan.buckets]
-        self._scratch = [torch.empty_like(b.buffer) if not link.native_reduce_scatter else b.buffer for b in plan.buckets]
+        # gloo: the other ranks' slices land here before the local sum (one extra gradient copy)
+        native = link.native_reduce_scatter
+        self._scratch = [None if native else torch.empty_like(b.buffer) for b in plan.buckets]
         self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
         self._pending: Optional[_PendingUpdate] = None
         self._stepper: Optional[SubsetStepper] = None
