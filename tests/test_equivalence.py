@@ -83,3 +83,15 @@ def test_checkpoint_resume(cases, case, reference):
     assert result["global_step"] == expected["global_step"] == 24
     diff, key = max_abs_diff(result["state"], expected["state"])
     assert diff <= TOLERANCE, f"{case}: {key} differs from {reference} by {diff:.3g}"
+
+
+def test_unfreezing_mid_run_rebuilds_buckets_on_every_rank(cases):
+    """The frozen layer becomes trainable at step 6: it must be averaged like every other parameter
+    from then on (identical on all ranks), and dear must still equal wfbp."""
+    results = cases(3)
+    dear, wfbp, never = results.all_ranks("dear-unfreeze"), results.all_ranks("wfbp-unfreeze"), results.load("ddp-sgd")
+    assert not torch.equal(dear[0]["state"]["frozen.weight"], never["state"]["frozen.weight"]), "layer never trained"
+    for rank in range(results.world):
+        assert torch.equal(dear[rank]["state"]["frozen.weight"], dear[0]["state"]["frozen.weight"])
+        diff, key = max_abs_diff(dear[rank]["state"], wfbp[rank]["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"

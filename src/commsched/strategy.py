@@ -88,6 +88,7 @@ class CommSchedStrategy(DDPStrategy):
         self._link: Optional[Link] = None  # the schedule's own process group
         self._control = Link(None)  # the default group: setup checks, buffer broadcasts
         self._trace: Optional[list[CollectiveRecord]] = None
+        self._trainable: tuple[int, ...] = ()
         self._buffers_need_sync = True
         self._failed = False
 
@@ -141,13 +142,31 @@ class CommSchedStrategy(DDPStrategy):
         # Setup checks and DDP-style buffer broadcasts stay on the default group, so they never
         # queue behind the schedule's in-flight collectives either.
         self._control = Link(None, trace=self._trace)
-        plan = build_plan(module, self.world_size, self._planner())
-        verify_same_on_all_ranks(plan, module, self._control)
+        self._build_schedule(module)
         self._control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
-        self._schedule = self.schedule_class(plan, self._link)
-        self._schedule.attach(module)
         self._buffers_need_sync = True
         self._failed = False
+
+    def _build_schedule(self, module: nn.Module) -> None:
+        assert self._link is not None
+        plan = build_plan(module, self.world_size, self._planner())
+        verify_same_on_all_ranks(plan, module, self._control)
+        self._schedule = self.schedule_class(plan, self._link)
+        self._schedule.attach(module)
+        self._trainable = _trainable_ids(module)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Rebuild the buckets when the set of trainable parameters changed (e.g. BaseFinetuning
+        unfreezing a backbone). Runs after the user's and callbacks' batch-start hooks; every rank
+        must make the same change at the same step, which the plan check verifies."""
+        module = self.lightning_module
+        if self._schedule is None or module is None or _trainable_ids(module) == self._trainable:
+            return
+        sync_enabled = self._schedule.sync_enabled
+        self._schedule.flush()
+        self._schedule.detach()
+        self._build_schedule(module)
+        self._schedule.sync_enabled = sync_enabled
 
     def _planner(self) -> Callable[..., list[list[int]]]:
         if self._fusion == "layers":
@@ -301,6 +320,10 @@ class CommSchedStrategy(DDPStrategy):
             self._link.group = None
         self.precision_plugin.__dict__.pop("clip_gradients", None)
         super().teardown()
+
+
+def _trainable_ids(module: nn.Module) -> tuple[int, ...]:
+    return tuple(id(p) for p in module.parameters() if p.requires_grad)
 
 
 class WFBPStrategy(CommSchedStrategy):

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from toy import ToyNet  # noqa: E402
+from toy import ToyNet, UnfreezingToyNet  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*Checkpoint directory.*exists.*")
@@ -41,9 +41,11 @@ def make_strategy(kind: str):
 
 
 def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epochs: int = 1,
-        clip: str = "norm", precision: str = "32-true", resume_from: str | None = None, **strategy_overrides) -> None:
+        clip: str = "norm", precision: str = "32-true", resume_from: str | None = None, unfreeze: bool = False,
+        **strategy_overrides) -> None:
     pl.seed_everything(1234, verbose=False)
-    model = ToyNet(optimizer=optimizer, batch_size=BATCH, train_size=STEPS_PER_EPOCH * ACCUMULATE * BATCH * world)
+    model_class = UnfreezingToyNet if unfreeze else ToyNet
+    model = model_class(optimizer=optimizer, batch_size=BATCH, train_size=STEPS_PER_EPOCH * ACCUMULATE * BATCH * world)
     strategy = make_strategy(kind)
     for key, value in strategy_overrides.items():
         setattr(strategy, f"_{key}", value)
@@ -91,6 +93,8 @@ CASES = {
     "dear-from-ddp": ("dear", {"epochs": 2, "resume_from": "ddp-1ep"}),
     "wfbp-from-ddp": ("wfbp", {"epochs": 2, "resume_from": "ddp-1ep"}),
     "dear-eval": ("dear", {}),
+    "dear-unfreeze": ("dear", {"unfreeze": True}),
+    "wfbp-unfreeze": ("wfbp", {"unfreeze": True}),
     "ddp-eval": ("ddp", {}),
 }
 

@@ -119,3 +119,11 @@ class ManualToyNet(ToyNet):
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
+
+
+class UnfreezingToyNet(ToyNet):
+    """Makes the frozen layer trainable at step 6 and hands it to the optimizer, as BaseFinetuning does."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == 6 and not self.frozen.weight.requires_grad:
+            self.frozen.requires_grad_(True)
