@@ -4,7 +4,7 @@ Both runs start from the same seed and see the same batches, so besides throughp
 the largest difference between the two runs' final weights: DeAR re-orders communication, it
 does not change the math.
 
-    python -m commsched.demo [--devices 2] [--steps 40] [--width 32] [--batch-size 32]
+    python -m commsched.demo [--devices 2] [--steps 40] [--width 32] [--batch-size 32] [--bucket-cap-mb 1]
 """
 
 from __future__ import annotations
@@ -19,15 +19,19 @@ from torch.utils.data import DataLoader
 
 import commsched  # noqa: F401  (registers the strategies)
 import lightning.pytorch as pl
+from commsched import DeARStrategy
+from lightning.pytorch.strategies import DDPStrategy
 from commsched.data import SyntheticImages
 from commsched.models import SmallCNN
 from commsched.timing import StepTimer
 
 
-def run(strategy: str, args: argparse.Namespace) -> tuple[float, float, dict[str, torch.Tensor], int]:
+def run(name: str, args: argparse.Namespace) -> tuple[float, float, dict[str, torch.Tensor], int]:
     pl.seed_everything(0, verbose=False)
     model = SmallCNN(width=args.width)
     timer = StepTimer(warmup=5)
+    # the same bucket size for both, small enough that the model spans several buckets
+    strategy = DDPStrategy(bucket_cap_mb=args.bucket_cap_mb) if name == "ddp" else DeARStrategy(bucket_cap_mb=args.bucket_cap_mb)
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -46,15 +50,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
 
-    results = {name: run(name, args) for name in ("ddp", "dear")}
+    results: dict[str, tuple[float, float, dict[str, torch.Tensor], int]] = {}
+    for _ in range(args.rounds):  # interleaved rounds, best median kept: a noisy moment hurts both alike
+        for name in ("ddp", "dear"):
+            result = run(name, args)
+            if name not in results or result[0] < results[name][0]:
+                results[name] = result
     if results["ddp"][3] != 0:
         return
     params = sum(p.numel() for p in SmallCNN(width=args.width).parameters())
-    table = Table(title=f"SmallCNN ({params / 1e6:.2f} M parameters), {args.devices} CPU processes, gloo")
+    table = Table(
+        title=f"SmallCNN ({params / 1e6:.2f} M parameters), {args.devices} CPU processes, gloo, "
+        f"{args.bucket_cap_mb:g} MB buckets, best of {args.rounds} rounds"
+    )
     for column in ("strategy", "median step (ms)", "samples/s", "final loss"):
         table.add_column(column, justify="right")
     for name, (step, loss, _, _) in results.items():
