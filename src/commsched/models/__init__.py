@@ -1,5 +1,13 @@
-"""Models used by the demo and benchmarks (issue 3 adds ResNet, VGG and GPT-2)."""
+"""The model zoo: readable single-file definitions, wrapped as LightningModules."""
 
-from commsched.models.small_cnn import SmallCNN
+from commsched.models.gpt2 import GPT2, GPT2Config
+from commsched.models.image_classifier import IMAGE_ARCHS, ImageClassifier, build_backbone
+from commsched.models.language_model import GPT2_SIZES, LanguageModel
+from commsched.models.resnet import ResNet
+from commsched.models.small_cnn import SmallCNN, SmallCNNBackbone
+from commsched.models.vgg import VGG
 
-__all__ = ["SmallCNN"]
+__all__ = [
+    "GPT2", "GPT2Config", "GPT2_SIZES", "IMAGE_ARCHS", "ImageClassifier", "LanguageModel",
+    "ResNet", "SmallCNN", "SmallCNNBackbone", "VGG", "build_backbone",
+]
