@@ -8,6 +8,7 @@ sequence of collectives a rank issued, which tests compare across ranks.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -39,14 +40,18 @@ class Pending:
     all-to-all into a reduce-scatter).
     """
 
-    __slots__ = ("_work", "_what", "_then")
+    __slots__ = ("_work", "_what", "_then", "_clock")
 
-    def __init__(self, work: dist.Work, what: str, then: Optional[Callable[[], object]] = None) -> None:
+    def __init__(
+        self, work: dist.Work, what: str, then: Optional[Callable[[], object]] = None, clock: Optional["WaitClock"] = None
+    ) -> None:
         self._work = work
         self._what = what
         self._then = then
+        self._clock = clock
 
     def wait(self) -> None:
+        started = time.perf_counter()
         try:
             self._work.wait()
         except Exception as exc:  # gloo/NCCL raise plain RuntimeError subclasses
@@ -57,6 +62,17 @@ class Pending:
         if self._then is not None:
             then, self._then = self._then, None
             then()
+        if self._clock is not None:
+            self._clock.seconds += time.perf_counter() - started
+
+
+class WaitClock:
+    """Seconds the training loop spent blocked on a link: communication that did not overlap compute."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
 
 
 class Link:
@@ -66,6 +82,7 @@ class Link:
         """`trace`: a list to append a record of every collective to (links may share one)."""
         self.group = group
         self.trace = trace
+        self.clock = WaitClock()
 
     @property
     def world_size(self) -> int:
@@ -82,7 +99,7 @@ class Link:
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
         what = self._record("all_reduce", tag, tensor)
-        return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what)
+        return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what, clock=self.clock)
 
     @property
     def native_reduce_scatter(self) -> bool:
@@ -100,19 +117,19 @@ class Link:
         """
         what = self._record("reduce_scatter", tag, full)
         if self.native_reduce_scatter:
-            return Pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what)
+            return Pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what, clock=self.clock)
         if scratch is None:
             raise ValueError("commsched: reduce_scatter over gloo needs a scratch tensor the size of `full`")
         work = dist.all_to_all_single(scratch, full, group=self.group, async_op=True)
-        return Pending(work, what, then=partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard))
+        return Pending(work, what, then=partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard), clock=self.clock)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> Pending:
         what = self._record("all_gather", tag, full)
-        return Pending(_all_gather_single(full, shard, group=self.group, async_op=True), what)
+        return Pending(_all_gather_single(full, shard, group=self.group, async_op=True), what, clock=self.clock)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> Pending:
         what = self._record("broadcast", tag, tensor)
-        return Pending(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what)
+        return Pending(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what, clock=self.clock)
 
     def all_gather_int(self, value: int, tag: str) -> list[int]:
         """Blocking all-gather of one int64 per rank (plan hashes, decisions)."""

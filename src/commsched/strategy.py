@@ -102,6 +102,11 @@ class CommSchedStrategy(DDPStrategy):
         return self._schedule.plan if self._schedule is not None else None
 
     @property
+    def exposed_comm_seconds(self) -> float:
+        """Total time this rank's training loop waited on communication (not hidden behind compute)."""
+        return self._control.clock.seconds + (self._link.clock.seconds if self._link is not None else 0.0)
+
+    @property
     def collective_trace(self) -> list[CollectiveRecord]:
         """Collectives issued by this rank during the last fit (needs ``trace_collectives=True``)."""
         return list(self._trace or [])

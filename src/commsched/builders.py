@@ -1,0 +1,52 @@
+"""Turn a validated run configuration into the model, data module and strategy it names."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+import commsched
+from commsched.models import ImageClassifier, LanguageModel
+from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
+
+VOCAB_SIZE = 256  # every token source here is bytes (or random bytes)
+
+
+def build_model(cfg: Any) -> pl.LightningModule:
+    m = cfg.model
+    common = dict(optimizer=m.optimizer, lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, lr_schedule=m.lr_schedule)
+    if m.kind == "image":
+        num_classes = 10 if cfg.data.name in ("cifar10", "digits") else m.num_classes
+        return ImageClassifier(arch=m.arch, num_classes=num_classes, cifar=m.cifar, width=m.width, **common)
+    return LanguageModel(
+        size=m.size, vocab_size=VOCAB_SIZE if m.size == "tiny" else None, block_size=cfg.data.block_size,
+        n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, **common,
+    )
+
+
+def build_data(cfg: Any) -> pl.LightningDataModule:
+    d = cfg.data
+    if d.name == "synthetic_images":
+        return SyntheticImageData(d.batch_size, d.train_size, d.val_size, d.resolution, cfg.model.num_classes, d.seed, d.num_workers)
+    if d.name == "synthetic_tokens":
+        return SyntheticTokenData(d.batch_size, d.train_size, d.val_size, d.block_size, VOCAB_SIZE, d.seed, d.num_workers)
+    if d.name == "cifar10":
+        return Cifar10Data(d.dir, d.batch_size, num_workers=d.num_workers)
+    if d.name == "digits":
+        return DigitsData(d.batch_size, d.resolution, seed=d.seed, num_workers=d.num_workers)
+    return ByteTextData(d.path, d.block_size, d.batch_size, num_workers=d.num_workers)
+
+
+def build_strategy(cfg: Any) -> Strategy:
+    name = str(cfg.schedule.name)
+    timeout = timedelta(seconds=cfg.trainer.timeout_s)
+    if name == "ddp":
+        return DDPStrategy(bucket_cap_mb=cfg.fusion.bucket_cap_mb, find_unused_parameters=False, timeout=timeout)
+    strategy_class = commsched.STRATEGIES[name][0]
+    return strategy_class(
+        bucket_cap_mb=cfg.fusion.bucket_cap_mb, fusion=cfg.fusion.policy, bucket_layers=cfg.fusion.bucket_layers,
+        timeout=timeout,
+    )

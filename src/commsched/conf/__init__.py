@@ -1,0 +1,1 @@
+"""Hydra configuration: train.yaml and its groups (schedule, fusion, model, data, trainer)."""

@@ -1,0 +1,1 @@
+"""Hydra recipes: `commsched-train +recipe=<name>` (resnet, vgg, gpt2, digits)."""

@@ -1,0 +1,139 @@
+"""Typed configuration of a training run (Hydra structured configs) and its validation.
+
+Every field a user can set on the command line is declared here with its type; `validate` checks
+the values that types cannot (choices, ranges, model/data compatibility) in the launching
+process, so a typo fails before any worker starts, with the valid choices in the message.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from commsched import options
+from commsched.errors import bad_value
+from commsched.models import GPT2_SIZES, IMAGE_ARCHS
+
+
+class Schedule(str, enum.Enum):
+    ddp = "ddp"  # Lightning's own DistributedDataParallel, the reference
+    wfbp = "wfbp"
+    dear = "dear"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class ScheduleConfig:
+    name: Schedule = Schedule.dear
+
+
+@dataclass
+class FusionConfig:
+    policy: str = "fixed"  # fixed | layers
+    bucket_cap_mb: float = 25.0
+    bucket_layers: int = 1
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "image"  # image | language
+    arch: str = "resnet18"  # image: one of IMAGE_ARCHS
+    num_classes: int = 10
+    cifar: bool = True
+    width: int = 64
+    size: str = "tiny"  # language: tiny | small
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    weight_decay: float = 5e-4
+    momentum: float = 0.9
+    lr_schedule: str = "constant"
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic_images"  # synthetic_images | synthetic_tokens | cifar10 | digits | text
+    batch_size: int = 32
+    train_size: int = 2048
+    val_size: int = 256
+    resolution: int = 32
+    block_size: int = 64
+    dir: str = "~/data/cifar-10-batches-py"
+    path: Optional[str] = None
+    num_workers: int = 0
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "cpu"
+    devices: int = 2
+    num_nodes: int = 1
+    max_steps: int = 50
+    max_epochs: Optional[int] = None
+    precision: str = "32-true"
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    val_check_interval: Optional[float] = None
+    limit_val_batches: Optional[float] = None
+    log_every_n_steps: int = 10
+    enable_progress_bar: bool = True
+    timeout_s: int = 1800
+
+
+@dataclass
+class TrainConfig:
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    warmup_steps: int = 5  # steps left out of the samples/s summary
+
+
+DATA_KIND = {"synthetic_images": "image", "cifar10": "image", "digits": "image", "synthetic_tokens": "language", "text": "language"}
+
+
+def register_configs() -> None:
+    """Schemas for conf/train.yaml and its groups: Hydra then type-checks every override."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, node in (("schedule", ScheduleConfig), ("fusion", FusionConfig), ("model", ModelConfig),
+                        ("data", DataConfig), ("trainer", TrainerConfig)):
+        store.store(group=group, name=f"{group}_schema", node=node)
+
+
+def validate(cfg: Any) -> None:
+    """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
+    options.fusion_policy(cfg.fusion.policy)
+    options.positive_number("fusion.bucket_cap_mb", cfg.fusion.bucket_cap_mb)
+    options.positive_int("fusion.bucket_layers", cfg.fusion.bucket_layers)
+    options.choice("model.kind", cfg.model.kind, ("image", "language"))
+    if cfg.model.kind == "image":
+        options.choice("model.arch", cfg.model.arch, IMAGE_ARCHS)
+    else:
+        options.choice("model.size", cfg.model.size, GPT2_SIZES)
+    options.choice("model.optimizer", cfg.model.optimizer, ("sgd", "adamw"))
+    options.choice("model.lr_schedule", cfg.model.lr_schedule, ("constant", "cosine"))
+    options.positive_number("model.lr", cfg.model.lr)
+    options.choice("data.name", cfg.data.name, tuple(DATA_KIND))
+    if DATA_KIND[cfg.data.name] != cfg.model.kind:
+        kinds = [name for name, kind in DATA_KIND.items() if kind == cfg.model.kind]
+        raise bad_value("data", cfg.data.name, f"for a {cfg.model.kind} model one of {kinds}")
+    options.positive_int("data.batch_size", cfg.data.batch_size)
+    if cfg.trainer.devices != -1:
+        options.positive_int("trainer.devices", cfg.trainer.devices)
+    if cfg.trainer.max_steps != -1:
+        options.positive_int("trainer.max_steps", cfg.trainer.max_steps)
+    if cfg.data.name == "cifar10":
+        from commsched.data import check_cifar10_dir
+
+        check_cifar10_dir(cfg.data.dir)

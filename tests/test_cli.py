@@ -1,0 +1,129 @@
+"""commsched-train: recipes compose, bad choices fail before any worker with the valid choices,
+every model family trains for real on 2 processes, sweeps are collected, digits converge."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from commsched import CommSchedConfigError
+from commsched.config import register_configs, validate
+
+RECIPES = sorted(p.stem for p in (Path(__file__).parents[1] / "src/commsched/conf/recipe").glob("*.yaml"))
+QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
+
+
+def composed(*overrides: str):
+    register_configs()
+    with initialize_config_module("commsched.conf", version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def train(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    flags = [o for o in overrides if o.startswith("-")]  # Hydra's flags (e.g. -m) go before overrides
+    overrides = tuple(o for o in overrides if not o.startswith("-"))
+    return subprocess.run(
+        [sys.executable, "-m", "commsched.train", *flags, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep",
+         *QUIET, *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+    )
+
+
+def summary(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def test_there_are_recipes_for_every_model_family():
+    assert {"resnet", "vgg", "gpt2", "digits"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = composed(f"+recipe={recipe}")
+    validate(cfg)
+    assert OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("fusion.bucket_cap_mb=-1", "fusion.bucket_cap_mb=-1.0; allowed: a finite number > 0"),
+        ("model.arch=resnet51", "model.arch='resnet51'; allowed: one of 'resnet18'"),
+        ("data=digits model=gpt2", "for a language model one of ['synthetic_tokens', 'text']"),
+        ("fusion.policy=greedy", "fusion='greedy'; allowed: one of 'fixed', 'layers'"),
+    ],
+)
+def test_bad_values_are_refused_with_allowed_values(override, message):
+    cfg = composed(*override.split())
+    with pytest.raises(CommSchedConfigError) as error:
+        validate(cfg)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("schedule=fancy", "Available options in 'schedule'"),
+        ("schedule.name=fancy", "Invalid value 'fancy', expected one of [ddp, wfbp, dear]"),
+        ("model.arch=resnet51", "allowed: one of 'resnet18', 'resnet34'"),
+        ("data=cifar10 data.dir=/nonexistent", "does not hold CIFAR-10"),
+    ],
+)
+def test_command_line_fails_before_any_worker_starts(tmp_path, override, message):
+    proc = train(tmp_path, *override.split(), timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert message in output
+    assert "Initializing distributed" not in output
+    if override.startswith("schedule=fancy"):
+        assert all(name in output for name in ("ddp", "wfbp", "dear"))
+
+
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [
+        ("resnet", ["model.width=4"]),
+        ("vgg", ["model.width=4"]),
+        ("gpt2", ["trainer.val_check_interval=8", "trainer.limit_val_batches=2"]),
+    ],
+)
+def test_each_model_family_trains_on_two_processes(tmp_path, recipe, extra):
+    proc = train(tmp_path, f"+recipe={recipe}", "trainer.max_steps=8", "data.train_size=256", "data.val_size=32", *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = summary(tmp_path)
+    assert result["world_size"] == 2 and result["steps"] == 8 and result["samples_per_s"] > 0
+    assert result["exposed_comm_ms"] is not None
+    assert "commsched: dear" in proc.stdout
+    run = tmp_path / "run"
+    assert (run / "config.resolved.yaml").is_file() and (run / "metrics.csv").is_file()
+    logged = (run / "metrics.csv").read_text().splitlines()[0]
+    assert "samples_per_s" in logged and "exposed_comm_ms" in logged
+
+
+def test_sweep_collects_csv_table_and_chart(tmp_path):
+    proc = train(tmp_path, "-m", "+recipe=resnet", "schedule=ddp,dear", "model.width=4", "trainer.max_steps=6",
+                 "data.train_size=128", "data.val_size=32", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sweep = tmp_path / "sweep"
+    rows = (sweep / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[1].startswith("schedule=ddp,ddp") and rows[2].startswith("schedule=dear,dear")
+    assert (sweep / "sweep.png").stat().st_size > 5000
+    assert "samples per s" in proc.stdout
+
+
+def test_digits_with_dear_learns_and_matches_ddp(tmp_path):
+    results = {}
+    for schedule in ("ddp", "dear"):
+        proc = train(tmp_path / schedule, "+recipe=digits", f"schedule={schedule}", "model.width=4", "trainer.max_epochs=3")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[schedule] = summary(tmp_path / schedule)
+    assert results["dear"]["val_acc"] > 0.6  # ten classes: chance is 0.1
+    assert results["dear"]["train_loss"] == pytest.approx(results["ddp"]["train_loss"], rel=1e-3, abs=1e-4)
+    assert results["dear"]["val_acc"] == pytest.approx(results["ddp"]["val_acc"], abs=0.01)
