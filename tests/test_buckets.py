@@ -30,6 +30,12 @@ def test_fixed_closes_bucket_before_exceeding_cap():
     assert plan_fixed(params, cap_bytes=80) == [[0, 1], [2], [3], [4]]
 
 
+def test_fixed_first_bucket_is_small_like_ddp():
+    params = [_info(2**17, i) for i in range(6)]  # 512 KiB each
+    assert plan_fixed(params, cap_bytes=25 * 2**20) == [[0, 1], [2, 3, 4, 5]]  # first bucket <= 1 MiB
+    assert plan_fixed(params, cap_bytes=25 * 2**20, first_cap_bytes=25 * 2**20) == [[0, 1, 2, 3, 4, 5]]
+
+
 def test_fixed_never_mixes_dtypes():
     params = [_info(4, 0), _info(4, 1, torch.float64), _info(4, 2)]
     assert plan_fixed(params, cap_bytes=10**9) == [[0], [1], [2]]
