@@ -51,6 +51,23 @@ def test_every_recipe_composes_and_validates(recipe):
     assert OmegaConf.to_container(cfg, resolve=True)
 
 
+MODELS = sorted(p.stem for p in (Path(__file__).parents[1] / "src/commsched/conf/model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_config_composes_and_validates(model):
+    data = "text" if model.startswith("gpt2") else "synthetic_images"
+    validate(composed(f"model={model}", f"data={data}"))
+
+
+@pytest.mark.parametrize("full_size", ["resnet50", "vgg16", "gpt2_small"])
+def test_full_size_variant_is_one_override_away(full_size):
+    recipe = {"resnet50": "resnet", "vgg16": "vgg", "gpt2_small": "gpt2"}[full_size]
+    cfg = composed(f"+recipe={recipe}", f"model={full_size}")
+    validate(cfg)
+    assert cfg.model.width == 64 or cfg.model.size == "small"
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
