@@ -33,7 +33,7 @@ def build_backbone(arch: str, num_classes: int, cifar: bool, width: int) -> nn.M
     raise bad_value("model.arch", arch, IMAGE_ARCHS)
 
 
-class ImageClassifier(pl.LightningModule):
+class ImageClassifier(optim.HparamsOptimizer, pl.LightningModule):
     def __init__(
         self,
         arch: str = "resnet18",
@@ -70,10 +70,3 @@ class ImageClassifier(pl.LightningModule):
         self.val_acc(logits, labels)
         self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True)
-
-    def configure_optimizers(self):
-        h = self.hparams
-        return optim.configure(
-            self.parameters(), h.optimizer, h.lr, h.weight_decay, h.momentum, h.lr_schedule,
-            self.trainer.estimated_stepping_batches,
-        )

@@ -16,7 +16,7 @@ from commsched.models.gpt2 import GPT2, GPT2Config
 GPT2_SIZES = ("tiny", "small")
 
 
-class LanguageModel(pl.LightningModule):
+class LanguageModel(optim.HparamsOptimizer, pl.LightningModule):
     """`size` picks GPT2Config.tiny() or .small(); the other arguments override its fields."""
 
     def __init__(
@@ -61,10 +61,3 @@ class LanguageModel(pl.LightningModule):
         self.val_ppl(logits.float(), batch[1])
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         self.log("val_ppl", self.val_ppl, prog_bar=True)
-
-    def configure_optimizers(self):
-        h = self.hparams
-        return optim.configure(
-            self.parameters(), h.optimizer, h.lr, h.weight_decay, h.momentum, h.lr_schedule,
-            self.trainer.estimated_stepping_batches,
-        )

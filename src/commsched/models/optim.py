@@ -35,3 +35,14 @@ def configure(
         raise bad_value("model.lr_schedule", lr_schedule, LR_SCHEDULES)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total_steps))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class HparamsOptimizer:
+    """Mixin for LightningModules whose hparams hold optimizer, lr, weight_decay, momentum and lr_schedule."""
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        h = self.hparams  # type: ignore[attr-defined]
+        return configure(
+            self.parameters(), h.optimizer, h.lr, h.weight_decay, h.momentum, h.lr_schedule,  # type: ignore[attr-defined]
+            self.trainer.estimated_stepping_batches,  # type: ignore[attr-defined]
+        )
