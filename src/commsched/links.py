@@ -139,16 +139,16 @@ class Link:
         return everyone.tolist()
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int, tag: str) -> None:
-        """Blocking broadcast of many tensors from `src`, one flat message per dtype (as DDP coalesces)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
+        """Blocking broadcast of many tensors from `src` as one message of their bytes, whatever their dtypes."""
+        if not tensors:
+            return
         with torch.no_grad():
-            for dtype, group in by_dtype.items():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                self.broadcast(flat, src, f"{tag}[{dtype}]").wait()
-                offset = 0
-                for t in group:
-                    n = t.numel()
-                    t.copy_(flat[offset : offset + n].view_as(t))
-                    offset += n
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+            self.broadcast(flat, src, tag).wait()
+            offset = 0
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                # clone: an aligned, contiguous copy that can be reinterpreted as t's dtype (t may be
+                # channels_last or otherwise strided, so it is filled by copy_, not by a view)
+                t.copy_(flat[offset : offset + n].clone().view(t.dtype).view(t.shape))
+                offset += n
