@@ -41,7 +41,6 @@ class Schedule:
         self.plan = plan
         self.link = link
         self.sync_enabled = True  # False inside Lightning's no-sync accumulation micro-batches
-        self.steps = 0  # optimizer steps whose gradients this schedule reduced
         self._scale = 1.0 / plan.world_size  # DDP divides while copying into the bucket
         self._sizes = [len(b.params) for b in plan.buckets]
         self._remaining = list(self._sizes)
@@ -152,7 +151,6 @@ class Schedule:
             offset += n
         self._complete_reduction()
         self._phase = _Phase.IDLE
-        self.steps += 1
 
     # ------------------------------------------------------------ subclass API
     def _launch(self, b: int) -> None:
