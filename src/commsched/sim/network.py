@@ -1,0 +1,122 @@
+"""Communication cost models the simulator and the planners share.
+
+Two kinds: `AlphaBeta` scales a point-to-point link (latency `alpha` seconds, `beta` seconds per
+byte) to any worker count with the textbook cost of an algorithm (dear.txt Eq. 3-5 for the ring,
+mg-wfbp.txt Table II for double binary trees); `Fitted` is what the link probe measured on a real
+group: one straight line `a + b * bytes` per collective, valid only at the world size it was
+measured on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from commsched.errors import bad_value
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+ALGORITHMS = ("ring", "tree")
+
+
+class CostModel(Protocol):
+    def time(self, collective: str, nbytes: float, workers: int) -> float:
+        """Seconds one collective over `nbytes` of the full (unsharded) buffer takes."""
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Ring: reduce-scatter = all-gather = (P-1)(alpha + m/P beta), all-reduce their sum.
+    Tree (NCCL's double binary trees, pipelined): reduce = broadcast = log2(P) alpha + m beta,
+    all-reduce their sum; DeAR's decoupling is then reduce + broadcast (dear.txt §VII)."""
+
+    alpha: float
+    beta: float
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise bad_value("algorithm", self.algorithm, ALGORITHMS)
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError(f"alpha and beta must be >= 0, got alpha={self.alpha}, beta={self.beta}")
+
+    def half(self, nbytes: float, workers: int) -> float:
+        """One of the two halves an all-reduce decouples into."""
+        if workers <= 1:
+            return 0.0
+        if self.algorithm == "ring":
+            return (workers - 1) * (self.alpha + nbytes / workers * self.beta)
+        return math.ceil(math.log2(workers)) * self.alpha + nbytes * self.beta
+
+    def time(self, collective: str, nbytes: float, workers: int) -> float:
+        if collective not in COLLECTIVES:
+            raise bad_value("collective", collective, COLLECTIVES)
+        half = self.half(nbytes, workers)
+        return 2 * half if collective == "all_reduce" else half
+
+    def __str__(self) -> str:
+        return f"{self.algorithm}, {8 / self.beta / 1e9:g} Gbit/s, alpha {self.alpha * 1e6:g} us" if self.beta else f"{self.algorithm}, infinite bandwidth"
+
+    @classmethod
+    def from_rate(cls, bits_per_second: float, alpha: float, algorithm: str = "ring") -> "AlphaBeta":
+        return cls(alpha=alpha, beta=8.0 / bits_per_second, algorithm=algorithm)
+
+
+@dataclass(frozen=True)
+class Line:
+    """t(m) = a + b m, fitted by least squares; `residual` is the root-mean-square error in seconds."""
+
+    a: float
+    b: float
+    residual: float = 0.0
+
+    def __call__(self, nbytes: float) -> float:
+        return self.a + self.b * nbytes
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """Costs measured by the link probe on `workers` processes (commsched.profile.probe)."""
+
+    workers: int
+    lines: dict[str, Line] = field(default_factory=dict)
+
+    def time(self, collective: str, nbytes: float, workers: int) -> float:
+        if workers != self.workers:
+            raise ValueError(
+                f"the link was probed with {self.workers} workers and cannot predict {workers}; "
+                "use an alpha-beta model (--alpha/--bandwidth) to extrapolate"
+            )
+        if collective not in self.lines:
+            raise bad_value("collective", collective, tuple(self.lines))
+        return max(0.0, self.lines[collective](nbytes))
+
+    def __str__(self) -> str:
+        return f"fitted on {self.workers} workers: " + ", ".join(
+            f"{k} {v.a * 1e6:.0f} us + {8 / v.b / 1e9 if v.b else float('inf'):.2f} Gbit/s" for k, v in self.lines.items())
+
+    def to_dict(self) -> dict:
+        return {"workers": self.workers, **{k: vars(v) for k, v in self.lines.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Fitted":
+        return cls(int(data["workers"]), {k: Line(**data[k]) for k in COLLECTIVES if k in data})
+
+
+def parse_rate(text: str) -> float:
+    """'10gbit', '200mbit', '1.5gbit', '100kbit' or a plain number of bits per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bit": 1.0}
+    lowered = text.strip().lower()
+    for unit, scale in units.items():
+        if lowered.endswith(unit):
+            number = lowered[: -len(unit)]
+            break
+    else:
+        number, scale = lowered, 1.0
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise bad_value("rate", text, "a number with a unit kbit/mbit/gbit, e.g. 1gbit or 200mbit") from None
+    if value <= 0:
+        raise bad_value("rate", text, "a positive rate, e.g. 1gbit")
+    return value

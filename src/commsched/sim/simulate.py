@@ -1,0 +1,34 @@
+"""`simulate(name, ...)`: the one entry point the CLI, the benchmark and the tests use."""
+
+from __future__ import annotations
+
+from commsched.errors import bad_value
+from commsched.sim import schedules
+from commsched.sim.network import CostModel
+from commsched.sim.priority import bytescheduler
+from commsched.sim.schedules import Result
+from commsched.sim.workload import Workload
+
+SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp", "dear", "dear_fused", "bytescheduler")
+
+
+def simulate(name: str, workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20,
+             partition_bytes: float = 4 * 2**20) -> Result:
+    """`bucket_bytes` sizes dear_fused's buckets; `partition_bytes` ByteScheduler's partitions."""
+    if workers < 1:
+        raise bad_value("workers", workers, "an integer >= 1")
+    if name == "syncea":
+        return schedules.sync_easgd(workload, network, workers)
+    if name == "wfbp":
+        return schedules.wfbp(workload, network, workers)
+    if name == "mgwfbp":
+        return schedules.mgwfbp(workload, network, workers)
+    if name == "dear":
+        return schedules.dear(workload, network, workers)
+    if name == "dear_fused":
+        result = schedules.dear(workload, network, workers, schedules.fixed_size(workload, bucket_bytes))
+        result.schedule = name
+        return result
+    if name == "bytescheduler":
+        return bytescheduler(workload, network, workers, partition_bytes)
+    raise bad_value("schedule", name, SIM_SCHEDULES)
