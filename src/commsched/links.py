@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.errors import PeerFailureError
+from commsched.trace import Span
 
 # torch 2.10+ renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.3.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -78,11 +79,23 @@ class WaitClock:
 class Link:
     """Issues asynchronous collectives on one process group (None = the default group)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, trace: Optional[list[CollectiveRecord]] = None) -> None:
-        """`trace`: a list to append a record of every collective to (links may share one)."""
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, trace: Optional[list[CollectiveRecord]] = None,
+                 lane: str = "link") -> None:
+        """`trace`: a list to append a record of every collective to (links may share one).
+        `lane`: this link's name on a profiler timeline."""
         self.group = group
         self.trace = trace
+        self.lane = lane
         self.clock = WaitClock()
+        self.spans: Optional[list[Span]] = None  # set by the profiler: launch-to-completion of each collective
+
+    def _pending(self, work: dist.Work, what: str, then: Optional[Callable[[], object]] = None) -> Pending:
+        if self.spans is not None:
+            spans, lane, start = self.spans, self.lane, time.perf_counter()
+            # runs on the backend's thread the moment the collective completes, not when someone waits
+            work.get_future().add_done_callback(
+                lambda _: spans.append(Span(lane, what.split(" (")[0], start, time.perf_counter())))
+        return Pending(work, what, then=then, clock=self.clock)
 
     @property
     def world_size(self) -> int:
@@ -99,7 +112,7 @@ class Link:
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
         what = self._record("all_reduce", tag, tensor)
-        return Pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what, clock=self.clock)
+        return self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what)
 
     @property
     def native_reduce_scatter(self) -> bool:
@@ -117,19 +130,19 @@ class Link:
         """
         what = self._record("reduce_scatter", tag, full)
         if self.native_reduce_scatter:
-            return Pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what, clock=self.clock)
+            return self._pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what)
         if scratch is None:
             raise ValueError("commsched: reduce_scatter over gloo needs a scratch tensor the size of `full`")
         work = dist.all_to_all_single(scratch, full, group=self.group, async_op=True)
-        return Pending(work, what, then=partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard), clock=self.clock)
+        return self._pending(work, what, then=partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> Pending:
         what = self._record("all_gather", tag, full)
-        return Pending(_all_gather_single(full, shard, group=self.group, async_op=True), what, clock=self.clock)
+        return self._pending(_all_gather_single(full, shard, group=self.group, async_op=True), what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> Pending:
         what = self._record("broadcast", tag, tensor)
-        return Pending(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what, clock=self.clock)
+        return self._pending(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what)
 
     def all_gather_int(self, value: int, tag: str) -> list[int]:
         """Blocking all-gather of one int64 per rank (plan hashes, decisions)."""

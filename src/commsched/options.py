@@ -24,6 +24,12 @@ def positive_int(field: str, value: Any) -> int:
     return value
 
 
+def non_negative_int(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_value(field, value, "an integer >= 0")
+    return value
+
+
 def flag(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise bad_value(field, value, "True or False")

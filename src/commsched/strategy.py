@@ -11,6 +11,7 @@ forwards where DDP broadcasts them, so runs match `ddp` bit for bit in intent.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -34,6 +35,7 @@ from commsched.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
 from commsched.errors import CommSchedConfigError, PeerFailureError
 from commsched.fusion import plan_fixed, plan_layers
 from commsched.links import CollectiveRecord, Link
+from commsched.profile import RunProfiler
 from commsched.schedules import DeARSchedule, Schedule, WFBPSchedule
 
 _CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
@@ -51,6 +53,9 @@ class CommSchedStrategy(DDPStrategy):
         bucket_layers: int = 1,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
+        profile_steps: int = 0,
+        profile_dir: Optional[str] = None,
+        profile_probe: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         start_method: str = "popen",
@@ -67,6 +72,10 @@ class CommSchedStrategy(DDPStrategy):
             bucket_layers: layers per bucket for ``fusion="layers"``; a layer is a module owning parameters.
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
+            profile_steps: profile the first N training steps (0: off): per-layer and per-bucket times,
+                exposed communication, overlap; writes ``profile.json`` and a Chrome ``trace.json`` to
+                ``profile_dir`` (default ``<default_root_dir>/commsched_profile``) and logs ``profile/*``.
+            profile_probe: also fit the link's alpha-beta costs at the end of profiling (``link`` in the JSON).
             timeout: process-group timeout; a dead or hung peer ends the run with an error after it.
         """
         self._bucket_cap_mb = options.positive_number("bucket_cap_mb", bucket_cap_mb)
@@ -74,6 +83,10 @@ class CommSchedStrategy(DDPStrategy):
         self._bucket_layers = options.positive_int("bucket_layers", bucket_layers)
         self._broadcast_buffers = options.flag("broadcast_buffers", broadcast_buffers)
         self._trace_collectives = options.flag("trace_collectives", trace_collectives)
+        self._profile_steps = options.non_negative_int("profile_steps", profile_steps)
+        self._profile_dir = Path(profile_dir).expanduser() if profile_dir is not None else None
+        self._profile_probe = options.flag("profile_probe", profile_probe)
+        self._profiler: Optional[RunProfiler] = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -105,6 +118,11 @@ class CommSchedStrategy(DDPStrategy):
     def exposed_comm_seconds(self) -> float:
         """Total time this rank's training loop waited on communication (not hidden behind compute)."""
         return self._control.clock.seconds + (self._link.clock.seconds if self._link is not None else 0.0)
+
+    @property
+    def profile(self) -> Optional[dict[str, Any]]:
+        """What ``profile_steps`` measured (the content of profile.json), once profiling finished."""
+        return self._profiler.result if self._profiler is not None else None
 
     @property
     def collective_trace(self) -> list[CollectiveRecord]:
@@ -143,14 +161,17 @@ class CommSchedStrategy(DDPStrategy):
         # step (e.g. its SIGTERM broadcast), which would otherwise queue behind DeAR's all-gathers
         # and serialise them with the next forward.
         self._trace = [] if self._trace_collectives else None
-        self._link = Link(dist.new_group(timeout=self._timeout), trace=self._trace)
+        self._link = Link(dist.new_group(timeout=self._timeout), trace=self._trace, lane="link: schedule")
         # Setup checks and DDP-style buffer broadcasts stay on the default group, so they never
         # queue behind the schedule's in-flight collectives either.
-        self._control = Link(None, trace=self._trace)
+        self._control = Link(None, trace=self._trace, lane="link: control")
         self._build_schedule(module)
         self._control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self._buffers_need_sync = True
         self._failed = False
+        if self._profile_steps and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._profiler = RunProfiler(self._profile_steps, self._profile_dir, self._profile_probe)
+            self._profiler.start(module, [self._link, self._control])
 
     def _build_schedule(self, module: nn.Module) -> None:
         assert self._link is not None
@@ -164,6 +185,8 @@ class CommSchedStrategy(DDPStrategy):
         """Rebuild the buckets when the set of trainable parameters changed (e.g. BaseFinetuning
         unfreezing a backbone). Runs after the user's and callbacks' batch-start hooks; every rank
         must make the same change at the same step, which the plan check verifies."""
+        if self._profiler is not None:
+            self._profiler.on_batch_start(self)
         module = self.lightning_module
         if self._schedule is None or module is None or _trainable_ids(module) == self._trainable:
             return
@@ -216,11 +239,15 @@ class CommSchedStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._schedule is None:
             return super().training_step(*args, **kwargs)
+        if self._profiler is not None:
+            self._profiler.phase_started(self)
         self._sync_buffers_before_forward()
         self._schedule.before_forward()
         output = super().training_step(*args, **kwargs)
         self._schedule.after_forward()
         self._note_forward_done()
+        if self._profiler is not None:
+            self._profiler.forward_done(self)
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -262,12 +289,19 @@ class CommSchedStrategy(DDPStrategy):
 
         def closure_then_reduce() -> Any:
             output = closure()
+            if self._profiler is not None:
+                self._profiler.backward_done(self)
             schedule.finish_backward()
             return output
 
         # Strategy.optimizer_step, not DDPStrategy's: DDP's only adds post-localSGD model averaging.
         run = partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs)
         return schedule.optimizer_step(optimizer, run)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._profiler is not None:
+            self._profiler.backward_started(self)
 
     def _clip_gradients(
         self,
@@ -297,6 +331,8 @@ class CommSchedStrategy(DDPStrategy):
         self._flush()
 
     def on_train_end(self) -> None:
+        if self._profiler is not None and self._profiler.active and not self._failed:
+            self._profiler.finish(self)  # the run was shorter than profile_steps: report what there is
         self._flush()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

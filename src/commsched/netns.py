@@ -1,0 +1,76 @@
+"""An emulated slow network on one machine: a fresh network namespace whose loopback is rate-limited
+(DESIGN.md §7), created for one command and always removed afterwards, also on Ctrl-C or error.
+
+Workers started inside talk over 127.0.0.1 of that namespace only. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from typing import Optional, Sequence
+
+from commsched.sim.network import parse_rate
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why a rate-limited namespace cannot be made here, or None if it can."""
+    if os.geteuid() != 0:
+        return "emulating a slow link needs root (network namespaces and tc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"emulating a slow link needs iproute2 ({', '.join(missing)} not found)"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def run_in_namespace(rate: str, argv: Sequence[str], burst: str = "256kb") -> int:
+    """Run `argv` inside a new namespace whose loopback is limited to `rate` ('none': unlimited).
+
+    Returns the command's exit code. The namespace is deleted in every case; SIGTERM is turned into
+    an exception so that `finally` runs, SIGINT reaches the child (same process group) and us."""
+    if rate != "none":
+        parse_rate(rate)  # a bad rate fails here, before anything is created
+    reason = unavailable_reason()
+    if reason is not None:
+        raise PermissionError(reason)
+    name = f"commsched-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    child: Optional[subprocess.Popen] = None
+    try:
+        _ip("netns", "add", name)
+        # burst must exceed the MTU, or messages larger than the bucket stall
+        _ip("-n", name, "link", "set", "lo", "mtu", "9000", "up")
+        if rate != "none":
+            subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                            "rate", rate, "burst", burst, "latency", "50ms"], check=True, capture_output=True, text=True)
+        child = subprocess.Popen(["ip", "netns", "exec", name, *argv])
+        return child.wait()
+    except BaseException:
+        if child is not None and child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        raise
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def namespaces() -> list[str]:
+    """Names of the namespaces commsched created that still exist (should be none)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith("commsched-")]
+
+
+def _raise_exit(signum: int, _frame: object) -> None:
+    sys.exit(128 + signum)

@@ -1,0 +1,49 @@
+"""Each bucket's collectives timed in isolation on the real group: what the schedules' theoretical
+bests (dear.txt Eq. 7-8) and the overlap ratio are computed from."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from commsched.buckets import BucketPlan
+from commsched.links import Link
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype: torch.dtype = torch.float32) -> float:
+    """Median seconds of one blocking collective over a buffer of `numel` elements (padded to the world size)."""
+    world = link.world_size
+    numel = -(-numel // world) * world
+    full = torch.zeros(numel, dtype=dtype)
+    shard = torch.zeros(numel // world, dtype=dtype)
+    scratch = torch.empty_like(full)
+    ops = {
+        "all_reduce": lambda: link.all_reduce(full, "profile").wait(),
+        "reduce_scatter": lambda: link.reduce_scatter(shard, full, "profile", scratch).wait(),
+        "all_gather": lambda: link.all_gather(full, shard, "profile").wait(),
+    }
+    return median_seconds(ops[collective], repeats)
+
+
+def time_buckets(plan: BucketPlan, link: Link, repeats: int = 5) -> list[dict[str, float]]:
+    """Per bucket: seconds of all-reduce, reduce-scatter and all-gather of its buffer, run alone."""
+    return [
+        {c: time_collective(link, c, bucket.buffer.numel(), repeats, bucket.buffer.dtype) for c in COLLECTIVES}
+        for bucket in plan.buckets
+    ]

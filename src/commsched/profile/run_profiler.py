@@ -1,0 +1,204 @@
+"""The profiler a commsched strategy runs for the first N training steps (`profile_steps=N`).
+
+While profiling: per-layer forward/backward times (`LayerTimer`), every collective's
+launch-to-completion span per link, step time and exposed communication (time the loop waited).
+At the start of step N+1 every rank flushes the schedule, times each bucket's collectives in
+isolation (and, if asked, probes the link), then rank 0 writes `profile.json` (read by the
+simulator and the planners) and `trace.json` (chrome://tracing, Perfetto: per rank one compute lane
+and one lane per link), and logs per-step `profile/*` metrics to the Trainer's logger.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from commsched.buckets import BucketPlan
+from commsched.links import Link
+from commsched.profile.collectives import time_buckets
+from commsched.profile.layers import LayerTimer
+from commsched.profile.probe import probe_link
+from commsched.trace import Span, write_chrome_trace
+
+
+def schedule_comm_seconds(schedule: str, bucket_times: list[dict[str, float]]) -> float:
+    """Communication one step of `schedule` issues, each collective run alone."""
+    if schedule == "dear":
+        return sum(t["reduce_scatter"] + t["all_gather"] for t in bucket_times)
+    return sum(t["all_reduce"] for t in bucket_times)
+
+
+def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> dict[str, float]:
+    """dear.txt Eq. 7-8."""
+    return {
+        "wfbp": t_ff + max(t_bp, totals["all_reduce"]),
+        "dear": max(t_ff, totals["all_gather"]) + max(t_bp, totals["reduce_scatter"]),
+    }
+
+
+class RunProfiler:
+    def __init__(self, steps: int, out_dir: Optional[Path], probe: bool, repeats: int = 5, warmup: int = 1) -> None:
+        self.steps = steps
+        self.out_dir = out_dir
+        self.probe = probe
+        self.repeats = repeats
+        self.warmup = warmup  # steps kept in the timeline but left out of the medians
+        self.result: Optional[dict[str, Any]] = None
+        self._timer: Optional[LayerTimer] = None
+        self._links: list[Link] = []
+        self._step_starts: list[float] = []
+        self._exposed: list[float] = []
+        self._forward: list[float] = []  # per step: training_step wall time minus communication waits in it
+        self._backward: list[float] = []
+        self._mark = (0.0, 0.0)  # (perf_counter, exposed comm) at the start of the current phase
+        self._phase_exposed = 0.0
+        self._epoch = (time.time(), time.perf_counter())
+
+    @property
+    def active(self) -> bool:
+        return self._timer is not None
+
+    def start(self, module: Any, links: list[Link]) -> None:
+        self._timer = LayerTimer(module).attach()
+        self._links = links
+        for link in links:
+            link.spans = []
+
+    def phase_started(self, strategy: Any) -> None:
+        """Start of training_step's forward or of backward (the strategy calls it at both)."""
+        if self._timer is not None:
+            self._mark = (time.perf_counter(), strategy.exposed_comm_seconds)
+
+    def forward_done(self, strategy: Any) -> None:
+        if self._timer is not None:
+            self._forward.append(self._phase_seconds(strategy))
+
+    def backward_started(self, strategy: Any) -> None:
+        if self._timer is not None:
+            self._timer.backward_started()
+            self.phase_started(strategy)
+
+    def backward_done(self, strategy: Any) -> None:
+        if self._timer is not None:
+            self._backward.append(self._phase_seconds(strategy))
+
+    def _phase_seconds(self, strategy: Any) -> float:
+        started, exposed = self._mark
+        return time.perf_counter() - started - (strategy.exposed_comm_seconds - exposed)
+
+    def on_batch_start(self, strategy: Any) -> None:
+        """Called by the strategy at every training batch start; finishes after `steps` steps."""
+        if self._timer is None:
+            return
+        now = time.perf_counter()
+        if self._step_starts:
+            self._timer.end_step()
+        self._step_starts.append(now)
+        self._exposed.append(strategy.exposed_comm_seconds)
+        if len(self._step_starts) > self.steps:
+            self.finish(strategy)
+
+    def finish(self, strategy: Any) -> None:
+        timer, self._timer = self._timer, None
+        assert timer is not None
+        timer.detach()
+        spans = [*timer.spans, *(s for link in self._links for s in (link.spans or []))]
+        for link in self._links:
+            link.spans = None
+        schedule = strategy.schedule
+        schedule.flush()  # DeAR's all-gathers are in flight: let them land before timing alone
+        plan: BucketPlan = schedule.plan
+        link: Link = schedule.link
+        bucket_times = time_buckets(plan, link, self.repeats)
+        fitted, probe_medians = probe_link(link) if self.probe else (None, None)
+        result = self._summarise(strategy, timer, plan, bucket_times)
+        if fitted is not None:
+            result["link"] = fitted.to_dict()
+            result["probe"] = probe_medians
+        self.result = result
+        everyone: Optional[list[Any]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(self._to_wall(spans), everyone, dst=0)
+        if dist.get_rank() == 0:
+            self._write(strategy, result, [s for rank_spans in everyone or [] for s in rank_spans])
+
+    def _to_wall(self, spans: list[Span]) -> list[Span]:
+        wall, perf = self._epoch
+        rank = dist.get_rank()
+        return [Span(s.lane, s.name, s.start - perf + wall, s.end - perf + wall, rank) for s in spans]
+
+    def _summarise(self, strategy: Any, timer: LayerTimer, plan: BucketPlan, bucket_times: list[dict[str, float]]) -> dict:
+        module = strategy.lightning_module
+        schedule_name = strategy.schedule_class.name
+        skip = min(self.warmup, timer.steps - 1)
+        t_ff = statistics.median(self._forward[skip:timer.steps])
+        t_bp = statistics.median(self._backward[skip:timer.steps])
+        workload = timer.workload(type(module).__name__, _batch_size(strategy), skip, totals=(t_ff, t_bp))
+        layer_of_param = timer.layer_of_param()
+        by_name = {layer.name: layer for layer in workload.layers}
+        buckets = []
+        for bucket, times in zip(plan.buckets, bucket_times):
+            names = list(dict.fromkeys(layer_of_param[id(p)] for p in bucket.params if id(p) in layer_of_param))
+            buckets.append({
+                "index": bucket.index, "nbytes": bucket.numel * bucket.buffer.element_size(), "layers": names,
+                "forward_s": sum(by_name[n].forward_s for n in names if n in by_name),
+                "backward_s": sum(by_name[n].backward_s for n in names if n in by_name),
+                **{f"{c}_s": t for c, t in times.items()},
+            })
+        isolated = schedule_comm_seconds(schedule_name, bucket_times)
+        steps = []
+        for k in range(timer.steps):
+            exposed = self._exposed[k + 1] - self._exposed[k]
+            step_s = self._step_starts[k + 1] - self._step_starts[k]
+            steps.append({
+                "step": k, "step_s": step_s, "forward_s": self._forward[k], "backward_s": self._backward[k],
+                "exposed_comm_s": exposed, "other_s": step_s - self._forward[k] - self._backward[k] - exposed,
+                # negative when the loop waited longer than the collectives take alone (contention)
+                "overlap_ratio": 1.0 - exposed / isolated if isolated > 0 else 1.0,
+            })
+        timed = steps[skip:]
+        comm_totals = {c: sum(t[c] for t in bucket_times) for c in ("all_reduce", "reduce_scatter", "all_gather")}
+        summary = {
+            "step_s": statistics.median(s["step_s"] for s in timed),
+            "t_ff": t_ff, "t_bp": t_bp, **{f"t_{_short(c)}": v for c, v in comm_totals.items()},
+            "t_other": statistics.median(s["other_s"] for s in timed),
+            "exposed_comm_s": statistics.median(s["exposed_comm_s"] for s in timed),
+            "overlap_ratio": statistics.median(s["overlap_ratio"] for s in timed),
+            "theoretical_best_s": theoretical_best(t_ff, t_bp, comm_totals),
+        }
+        return {
+            "version": 1, "schedule": schedule_name, "world_size": plan.world_size,
+            "backend": dist.get_backend(), "profiled_steps": len(steps), "warmup_steps": self.warmup,
+            "summary": summary, "steps": steps, "buckets": buckets, "workload": workload.to_dict(),
+        }
+
+    def _write(self, strategy: Any, result: dict, spans: list[Span]) -> None:
+        out_dir = self.out_dir or Path(strategy.lightning_module.trainer.default_root_dir) / "commsched_profile"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        origin = min((s.start for s in spans), default=0.0)
+        shifted = [Span(s.lane, s.name, s.start - origin, s.end - origin, s.rank) for s in spans]
+        (out_dir / "profile.json").write_text(json.dumps(result, indent=1))
+        write_chrome_trace(shifted, out_dir / "trace.json")
+        result["files"] = {"profile": str(out_dir / "profile.json"), "trace": str(out_dir / "trace.json")}
+        logger = strategy.lightning_module.trainer.logger
+        if logger is not None:
+            for step in result["steps"]:
+                logger.log_metrics({
+                    "profile/step_ms": step["step_s"] * 1e3, "profile/forward_ms": step["forward_s"] * 1e3,
+                    "profile/backward_ms": step["backward_s"] * 1e3,
+                    "profile/exposed_comm_ms": step["exposed_comm_s"] * 1e3,
+                    "profile/overlap_ratio": step["overlap_ratio"],
+                }, step=step["step"])
+
+
+def _short(collective: str) -> str:
+    return {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}[collective]
+
+
+def _batch_size(strategy: Any) -> int:
+    loader = strategy.lightning_module.trainer.train_dataloader
+    return int(getattr(loader, "batch_size", 0) or 0)

@@ -1,0 +1,32 @@
+"""Start N local worker processes joined in a gloo process group over 127.0.0.1 (the probe's workers;
+training runs use Lightning's own launcher)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> None:
+    """Run `fn(rank, *args)` in `world` spawned processes; an error in any of them is raised here."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args, timeout_s), nprocs=world, start_method="spawn")
