@@ -27,8 +27,10 @@ demo: install
 test: install
 	$(PY) -m pytest
 
+# e.g. make bench BENCH_ARGS="link.rate=1gbit models=[small_cnn,resnet18]"  (a slow link needs root)
+BENCH_ARGS ?=
 bench: install
-	$(PY) recipes/bench_schedules.py
+	$(VENV)/bin/commsched-bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

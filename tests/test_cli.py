@@ -75,6 +75,8 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("model.arch=resnet51", "model.arch='resnet51'; allowed: one of 'resnet18'"),
         ("data=digits model=gpt2", "for a language model one of ['synthetic_tokens', 'text']"),
         ("fusion.policy=greedy", "fusion='greedy'; allowed: one of 'fixed', 'layers'"),
+        ("schedule=ddp profile.steps=5", "profile.steps=5; allowed: 0 with schedule=ddp"),
+        ("profile.steps=-1", "profile.steps=-1; allowed: an integer >= 0"),
     ],
 )
 def test_bad_values_are_refused_with_allowed_values(override, message):
@@ -112,7 +114,8 @@ def test_command_line_fails_before_any_worker_starts(tmp_path, override, message
     ],
 )
 def test_each_model_family_trains_on_two_processes(tmp_path, recipe, extra):
-    proc = train(tmp_path, f"+recipe={recipe}", "trainer.max_steps=8", "data.train_size=256", "data.val_size=32", *extra)
+    proc = train(tmp_path, f"+recipe={recipe}", "trainer.max_steps=8", "data.train_size=256", "data.val_size=32",
+                 "profile.steps=4", *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = summary(tmp_path)
     assert result["world_size"] == 2 and result["steps"] == 8 and result["samples_per_s"] > 0
@@ -122,6 +125,10 @@ def test_each_model_family_trains_on_two_processes(tmp_path, recipe, extra):
     assert (run / "config.resolved.yaml").is_file() and (run / "metrics.csv").is_file()
     logged = (run / "metrics.csv").read_text().splitlines()[0]
     assert "samples_per_s" in logged and "exposed_comm_ms" in logged
+    assert "profile/overlap_ratio" in logged and "profile/exposed_comm_ms" in logged
+    profile = json.loads((run / "profile" / "profile.json").read_text())
+    assert profile["schedule"] == "dear" and profile["profiled_steps"] == 4
+    assert (run / "profile" / "trace.json").is_file()
 
 
 def test_sweep_collects_csv_table_and_chart(tmp_path):

@@ -191,3 +191,14 @@ def test_cli_bad_input_names_the_field(argv: list[str], field: str, capsys) -> N
         cli.main(argv)
     assert exit_info.value.code == 2
     assert field in capsys.readouterr().err
+
+
+def test_measured_costs_are_exact_at_their_points_and_linear_between() -> None:
+    from commsched.sim import Measured
+
+    measured = Measured(2, {"all_reduce": ((1e6, 0.010), (4e6, 0.025), (2e6, 0.016))})
+    assert measured.time("all_reduce", 2e6, 2) == pytest.approx(0.016)
+    assert measured.time("all_reduce", 3e6, 2) == pytest.approx(0.0205)
+    assert measured.time("all_reduce", 8e6, 2) == pytest.approx(0.025 + 4e6 * 0.009 / 2e6)  # last segment extended
+    with pytest.raises(ValueError, match="measured with 2 workers"):
+        measured.time("all_reduce", 1e6, 4)

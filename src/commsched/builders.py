@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -40,7 +41,8 @@ def build_data(cfg: Any) -> pl.LightningDataModule:
     return ByteTextData(d.path, d.block_size, d.batch_size, num_workers=d.num_workers)
 
 
-def build_strategy(cfg: Any) -> Strategy:
+def build_strategy(cfg: Any, out: Optional[Path] = None) -> Strategy:
+    """`out`: the run directory; profiles go to out/profile."""
     name = str(cfg.schedule.name)
     timeout = timedelta(seconds=cfg.trainer.timeout_s)
     if name == "ddp":
@@ -48,5 +50,6 @@ def build_strategy(cfg: Any) -> Strategy:
     strategy_class = commsched.STRATEGIES[name][0]
     return strategy_class(
         bucket_cap_mb=cfg.fusion.bucket_cap_mb, fusion=cfg.fusion.policy, bucket_layers=cfg.fusion.bucket_layers,
-        timeout=timeout,
+        timeout=timeout, profile_steps=cfg.profile.steps, profile_probe=cfg.profile.probe,
+        profile_dir=str(out / "profile") if out is not None else None,
     )

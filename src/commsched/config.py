@@ -89,12 +89,19 @@ class TrainerConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: int = 0  # profile the first N training steps (wfbp/dear): profile/profile.json, trace.json
+    probe: bool = False  # also fit the link's alpha-beta costs at the end of profiling
+
+
+@dataclass
 class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     seed: int = 0
     warmup_steps: int = 5  # steps left out of the samples/s summary
 
@@ -133,6 +140,10 @@ def validate(cfg: Any) -> None:
         options.positive_int("trainer.devices", cfg.trainer.devices)
     if cfg.trainer.max_steps != -1:
         options.positive_int("trainer.max_steps", cfg.trainer.max_steps)
+    options.non_negative_int("profile.steps", cfg.profile.steps)
+    if cfg.profile.steps and str(cfg.schedule.name) == "ddp":
+        raise bad_value("profile.steps", cfg.profile.steps, "0 with schedule=ddp (Lightning's own DDP is not instrumented); "
+                        "profile schedule=wfbp, which runs the same communication")
     if cfg.data.name == "cifar10":
         from commsched.data import check_cifar10_dir
 

@@ -51,7 +51,9 @@ def run_in_namespace(rate: str, argv: Sequence[str], burst: str = "256kb") -> in
         if rate != "none":
             subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
                             "rate", rate, "burst", burst, "latency", "50ms"], check=True, capture_output=True, text=True)
-        child = subprocess.Popen(["ip", "netns", "exec", name, *argv])
+        # c10d warns on every connection that the namespace's hostname does not resolve; it is harmless
+        env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ}
+        child = subprocess.Popen(["ip", "netns", "exec", name, *argv], env=env)
         return child.wait()
     except BaseException:
         if child is not None and child.poll() is None:
@@ -74,3 +76,20 @@ def namespaces() -> list[str]:
 
 def _raise_exit(signum: int, _frame: object) -> None:
     sys.exit(128 + signum)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m commsched.netns RATE COMMAND...`: any command (e.g. commsched-train) over an emulated link."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2:
+        print("usage: python -m commsched.netns RATE COMMAND...   (RATE: e.g. 1gbit, 200mbit, none)", file=sys.stderr)
+        return 2
+    try:
+        return run_in_namespace(args[0], args[1:])
+    except (PermissionError, ValueError) as error:
+        print(f"commsched.netns: {error}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

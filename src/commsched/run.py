@@ -44,7 +44,7 @@ def main() -> None:
     data = build_data(cfg)
     t = cfg.trainer
     trainer = pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(cfg),
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(cfg, out),
         max_steps=t.max_steps, max_epochs=t.max_epochs, precision=t.precision,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
         val_check_interval=t.val_check_interval, limit_val_batches=t.limit_val_batches,

@@ -120,3 +120,29 @@ def parse_rate(text: str) -> float:
     if value <= 0:
         raise bad_value("rate", text, "a positive rate, e.g. 1gbit")
     return value
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Collective times measured on `workers` processes at a few sizes (e.g. each bucket alone),
+    interpolated piecewise-linearly and extended along the end segments: exact at the measured
+    sizes, which a straight-line fit is not when small messages cost more than alpha-beta says."""
+
+    workers: int
+    points: dict[str, tuple[tuple[float, float], ...]]
+
+    def time(self, collective: str, nbytes: float, workers: int) -> float:
+        if workers != self.workers:
+            raise ValueError(f"measured with {self.workers} workers, cannot predict {workers}")
+        if collective not in self.points:
+            raise bad_value("collective", collective, tuple(self.points))
+        points = sorted(dict(self.points[collective]).items())
+        if len(points) == 1:
+            (m0, t0), = points
+            return t0 * nbytes / m0 if m0 else t0
+        index = next((i for i in range(1, len(points)) if nbytes <= points[i][0]), len(points) - 1)
+        (m0, t0), (m1, t1) = points[index - 1], points[index]
+        return max(0.0, t0 + (t1 - t0) * (nbytes - m0) / (m1 - m0))
+
+    def __str__(self) -> str:
+        return f"measured on {self.workers} workers at {len(next(iter(self.points.values()), ()))} sizes"

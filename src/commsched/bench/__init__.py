@@ -1,0 +1,1 @@
+"""`commsched-bench`: the emulated-cluster benchmark."""

@@ -1,0 +1,64 @@
+"""Typed configuration of `commsched-bench` (conf/bench.yaml) and its validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from commsched import options
+from commsched.bench.models import BENCH_MODELS
+from commsched.errors import bad_value
+from commsched.sim.network import parse_rate
+
+BENCH_SCHEDULES = ("ddp", "wfbp", "dear")
+
+
+@dataclass
+class LinkConfig:
+    rate: str = "none"  # e.g. 1gbit, 200mbit; none: the unlimited loopback
+
+
+@dataclass
+class BenchConfig:
+    models: list[str] = field(default_factory=lambda: ["small_cnn"])
+    schedules: list[str] = field(default_factory=lambda: list(BENCH_SCHEDULES))
+    devices: int = 2
+    link: LinkConfig = field(default_factory=LinkConfig)
+    width: int = 32  # channels (images) or embedding size (gpt2_tiny)
+    batch_size: int = 32
+    bucket_cap_mb: float = 1.0  # the same for every schedule, ddp included
+    warmup: int = 3
+    steps: int = 10
+    rounds: int = 2  # the schedules run interleaved this many times; the best median counts
+    timeout_s: int = 600
+
+
+def register_bench_config() -> None:
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+
+
+def validate_bench(cfg: Any) -> None:
+    if not cfg.models:
+        raise bad_value("models", list(cfg.models), f"a non-empty list of {', '.join(BENCH_MODELS)}")
+    for model in cfg.models:
+        options.choice("models", model, tuple(BENCH_MODELS))
+    if not cfg.schedules:
+        raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(BENCH_SCHEDULES)}")
+    for schedule in cfg.schedules:
+        options.choice("schedules", schedule, BENCH_SCHEDULES)
+    if cfg.devices < 2:
+        raise bad_value("devices", cfg.devices, "an integer >= 2")
+    if cfg.link.rate != "none":
+        try:
+            parse_rate(cfg.link.rate)
+        except Exception:
+            raise bad_value("link.rate", cfg.link.rate, "none or a rate such as 1gbit, 200mbit") from None
+    for name in ("width", "batch_size", "steps", "rounds", "timeout_s"):
+        options.positive_int(name, cfg[name])
+    if cfg.warmup < 1:
+        raise bad_value("warmup", cfg.warmup, "an integer >= 1")
+    options.positive_number("bucket_cap_mb", cfg.bucket_cap_mb)
+    if "gpt2_tiny" in cfg.models and cfg.width % 2:
+        raise bad_value("width", cfg.width, "an even number with gpt2_tiny (2 attention heads)")

@@ -1,0 +1,124 @@
+"""The benchmark's worker: `python -m commsched.bench.worker SPEC.json OUT_DIR` (Lightning re-runs it per rank).
+
+For each model: every schedule trains `rounds` times, interleaved (a noisy moment of the machine
+hurts all alike), and the best median step time counts. Then one profiled `wfbp` run measures the
+components on the same processes and link: per-layer forward/backward, each bucket's all-reduce /
+reduce-scatter / all-gather alone, and the rest of the step (optimizer, data, Lightning). From those
+come each schedule's theoretical best (dear.txt Eq. 7-8) and the simulator's prediction.
+Rank 0 writes OUT_DIR/results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
+
+import commsched
+import lightning.pytorch as pl
+from commsched.bench.models import BENCH_MODELS
+from commsched.sim import Measured, Workload, schedules
+from commsched.timing import StepTimer
+
+
+def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=spec["devices"], strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        default_root_dir=out,
+    )
+
+
+def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
+    if schedule == "ddp":
+        return DDPStrategy(bucket_cap_mb=spec["bucket_cap_mb"])
+    return commsched.STRATEGIES[schedule][0](bucket_cap_mb=spec["bucket_cap_mb"], **extra)
+
+
+def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
+    return DataLoader(make_data(spec["batch_size"] * spec["devices"] * (steps + 2)), batch_size=spec["batch_size"])
+
+
+def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tuple[float, int]:
+    pl.seed_everything(0, verbose=False)
+    model, make_data = BENCH_MODELS[model_name](spec["width"])
+    steps = spec["warmup"] + spec["steps"] + 1
+    timer = StepTimer(warmup=spec["warmup"])
+    trainer = _trainer(_strategy(schedule, spec), spec, steps, [timer], out)
+    trainer.fit(model, _loader(make_data, spec, steps))
+    return timer.median, trainer.global_rank
+
+
+def profile_components(model_name: str, spec: dict, out: Path) -> dict:
+    pl.seed_everything(0, verbose=False)
+    model, make_data = BENCH_MODELS[model_name](spec["width"])
+    steps = spec["warmup"] + spec["steps"] + 1
+    strategy = _strategy("wfbp", spec, profile_steps=spec["warmup"] + spec["steps"], profile_dir=str(out))
+    trainer = _trainer(strategy, spec, steps + 1, [], out)
+    trainer.fit(model, _loader(make_data, spec, steps + 1))
+    assert strategy.profile is not None
+    return strategy.profile
+
+
+def predict(profile: dict) -> dict[str, float]:
+    """Simulated step of wfbp (= ddp's schedule) and dear for the profiled layers, buckets and link."""
+    workload = Workload.from_dict(profile["workload"])
+    index = {layer.name: i for i, layer in enumerate(workload.layers)}
+    owner: dict[int, int] = {}
+    for bucket in profile["buckets"]:
+        for name in bucket["layers"]:
+            owner[index[name]] = bucket["index"]  # a layer split over buckets completes with the later one
+    buckets = [sorted((i for i, b in owner.items() if b == k), reverse=True) for k in range(len(profile["buckets"]))]
+    buckets = [b for b in buckets if b]
+    # per-bucket times measured alone, interpolated at the simulator's bucket sizes
+    points = {c: tuple((float(b["nbytes"]), b[f"{c}_s"]) for b in profile["buckets"])
+              for c in ("all_reduce", "reduce_scatter", "all_gather")}
+    network = Measured(profile["world_size"], points)
+    other = profile["summary"]["t_other"]
+    workers = profile["world_size"]
+    wfbp = schedules.wfbp(workload, network, workers, buckets).iteration_s + other
+    dear = schedules.dear(workload, network, workers, buckets).iteration_s + other
+    return {"ddp": wfbp, "wfbp": wfbp, "dear": dear}
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+    results = []
+    rank = 0
+    for model_name in spec["models"]:
+        measured: dict[str, float] = {}
+        for _ in range(spec["rounds"]):
+            for schedule in spec["schedules"]:
+                step, rank = time_schedule(model_name, schedule, spec, out / model_name)
+                measured[schedule] = min(measured.get(schedule, float("inf")), step)
+        profile = profile_components(model_name, spec, out / model_name)
+        summary = profile["summary"]
+        theory = {k: v + summary["t_other"] for k, v in summary["theoretical_best_s"].items()}
+        theory["ddp"] = theory["wfbp"]
+        predicted = predict(profile)
+        nbytes = sum(layer["nbytes"] for layer in profile["workload"]["layers"])
+        results.append({
+            "model": model_name, "gradient_mb": nbytes / 2**20, "buckets": len(profile["buckets"]),
+            "components_ms": {k: v * 1e3 for k, v in summary.items() if k.startswith("t_")},
+            "rows": [{
+                "schedule": s, "step_ms": measured[s] * 1e3,
+                "samples_per_s": spec["batch_size"] * spec["devices"] / measured[s],
+                "speedup_vs_ddp": measured["ddp"] / measured[s] if "ddp" in measured else None,
+                "theoretical_ms": theory[s] * 1e3, "measured_over_theoretical": measured[s] / theory[s],
+                "predicted_ms": predicted[s] * 1e3, "prediction_error": predicted[s] / measured[s] - 1.0,
+            } for s in spec["schedules"]],
+        })
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Issue 4's instruments on real processes: the benchmark (profiler inside) over an emulated link,
+the link probe, the namespace's clean-up, and refusals before anything starts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from commsched import netns
+from commsched.profile import fit_line
+
+CAN_EMULATE = netns.unavailable_reason() is None
+needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason=str(netns.unavailable_reason()))
+
+
+def run(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
+    """CI runs as root: the 2-worker benchmark over a 200 Mbit namespace, tiny model, few steps."""
+    proc = run("commsched.bench.cli", "link.rate=200mbit", "width=8", "steps=3", "warmup=1", "rounds=1",
+               f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    assert [r["schedule"] for r in rows] == ["ddp", "wfbp", "dear"]
+    assert {r["link_rate"] for r in rows} == {"200mbit" if CAN_EMULATE else "none"}
+    if not CAN_EMULATE:
+        assert "running on the unlimited loopback" in proc.stdout
+    for row in rows:
+        assert float(row["step_ms"]) > 0 and float(row["theoretical_ms"]) > 0 and float(row["predicted_ms"]) > 0
+    assert "theoretical best" in proc.stdout and "simulated" in proc.stdout
+    assert (tmp_path / "bench.png").stat().st_size > 5000
+    assert netns.namespaces() == [] if CAN_EMULATE else True
+
+    # the profiler's output for the components run, as the simulator and planners read it
+    profile = json.loads((tmp_path / "small_cnn" / "profile.json").read_text())
+    assert profile["schedule"] == "wfbp" and profile["world_size"] == 2 and profile["profiled_steps"] == 4
+    layers = profile["workload"]["layers"]
+    owners = [f"net.features.{i}.{j}" for i in (0, 2, 4, 5) for j in (0, 1)] + ["net.classifier.1", "net.classifier.3"]
+    assert [l["name"] for l in layers] == owners  # forward order
+    param_bytes = sum(l["nbytes"] for l in layers)
+    assert sum(b["nbytes"] for b in profile["buckets"]) == param_bytes
+    assert all(l["forward_s"] > 0 and l["backward_s"] >= 0 for l in layers)
+    summary = profile["summary"]
+    assert summary["t_ff"] == pytest.approx(sum(l["forward_s"] for l in layers))
+    assert summary["t_ar"] > 0 and summary["t_rs"] > 0 and summary["t_ag"] > 0
+    assert all(set(s) >= {"step_s", "exposed_comm_s", "overlap_ratio"} for s in profile["steps"])
+    trace = json.loads((tmp_path / "small_cnn" / "trace.json").read_text())["traceEvents"]
+    lanes = {(e["pid"], e["args"]["name"]) for e in trace if e.get("name") == "thread_name"}
+    assert lanes == {(r, lane) for r in (0, 1) for lane in ("compute", "link: schedule", "link: control")}
+    assert any(e["ph"] == "X" and e["name"].startswith("all_reduce") for e in trace)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("models=[alexnet]", "models='alexnet'; allowed: one of 'small_cnn'"),
+    ("schedules=[ddp,fast]", "schedules='fast'"),
+    ("link.rate=fast", "link.rate='fast'"),
+    ("devices=1", "devices=1"),
+])
+def test_benchmark_refuses_bad_input_before_starting_workers(tmp_path, override, field):
+    proc = run("commsched.bench.cli", override, f"hydra.run.dir={tmp_path}", timeout=120)
+    assert proc.returncode != 0
+    assert field in proc.stderr + proc.stdout
+    assert "Initializing distributed" not in proc.stderr + proc.stdout
+
+
+@needs_netns
+def test_probe_measures_the_emulated_rate(tmp_path):
+    """100 Mbit shared by both directions of the loopback: an all-gather on 2 workers moves the
+    whole buffer through it once, so its fitted bandwidth must be close to 12.5 MB/s."""
+    out = tmp_path / "probe.json"
+    proc = run("commsched.profile.probe_cli", "--rate", "100mbit", "--sizes", "64k,256k,1m", "--repeats", "2",
+               "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    link = json.loads(out.read_text())["link"]
+    assert link["workers"] == 2
+    assert 0.6 * 12.5e6 < 1 / link["all_gather"]["b"] < 1.4 * 12.5e6
+    assert "all_reduce" in proc.stdout and "latency" in proc.stdout
+    assert netns.namespaces() == []
+
+
+def test_probe_refuses_bad_sizes():
+    proc = run("commsched.profile.probe_cli", "--sizes", "4k", timeout=60)
+    assert proc.returncode == 2 and "--sizes" in proc.stderr
+
+
+def test_fit_line_recovers_alpha_and_beta():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    line = fit_line(sizes, [2e-4 + 3e-9 * m for m in sizes])
+    assert line.a == pytest.approx(2e-4, rel=1e-6) and line.b == pytest.approx(3e-9, rel=1e-6)
+    assert line.residual == pytest.approx(0.0, abs=1e-9)
+
+
+@needs_netns
+def test_namespace_is_removed_when_the_command_fails():
+    assert netns.run_in_namespace("10mbit", [sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+    assert netns.namespaces() == []
+
+
+@needs_netns
+def test_namespace_is_removed_when_the_run_is_terminated():
+    script = ("import sys; from commsched import netns; "
+              "netns.run_in_namespace('10mbit', [sys.executable, '-c', 'import time; time.sleep(60)'])")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 30
+    while not netns.namespaces() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert netns.namespaces(), "the namespace never appeared"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert netns.namespaces() == []
+
+
+def test_without_root_the_namespace_is_refused_with_the_reason(tmp_path):
+    """Run as an unprivileged user (nobody) when we are root, so this path is exercised on CI too."""
+    code = ("from commsched import netns\n"
+            "try:\n    netns.run_in_namespace('1gbit', ['true'])\n"
+            "except PermissionError as error:\n    print('refused:', error)\n")
+    command = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MPLCONFIGDIR": str(tmp_path), "HOME": str(tmp_path)})
+    assert "refused: emulating a slow link needs root" in proc.stdout, proc.stderr[-2000:]
