@@ -15,7 +15,7 @@ WORKERS = Path(__file__).parent / "workers"
 CASES_BY_WORLD = {
     2: [
         "ddp-sgd", "wfbp-sgd", "dear-sgd", "ddp-adamw", "wfbp-adamw", "dear-adamw",
-        "ddp-value", "wfbp-value", "dear-value", "ddp-bf16", "dear-bf16", "dear-layers", "dear-onebucket",
+        "ddp-value", "wfbp-value", "dear-value", "ddp-bf16", "dear-bf16", "dear-layers", "dear-onebucket", "dear-profiled",
         "ddp-eval", "dear-eval",
     ],
     3: [

@@ -34,6 +34,7 @@ def test_final_weights_equal_ddp(cases, world, optimizer, schedule):
         ("dear-value", "ddp-value"),
         ("dear-layers", "ddp-sgd"),  # N-layers fusion: grouping never changes the math
         ("dear-onebucket", "ddp-sgd"),  # everything in one bucket
+        ("dear-profiled", "ddp-sgd"),  # profiling (and its flush, isolated timings, link probe) changes nothing
     ],
 )
 def test_variants_equal_ddp(cases, case, reference):
@@ -95,3 +96,11 @@ def test_unfreezing_mid_run_rebuilds_buckets_on_every_rank(cases):
         assert torch.equal(dear[rank]["state"]["frozen.weight"], dear[0]["state"]["frozen.weight"])
         diff, key = max_abs_diff(dear[rank]["state"], wfbp[rank]["state"])
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
+
+
+def test_profiling_reports_the_same_link_fit_on_every_rank(cases):
+    """The probe is decided by rank 0 and its fit broadcast: a planner reading it decides alike everywhere."""
+    profiles = [r["profile"] for r in cases(2).all_ranks("dear-profiled")]
+    assert profiles[0]["link"] == profiles[1]["link"]
+    assert set(profiles[0]["link"]) == {"workers", "all_reduce", "reduce_scatter", "all_gather"}
+    assert profiles[0]["profiled_steps"] == 5 and len(profiles[0]["buckets"]) == len(profiles[1]["buckets"]) > 1

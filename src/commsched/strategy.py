@@ -289,8 +289,6 @@ class CommSchedStrategy(DDPStrategy):
 
         def closure_then_reduce() -> Any:
             output = closure()
-            if self._profiler is not None:
-                self._profiler.backward_done(self)
             schedule.finish_backward()
             return output
 
@@ -302,6 +300,11 @@ class CommSchedStrategy(DDPStrategy):
         super().pre_backward(closure_loss)
         if self._profiler is not None:
             self._profiler.backward_started(self)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._profiler is not None:
+            self._profiler.backward_done(self)
 
     def _clip_gradients(
         self,

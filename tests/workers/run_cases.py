@@ -66,6 +66,8 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
         "trace": trace,
         "global_step": trainer.global_step,
     }
+    if getattr(trainer.strategy, "profile", None) is not None:
+        result["profile"] = trainer.strategy.profile
     if name.endswith("-eval"):
         result["validate_before_fit"] = validate_before
         result["test"] = trainer.test(model, verbose=False)
@@ -83,6 +85,7 @@ CASES = {
     "dear-bf16": ("dear", {"precision": "bf16-mixed"}),
     "dear-layers": ("dear", {"fusion": "layers", "bucket_layers": 2}),
     "dear-onebucket": ("dear", {"bucket_cap_mb": 25.0}),
+    "dear-profiled": ("dear", {"profile_steps": 5, "profile_probe": True}),
     "ddp-2ep": ("ddp", {"epochs": 2}),
     "dear-2ep": ("dear", {"epochs": 2}),
     "wfbp-2ep": ("wfbp", {"epochs": 2}),
