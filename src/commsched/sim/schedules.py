@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from commsched.fusion.mgwfbp import plan_mgwfbp
+from commsched.fusion.dear_model import DearInstance, DearPlan, plan_dear_model
+from commsched.fusion.mgwfbp import plan_exact, plan_greedy
 from commsched.sim.network import CostModel
 from commsched.sim.workload import Workload
 from commsched.trace import Span
@@ -58,14 +59,13 @@ def grad_ready(workload: Workload, backward_start: float = 0.0) -> list[float]:
     return ready
 
 
-def mgwfbp_buckets(workload: Workload, network: CostModel, workers: int) -> list[list[int]]:
+def mgwfbp_buckets(workload: Workload, network: CostModel, workers: int, exact: bool = True) -> list[list[int]]:
+    """MG-WFBP's plan on the layers with gradients: the exact programme, or the paper's greedy rule."""
     order = [b[0] for b in per_layer(workload)]
     ready = grad_ready(workload)
-    groups = plan_mgwfbp(
-        [ready[i] for i in order],
-        [workload.layers[i].nbytes for i in order],
-        lambda m: network.time("all_reduce", m, workers),
-    )
+    args = ([ready[i] for i in order], [workload.layers[i].nbytes for i in order],
+            lambda m: network.time("all_reduce", m, workers))
+    groups = plan_exact(*args)[0] if exact else plan_greedy(*args)
     return [[order[j] for j in group] for group in groups]
 
 
@@ -113,9 +113,9 @@ def sync_easgd(workload: Workload, network: CostModel, workers: int) -> Result:
     return Result("syncea", t_end + t_ar, forward + backward + [Span("link", "all_reduce", t_end, t_end + t_ar)], 1)
 
 
-def mgwfbp(workload: Workload, network: CostModel, workers: int) -> Result:
-    result = wfbp(workload, network, workers, mgwfbp_buckets(workload, network, workers))
-    result.schedule = "mgwfbp"
+def mgwfbp(workload: Workload, network: CostModel, workers: int, exact: bool = True) -> Result:
+    result = wfbp(workload, network, workers, mgwfbp_buckets(workload, network, workers, exact))
+    result.schedule = "mgwfbp" if exact else "mgwfbp_greedy"
     return result
 
 
@@ -142,3 +142,27 @@ def dear(workload: Workload, network: CostModel, workers: int, buckets: Buckets 
     backward, t_end = _compute_spans(workload, clock, "backward")
     comm, rs_end = _chain(workload, network, workers, buckets, "reduce_scatter", clock)
     return Result("dear", max(t_end, rs_end), spans + backward + comm, len(buckets))
+
+
+def dear_instance(workload: Workload, network: CostModel, workers: int) -> tuple[DearInstance, list[int]]:
+    """The DeAR planning problem for this workload: units are the layers with gradients, in forward order."""
+    units = [i for i, layer in enumerate(workload.layers) if layer.nbytes > 0]
+    ready = grad_ready(workload)
+    suffix, fsuf = 0.0, [0.0] * len(workload.layers)
+    for i in reversed(range(len(workload.layers))):
+        suffix += workload.layers[i].forward_s
+        fsuf[i] = suffix
+    instance = DearInstance(
+        fsuf=[fsuf[i] for i in units], ready=[ready[i] for i in units],
+        nbytes=[workload.layers[i].nbytes for i in units],
+        reduce_scatter=lambda m: network.time("reduce_scatter", m, workers),
+        all_gather=lambda m: network.time("all_gather", m, workers),
+        t_ff=workload.forward_s, t_bp=workload.backward_s,
+    )
+    return instance, units
+
+
+def dear_model_buckets(workload: Workload, network: CostModel, workers: int) -> tuple[list[list[int]], DearPlan]:
+    instance, units = dear_instance(workload, network, workers)
+    plan = plan_dear_model(instance)
+    return [sorted((units[u] for u in group), reverse=True) for group in reversed(plan.groups)], plan

@@ -9,7 +9,7 @@ from commsched.sim.priority import bytescheduler
 from commsched.sim.schedules import Result
 from commsched.sim.workload import Workload
 
-SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp", "dear", "dear_fused", "bytescheduler")
+SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp_greedy", "mgwfbp", "dear", "dear_fused", "dear_model", "bytescheduler")
 
 
 def simulate(name: str, workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20,
@@ -23,10 +23,16 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
         return schedules.wfbp(workload, network, workers)
     if name == "mgwfbp":
         return schedules.mgwfbp(workload, network, workers)
+    if name == "mgwfbp_greedy":
+        return schedules.mgwfbp(workload, network, workers, exact=False)
     if name == "dear":
         return schedules.dear(workload, network, workers)
     if name == "dear_fused":
         result = schedules.dear(workload, network, workers, schedules.fixed_size(workload, bucket_bytes))
+        result.schedule = name
+        return result
+    if name == "dear_model":
+        result = schedules.dear(workload, network, workers, schedules.dear_model_buckets(workload, network, workers)[0])
         result.schedule = name
         return result
     if name == "bytescheduler":
