@@ -4,10 +4,12 @@ DeAR model against the simulator, and the per-instance bound."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 
 import pytest
+from conftest import max_abs_diff
 
 from commsched.fusion.dear_model import DearInstance, min_backward, min_forward, plan_dear_model
 from commsched.fusion.mgwfbp import chain_end, plan_exact, plan_greedy
@@ -108,3 +110,75 @@ def test_planners_cover_every_layer_with_gradients_once():
                     schedules.dear_model_buckets(workload, network, 2)[0]):
         assert sorted(i for b in buckets for i in b) == [0, 2, 3]
         assert [max(b) for b in buckets] == sorted((max(b) for b in buckets), reverse=True)  # backward order
+
+
+# ---------------------------------------------------------------- in real 3-process training runs
+TOLERANCE = 1e-5
+PLANNED = ["dear-mgwfbp", "dear-greedy", "wfbp-dear-model", "dear-bayes-1ep"]
+
+
+@pytest.mark.parametrize("case", PLANNED)
+def test_planners_change_the_buckets_mid_run_and_never_the_math(cases, case):
+    results = cases(3)
+    reference = results.load("ddp-1ep")
+    for rank, result in enumerate(results.all_ranks(case)):
+        assert len(result["layouts"]) >= 2, f"{case}: the plan never changed: {result['layouts']}"
+        diff, key = max_abs_diff(result["state"], reference["state"])
+        assert diff <= TOLERANCE, f"{case} rank {rank}: {key} differs from ddp by {diff:.3g}"
+
+
+@pytest.mark.parametrize("case", [*PLANNED, "dear-planfile", "dear-bayes-resume"])
+def test_every_rank_ends_with_the_same_plan_and_collectives(cases, case):
+    ranks = cases(3).all_ranks(case)
+    assert ranks[0]["fusion_plan"]["buckets"], "no plan was decided"
+    for result in ranks[1:]:
+        assert result["fusion_plan"]["buckets"] == ranks[0]["fusion_plan"]["buckets"]
+        assert result["layouts"] == ranks[0]["layouts"]
+        assert result["trace"] == ranks[0]["trace"]
+
+
+def test_bayes_tuning_tries_the_budget_and_keeps_the_fastest(cases):
+    result = cases(3).load("dear-bayes-1ep")
+    trials = result["trials"]
+    assert [t["trial"] for t in trials] == [0, 1, 2] and trials[0]["bucket_mb"] == pytest.approx(600 / 2**20)
+    best = min(trials, key=lambda t: t["step_ms"])
+    assert result["fusion_plan"]["details"]["bucket_mb"] == best["bucket_mb"]
+
+
+def test_a_resumed_run_keeps_the_tuned_plan_without_tuning_again(cases):
+    results = cases(3)
+    resumed, first = results.load("dear-bayes-resume"), results.load("dear-bayes-1ep")
+    assert resumed["trials"] == [] and len(resumed["layouts"]) == 1
+    assert resumed["fusion_plan"]["buckets"] == first["fusion_plan"]["buckets"]
+    diff, key = max_abs_diff(resumed["state"], results.load("ddp-2ep")["state"])
+    assert diff <= TOLERANCE, f"{key} differs from ddp by {diff:.3g}"
+
+
+def test_a_saved_plan_is_used_from_the_first_step(cases):
+    results = cases(3)
+    loaded, source = results.load("dear-planfile"), results.load("dear-mgwfbp")
+    assert loaded["fusion_plan"]["buckets"] == source["fusion_plan"]["buckets"]
+    assert loaded["layouts"] == [source["layouts"][-1]]
+    diff, key = max_abs_diff(loaded["state"], results.load("ddp-1ep")["state"])
+    assert diff <= TOLERANCE, f"{key} differs from ddp by {diff:.3g}"
+
+
+def test_plan_cli_compares_saves_and_shows(cases, tmp_path, capsys):
+    from commsched.planning import SavedPlan
+    from commsched.planning.cli import main
+
+    profile = cases(2).load("dear-profiled")["profile"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    assert main(["--profile", str(path)]) == 0
+    compared = capsys.readouterr().out
+    assert all(policy in compared for policy in ("mgwfbp", "mgwfbp-greedy", "dear-model"))
+    assert main(["--profile", str(path), "--fusion", "mgwfbp", "--out", str(tmp_path / "plan.json")]) == 0
+    plan = SavedPlan.load(tmp_path / "plan.json")
+    names = sorted(n for bucket in plan.buckets for n in bucket)
+    assert names == sorted(n for layer in profile["layer_params"].values() for n in layer)
+    assert main(["--show", str(tmp_path / "plan.json")]) == 0
+    assert "plan 'mgwfbp'" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x.json")])
+    assert "--profile" in capsys.readouterr().err

@@ -34,9 +34,17 @@ class ScheduleConfig:
 
 @dataclass
 class FusionConfig:
-    policy: str = "fixed"  # fixed | layers
-    bucket_cap_mb: float = 25.0
+    policy: str = "fixed"  # fixed | layers | mgwfbp | mgwfbp-greedy | dear-model | bayes
+    bucket_cap_mb: float = 25.0  # fixed; and the buckets model policies profile on
     bucket_layers: int = 1
+    profile_steps: int = 5  # model policies: steps profiled before planning
+    bayes_trials: int = 10
+    bayes_warmup_steps: int = 2
+    bayes_trial_steps: int = 10
+    bayes_min_mb: float = 1.0
+    bayes_max_mb: float = 100.0
+    bayes_first_mb: float = 25.0
+    plan_file: Optional[str] = None  # a saved plan: use it from the first step
 
 
 @dataclass
@@ -123,6 +131,20 @@ def validate(cfg: Any) -> None:
     options.fusion_policy(cfg.fusion.policy)
     options.positive_number("fusion.bucket_cap_mb", cfg.fusion.bucket_cap_mb)
     options.positive_int("fusion.bucket_layers", cfg.fusion.bucket_layers)
+    options.positive_int("fusion.profile_steps", cfg.fusion.profile_steps)
+    options.positive_int("fusion.bayes_trials", cfg.fusion.bayes_trials)
+    options.non_negative_int("fusion.bayes_warmup_steps", cfg.fusion.bayes_warmup_steps)
+    options.positive_int("fusion.bayes_trial_steps", cfg.fusion.bayes_trial_steps)
+    for bound in ("bayes_min_mb", "bayes_max_mb", "bayes_first_mb"):
+        options.positive_number(f"fusion.{bound}", cfg.fusion[bound])
+    if not cfg.fusion.bayes_min_mb <= cfg.fusion.bayes_first_mb <= cfg.fusion.bayes_max_mb:
+        raise bad_value("fusion.bayes_first_mb", cfg.fusion.bayes_first_mb, "a size within fusion.bayes_min_mb..bayes_max_mb")
+    if cfg.fusion.plan_file is not None:
+        from commsched.planning import SavedPlan
+
+        SavedPlan.load(cfg.fusion.plan_file)
+    if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("fixed",) or cfg.fusion.plan_file is not None):
+        raise bad_value("fusion", cfg.fusion.policy, "fixed with schedule=ddp (Lightning's DDP takes only bucket_cap_mb)")
     options.choice("model.kind", cfg.model.kind, ("image", "language"))
     if cfg.model.kind == "image":
         options.choice("model.arch", cfg.model.arch, IMAGE_ARCHS)

@@ -32,8 +32,9 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 from commsched import options
 from commsched.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
-from commsched.errors import CommSchedConfigError, PeerFailureError
-from commsched.fusion import plan_fixed, plan_layers
+from commsched.errors import CommSchedConfigError, PeerFailureError, bad_value
+from commsched.fusion import MODEL_POLICIES, plan_fixed, plan_layers
+from commsched.planning import BayesOptions, PlanController, SavedPlan
 from commsched.links import CollectiveRecord, Link
 from commsched.profile import RunProfiler
 from commsched.schedules import DeARSchedule, Schedule, WFBPSchedule
@@ -51,6 +52,14 @@ class CommSchedStrategy(DDPStrategy):
         bucket_cap_mb: float = 25.0,
         fusion: str = "fixed",
         bucket_layers: int = 1,
+        plan_profile_steps: int = 5,
+        bayes_trials: int = 10,
+        bayes_warmup_steps: int = 2,
+        bayes_trial_steps: int = 10,
+        bayes_min_mb: float = 1.0,
+        bayes_max_mb: float = 100.0,
+        bayes_first_mb: float = 25.0,
+        plan_file: Optional[str] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         profile_steps: int = 0,
@@ -68,8 +77,17 @@ class CommSchedStrategy(DDPStrategy):
         """
         Args:
             bucket_cap_mb: size limit of one bucket for ``fusion="fixed"`` (MB of gradient, any dtype).
-            fusion: ``"fixed"`` (buckets up to ``bucket_cap_mb``) or ``"layers"`` (``bucket_layers`` layers each).
+            fusion: ``"fixed"`` (buckets up to ``bucket_cap_mb``), ``"layers"`` (``bucket_layers`` layers each),
+                ``"mgwfbp"`` (MG-WFBP's exact plan), ``"mgwfbp-greedy"`` (the paper's rule), ``"dear-model"``
+                (the plan minimising the modelled DeAR iteration): planned by rank 0 from a profile of the
+                first ``plan_profile_steps`` steps on ``bucket_cap_mb`` buckets; or ``"bayes"``: the bucket size
+                tuned online by Bayesian optimisation, ``bayes_trials`` trials of ``bayes_trial_steps`` timed
+                steps after ``bayes_warmup_steps``, sizes in ``bayes_min_mb..bayes_max_mb`` starting at
+                ``bayes_first_mb``. The chosen plan is saved to
+                ``<default_root_dir>/commsched_plan.json`` and stored in checkpoints (a resumed run keeps it).
             bucket_layers: layers per bucket for ``fusion="layers"``; a layer is a module owning parameters.
+            plan_file: a saved plan (``commsched-plan``, or a previous run's ``commsched_plan.json``) to use
+                from the first step, skipping profiling and tuning.
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             profile_steps: profile the first N training steps (0: off): per-layer and per-bucket times,
@@ -81,6 +99,21 @@ class CommSchedStrategy(DDPStrategy):
         self._bucket_cap_mb = options.positive_number("bucket_cap_mb", bucket_cap_mb)
         self._fusion = options.fusion_policy(fusion)
         self._bucket_layers = options.positive_int("bucket_layers", bucket_layers)
+        self._plan_profile_steps = options.positive_int("plan_profile_steps", plan_profile_steps)
+        bayes = BayesOptions(trials=options.positive_int("bayes_trials", bayes_trials),
+                             warmup_steps=options.non_negative_int("bayes_warmup_steps", bayes_warmup_steps),
+                             trial_steps=options.positive_int("bayes_trial_steps", bayes_trial_steps),
+                             min_mb=options.positive_number("bayes_min_mb", bayes_min_mb),
+                             max_mb=options.positive_number("bayes_max_mb", bayes_max_mb),
+                             first_mb=options.positive_number("bayes_first_mb", bayes_first_mb))
+        if not bayes.min_mb <= bayes.first_mb <= bayes.max_mb:
+            raise bad_value("bayes_first_mb", bayes_first_mb, f"a size within bayes_min_mb..bayes_max_mb "
+                            f"({bayes.min_mb}..{bayes.max_mb}), with bayes_min_mb < bayes_max_mb")
+        self._plan_file = SavedPlan.load(plan_file) if plan_file is not None else None
+        self._controller: Optional[PlanController] = None
+        if self._fusion in (*MODEL_POLICIES, "bayes"):
+            self._controller = PlanController(self._fusion, self._bucket_cap_mb, bayes)
+        self._resumed_plan: Optional[SavedPlan] = None
         self._broadcast_buffers = options.flag("broadcast_buffers", broadcast_buffers)
         self._trace_collectives = options.flag("trace_collectives", trace_collectives)
         self._profile_steps = options.non_negative_int("profile_steps", profile_steps)
@@ -118,6 +151,23 @@ class CommSchedStrategy(DDPStrategy):
     def exposed_comm_seconds(self) -> float:
         """Total time this rank's training loop waited on communication (not hidden behind compute)."""
         return self._control.clock.seconds + (self._link.clock.seconds if self._link is not None else 0.0)
+
+    @property
+    def control_link(self) -> Link:
+        """The default group's link: setup checks, buffer broadcasts, plan decisions."""
+        return self._control
+
+    @property
+    def fusion_plan(self) -> Optional[SavedPlan]:
+        """The plan a planner, the tuner, a plan file or a checkpoint decided (None while still deciding)."""
+        if self._plan_file is not None:
+            return self._plan_file
+        return self._controller.decided if self._controller is not None else None
+
+    @property
+    def tuning_trials(self) -> list[dict[str, float]]:
+        """Bayesian tuning's trials so far: bucket size and median step time of each."""
+        return list(self._controller.trials) if self._controller is not None else []
 
     @property
     def profile(self) -> Optional[dict[str, Any]]:
@@ -165,12 +215,17 @@ class CommSchedStrategy(DDPStrategy):
         # Setup checks and DDP-style buffer broadcasts stay on the default group, so they never
         # queue behind the schedule's in-flight collectives either.
         self._control = Link(None, trace=self._trace, lane="link: control")
+        if self._controller is not None and self._resumed_plan is not None:
+            self._controller.adopt(self._resumed_plan)
         self._build_schedule(module)
         self._control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self._buffers_need_sync = True
         self._failed = False
-        if self._profile_steps and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._profiler = RunProfiler(self._profile_steps, self._profile_dir, self._profile_probe)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        planning = self._controller is not None and self._controller.tuning and self._fusion in MODEL_POLICIES
+        if fitting and (self._profile_steps or planning):
+            steps = max(self._profile_steps, self._plan_profile_steps if planning else 0)
+            self._profiler = RunProfiler(steps, self._profile_dir, self._profile_probe or planning)
             self._profiler.start(module, [self._link, self._control])
 
     def _build_schedule(self, module: nn.Module) -> None:
@@ -187,16 +242,29 @@ class CommSchedStrategy(DDPStrategy):
         must make the same change at the same step, which the plan check verifies."""
         if self._profiler is not None:
             self._profiler.on_batch_start(self)
+        if self._controller is not None and self._schedule is not None and self._controller.on_batch_start(self):
+            self._rebuild()
+            self._controller.rebuilt(self)
+            return
         module = self.lightning_module
         if self._schedule is None or module is None or _trainable_ids(module) == self._trainable:
             return
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """New buckets at an iteration boundary: apply what is pending, then rebuild with the current planner."""
+        assert self._schedule is not None
         sync_enabled = self._schedule.sync_enabled
         self._schedule.flush()
         self._schedule.detach()
-        self._build_schedule(module)
+        self._build_schedule(self.lightning_module)
         self._schedule.sync_enabled = sync_enabled
 
     def _planner(self) -> Callable[..., list[list[int]]]:
+        if self._plan_file is not None:
+            return self._plan_file.planner()
+        if self._controller is not None:
+            return self._controller.planner()
         if self._fusion == "layers":
             return partial(plan_layers, layers_per_bucket=self._bucket_layers)
         return partial(plan_fixed, cap_bytes=int(self._bucket_cap_mb * 2**20))
@@ -345,6 +413,19 @@ class CommSchedStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
         self._flush()
         return super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        plan = self.fusion_plan
+        if plan is not None:
+            checkpoint["commsched_fusion_plan"] = {"version": 1, **vars(plan)}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get("commsched_fusion_plan")
+        if saved is not None and self._controller is not None:
+            self._resumed_plan = SavedPlan.from_dict(saved)  # applied when the buckets are built: no re-tuning
+        return checkpoint
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True

@@ -32,12 +32,24 @@ ACCUMULATE = 2
 BATCH = 4
 
 
-def make_strategy(kind: str):
+def make_strategy(kind: str, **options):
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
     cls = commsched.DeARStrategy if kind == "dear" else commsched.WFBPStrategy
     # 600-byte buckets: several buckets, sizes that no world size divides
-    return cls(bucket_cap_mb=600 / 2**20, trace_collectives=True)
+    return cls(**{"bucket_cap_mb": 600 / 2**20, "trace_collectives": True, **options})
+
+
+class PlanWatcher(pl.Callback):
+    """The bucket layouts a run went through, in order (a planner changes it mid-run)."""
+
+    def __init__(self) -> None:
+        self.layouts: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        plan = getattr(trainer.strategy, "bucket_plan", None)
+        if plan is not None and (not self.layouts or self.layouts[-1] != plan.describe()):
+            self.layouts.append(plan.describe())
 
 
 def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epochs: int = 1,
@@ -46,16 +58,17 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
     pl.seed_everything(1234, verbose=False)
     model_class = UnfreezingToyNet if unfreeze else ToyNet
     model = model_class(optimizer=optimizer, batch_size=BATCH, train_size=STEPS_PER_EPOCH * ACCUMULATE * BATCH * world)
-    strategy = make_strategy(kind)
-    for key, value in strategy_overrides.items():
-        setattr(strategy, f"_{key}", value)
+    if "plan_file" in strategy_overrides:
+        strategy_overrides["plan_file"] = str(out / strategy_overrides["plan_file"])
+    strategy = make_strategy(kind, **strategy_overrides)
+    watcher = PlanWatcher()
     ckpt = ModelCheckpoint(dirpath=out / f"{name}-ckpt", save_last=True, save_top_k=0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, precision=precision,
         accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5, gradient_clip_algorithm=clip,
         limit_val_batches=2, val_check_interval=0.5, num_sanity_val_steps=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
-        default_root_dir=out,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt, watcher],
+        default_root_dir=out / name,
     )
     ckpt_path = str(out / f"{resume_from}-ckpt" / "last.ckpt") if resume_from else None
     validate_before = trainer.validate(model, verbose=False) if name.endswith("-eval") else None
@@ -68,12 +81,20 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
     }
     if getattr(trainer.strategy, "profile", None) is not None:
         result["profile"] = trainer.strategy.profile
+    if getattr(trainer.strategy, "fusion_plan", None) is not None:
+        result["fusion_plan"] = vars(trainer.strategy.fusion_plan)
+        result["trials"] = trainer.strategy.tuning_trials
+    result["layouts"] = watcher.layouts
     if name.endswith("-eval"):
         result["validate_before_fit"] = validate_before
         result["test"] = trainer.test(model, verbose=False)
         result["predict"] = torch.cat(trainer.predict(model))
     torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
 
+
+# the toy's gradients are ~2 KB: tune between 200 B and 2 KB so that trials give different buckets
+BAYES = {"fusion": "bayes", "bayes_trials": 3, "bayes_trial_steps": 2, "bayes_warmup_steps": 1,
+         "bayes_min_mb": 200 / 2**20, "bayes_max_mb": 2000 / 2**20, "bayes_first_mb": 600 / 2**20}
 
 CASES = {
     # name: (kind, kwargs)
@@ -86,6 +107,13 @@ CASES = {
     "dear-layers": ("dear", {"fusion": "layers", "bucket_layers": 2}),
     "dear-onebucket": ("dear", {"bucket_cap_mb": 25.0}),
     "dear-profiled": ("dear", {"profile_steps": 5, "profile_probe": True}),
+    # planners (world size 3): each changes the buckets mid-run; none may change the math
+    "dear-mgwfbp": ("dear", {"fusion": "mgwfbp", "plan_profile_steps": 3}),
+    "dear-greedy": ("dear", {"fusion": "mgwfbp-greedy", "plan_profile_steps": 3}),
+    "wfbp-dear-model": ("wfbp", {"fusion": "dear-model", "plan_profile_steps": 3}),
+    "dear-planfile": ("dear", {"plan_file": "dear-mgwfbp/commsched_plan.json"}),
+    "dear-bayes-1ep": ("dear", BAYES),
+    "dear-bayes-resume": ("dear", {"epochs": 2, "resume_from": "dear-bayes-1ep", **BAYES}),
     "ddp-2ep": ("ddp", {"epochs": 2}),
     "dear-2ep": ("dear", {"epochs": 2}),
     "wfbp-2ep": ("wfbp", {"epochs": 2}),

@@ -4,10 +4,12 @@ A planner sees the parameters in gradient-ready order (backward order) and retur
 groups of their indices. Grouping changes how communication overlaps compute, never the math.
 """
 
+from commsched.fusion.assigned import plan_assigned
 from commsched.fusion.fixed import plan_fixed
 from commsched.fusion.layers import plan_layers
 from commsched.fusion.grouping import ParamInfo
 
-FUSION_POLICIES = ("fixed", "layers")
+MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a profile of the first steps
+FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
 
-__all__ = ["FUSION_POLICIES", "ParamInfo", "plan_fixed", "plan_layers"]
+__all__ = ["FUSION_POLICIES", "MODEL_POLICIES", "ParamInfo", "plan_assigned", "plan_fixed", "plan_layers"]

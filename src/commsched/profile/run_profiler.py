@@ -170,8 +170,12 @@ class RunProfiler:
             "overlap_ratio": statistics.median(s["overlap_ratio"] for s in timed),
             "theoretical_best_s": theoretical_best(t_ff, t_bp, comm_totals),
         }
+        layer_params: dict[str, list[str]] = {}
+        for name, param in module.named_parameters():
+            if id(param) in layer_of_param:
+                layer_params.setdefault(layer_of_param[id(param)], []).append(name)
         return {
-            "version": 1, "schedule": schedule_name, "world_size": plan.world_size,
+            "version": 1, "schedule": schedule_name, "layer_params": layer_params, "world_size": plan.world_size,
             "backend": dist.get_backend(), "profiled_steps": len(steps), "warmup_steps": self.warmup,
             "summary": summary, "steps": steps, "buckets": buckets, "workload": workload.to_dict(),
         }
