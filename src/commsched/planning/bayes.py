@@ -20,30 +20,39 @@ class Trial:
     step_s: float
 
 
-@dataclass
-class BucketSizeTuner:
+@dataclass(frozen=True)
+class BayesOptions:
+    """The tuning run: `trials` trials, each `trial_steps` timed steps after `warmup_steps`."""
+
+    trials: int = 10
+    warmup_steps: int = 2
+    trial_steps: int = 10
     min_mb: float = 1.0
     max_mb: float = 100.0
     first_mb: float = 25.0
-    budget: int = 10
     xi: float = 0.1
+
+
+@dataclass
+class BucketSizeTuner:
+    options: BayesOptions = field(default_factory=BayesOptions)
     seed: int = 0
     trials: list[Trial] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        bounds = (math.log2(self.options.min_mb), math.log2(self.options.max_mb))
         self._optimizer = BayesianOptimization(
-            f=None, pbounds={"log2_mb": (math.log2(self.min_mb), math.log2(self.max_mb))},
-            acquisition_function=acquisition.ExpectedImprovement(xi=self.xi), random_state=self.seed, verbose=0,
-            allow_duplicate_points=True,
+            f=None, pbounds={"log2_mb": bounds}, acquisition_function=acquisition.ExpectedImprovement(xi=self.options.xi),
+            random_state=self.seed, verbose=0, allow_duplicate_points=True,
         )
 
     @property
     def done(self) -> bool:
-        return len(self.trials) >= self.budget
+        return len(self.trials) >= self.options.trials
 
     def next_size(self) -> float:
         if not self.trials:
-            return self.first_mb
+            return self.options.first_mb
         return 2 ** float(self._optimizer.suggest()["log2_mb"])
 
     def record(self, bucket_mb: float, step_s: float) -> None:

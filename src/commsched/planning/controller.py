@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -22,21 +21,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from commsched.buckets import trainable_in_ready_order
 from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed
 from commsched.links import Link
-from commsched.planning.bayes import BucketSizeTuner
+from commsched.planning.bayes import BayesOptions, BucketSizeTuner
 from commsched.planning.model_plans import plan_from_profile
 from commsched.planning.plan_file import SavedPlan
 
 Planner = Callable[[Sequence[ParamInfo]], list[list[int]]]
-
-
-@dataclass(frozen=True)
-class BayesOptions:
-    trials: int = 10
-    warmup_steps: int = 2
-    trial_steps: int = 10
-    min_mb: float = 1.0
-    max_mb: float = 100.0
-    first_mb: float = 25.0
 
 
 def share_plan(plan: Optional[SavedPlan], module: torch.nn.Module, link: Link) -> SavedPlan:
@@ -71,8 +60,7 @@ class PlanController:
         self.decided: Optional[SavedPlan] = None  # the final plan, once there is one
         self.trials: list[dict[str, float]] = []
         self._cap_mb = bayes.first_mb if policy == "bayes" else bucket_cap_mb
-        self._tuner = BucketSizeTuner(bayes.min_mb, bayes.max_mb, bayes.first_mb, bayes.trials, seed=seed) \
-            if policy == "bayes" else None
+        self._tuner = BucketSizeTuner(bayes, seed=seed) if policy == "bayes" else None
         self._batches_in_trial = 0
         self._last_start: Optional[float] = None
         self._durations: list[float] = []
