@@ -111,7 +111,7 @@ class CommSchedStrategy(DDPStrategy):
                             f"({bayes.min_mb}..{bayes.max_mb}), with bayes_min_mb < bayes_max_mb")
         self._plan_file = SavedPlan.load(plan_file) if plan_file is not None else None
         self._controller: Optional[PlanController] = None
-        if self._fusion in (*MODEL_POLICIES, "bayes"):
+        if self._fusion in (*MODEL_POLICIES, "bayes") and self._plan_file is None:  # a plan file skips planning
             self._controller = PlanController(self._fusion, self._bucket_cap_mb, bayes)
         self._resumed_plan: Optional[SavedPlan] = None
         self._broadcast_buffers = options.flag("broadcast_buffers", broadcast_buffers)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Fusion planners against a grid of fixed bucket sizes, over an emulated link (needs root + iproute2).
+#   recipes/planners.sh RATE NAME RECIPE-OVERRIDES...
+#   recipes/planners.sh 1gbit gpt2 +recipe=gpt2
+#   recipes/planners.sh 1gbit resnet50 +recipe=resnet model=resnet50 model.cifar=true model.num_classes=10 data.batch_size=16
+# Writes multirun/planners/RATE/NAME/{wfbp-grid,dear-grid,mgwfbp,dear-model,bayes}; then
+#   .venv/bin/python recipes/planners_table.py multirun/planners/RATE/NAME
+set -euo pipefail
+rate=$1; name=$2; shift 2
+root="$(cd "$(dirname "$0")/.." && pwd)"
+py="$root/.venv/bin/python"
+out="multirun/planners/$rate/$name"
+STEPS=${STEPS:-16}; WARMUP=${WARMUP:-9}  # model policies profile 5 steps, then plan and rebuild
+TRIALS=${TRIALS:-10}; TRIAL_STEPS=${TRIAL_STEPS:-3}
+bayes_tuning=$((TRIALS * (TRIAL_STEPS + 2) + 2))
+run() { "$py" -m commsched.netns "$rate" "$py" -m commsched.train -m "$@" trainer.enable_progress_bar=false; }
+run "$@" schedule=wfbp,dear fusion=fixed fusion.bucket_cap_mb=1,5,10,25,50,100 \
+    trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/grid"
+run "$@" schedule=wfbp fusion=mgwfbp,mgwfbp-greedy trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/mgwfbp"
+run "$@" schedule=dear fusion=dear-model trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/dear-model"
+run "$@" schedule=dear fusion=bayes fusion.bayes_trials=$TRIALS fusion.bayes_trial_steps=$TRIAL_STEPS \
+    fusion.bayes_warmup_steps=1 trainer.max_steps=$((bayes_tuning + STEPS - WARMUP)) warmup_steps=$bayes_tuning \
+    hydra.sweep.dir="$out/bayes"
