@@ -202,3 +202,14 @@ def test_measured_costs_are_exact_at_their_points_and_linear_between() -> None:
     assert measured.time("all_reduce", 8e6, 2) == pytest.approx(0.025 + 4e6 * 0.009 / 2e6)  # last segment extended
     with pytest.raises(ValueError, match="measured with 2 workers"):
         measured.time("all_reduce", 1e6, 4)
+
+
+def test_measured_costs_never_fall_with_size() -> None:
+    """Noisy small timings (1 KB slower than 64 KB) are lowered to what a larger message cost."""
+    from commsched.sim import Measured
+
+    measured = Measured(2, {"all_gather": ((1024, 2.7e-3), (65536, 0.5e-3), (1 << 20, 9e-3))})
+    assert measured.time("all_gather", 1024, 2) == pytest.approx(0.5e-3)
+    sizes = [2**k for k in range(10, 21)]
+    times = [measured.time("all_gather", m, 2) for m in sizes]
+    assert times == sorted(times)

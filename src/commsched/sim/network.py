@@ -126,7 +126,10 @@ def parse_rate(text: str) -> float:
 class Measured:
     """Collective times measured on `workers` processes at a few sizes (e.g. each bucket alone),
     interpolated piecewise-linearly and extended along the end segments: exact at the measured
-    sizes, which a straight-line fit is not when small messages cost more than alpha-beta says."""
+    sizes, which a straight-line fit is not when small messages cost more than alpha-beta says.
+    A message never costs more than a larger one: each point is lowered to the cheapest time
+    measured at any size >= its own, which removes the upward noise small timings carry (a
+    scheduler hiccup during a 50 us collective doubles it)."""
 
     workers: int
     points: dict[str, tuple[tuple[float, float], ...]]
@@ -136,7 +139,7 @@ class Measured:
             raise ValueError(f"measured with {self.workers} workers, cannot predict {workers}")
         if collective not in self.points:
             raise bad_value("collective", collective, tuple(self.points))
-        points = sorted(dict(self.points[collective]).items())
+        points = _monotone(sorted(dict(self.points[collective]).items()))
         if len(points) == 1:
             (m0, t0), = points
             return t0 * nbytes / m0 if m0 else t0
@@ -146,3 +149,11 @@ class Measured:
 
     def __str__(self) -> str:
         return f"measured on {self.workers} workers at {len(next(iter(self.points.values()), ()))} sizes"
+
+
+def _monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    cheapest, out = float("inf"), []
+    for size, seconds in reversed(points):
+        cheapest = min(cheapest, seconds)
+        out.append((size, cheapest))
+    return out[::-1]
