@@ -12,12 +12,15 @@ py="$root/.venv/bin/python"
 out="multirun/planners/$rate/$name"
 STEPS=${STEPS:-16}; WARMUP=${WARMUP:-9}  # model policies profile 5 steps, then plan and rebuild
 TRIALS=${TRIALS:-10}; TRIAL_STEPS=${TRIAL_STEPS:-3}
+STAGES=${STAGES:-"grid mgwfbp dear-model bayes"}  # e.g. STAGES=grid to run only the fixed sizes
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 bayes_tuning=$((TRIALS * (TRIAL_STEPS + 2) + 2))
 run() { "$py" -m commsched.netns "$rate" "$py" -m commsched.train -m "$@" trainer.enable_progress_bar=false; }
-run "$@" schedule=wfbp,dear fusion=fixed fusion.bucket_cap_mb=1,5,10,25,50,100 \
+want grid && run "$@" schedule=wfbp,dear fusion=fixed fusion.bucket_cap_mb=1,5,10,25,50,100 \
     trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/grid"
-run "$@" schedule=wfbp fusion=mgwfbp,mgwfbp-greedy trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/mgwfbp"
-run "$@" schedule=dear fusion=dear-model trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/dear-model"
-run "$@" schedule=dear fusion=bayes fusion.bayes_trials=$TRIALS fusion.bayes_trial_steps=$TRIAL_STEPS \
+want mgwfbp && run "$@" schedule=wfbp fusion=mgwfbp,mgwfbp-greedy trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/mgwfbp"
+want dear-model && run "$@" schedule=dear fusion=dear-model trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/dear-model"
+want bayes && run "$@" schedule=dear fusion=bayes fusion.bayes_trials=$TRIALS fusion.bayes_trial_steps=$TRIAL_STEPS \
     fusion.bayes_warmup_steps=1 trainer.max_steps=$((bayes_tuning + STEPS - WARMUP)) warmup_steps=$bayes_tuning \
     hydra.sweep.dir="$out/bayes"
+exit 0
