@@ -31,7 +31,7 @@ def main() -> None:
     for row in rows:
         if row["fusion"] == "fixed":
             best_grid[row["schedule"]] = max(best_grid.get(row["schedule"], 0.0), row["samples_per_s"])
-    print(f"| schedule | fusion | samples/s | step (ms) | vs best fixed size | predicted (ms) | prediction error |")
+    print("| schedule | fusion | samples/s | step (ms) | vs best fixed size | predicted (ms) | prediction error |")
     print("|---|---|---|---|---|---|---|")
     for row in sorted(rows, key=lambda r: (r["schedule"], r["fusion"] != "fixed", -r["samples_per_s"])):
         best = best_grid.get(row["schedule"])

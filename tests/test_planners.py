@@ -91,7 +91,7 @@ def test_dear_model_finds_the_optimum_on_most_small_instances():
 @pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_dear_model_prediction_is_the_simulated_time_and_beats_fixed_buckets(workload, algorithm):
     w = builtin(workload)
-    for workers in (2, 16, 256):
+    for workers in (2, 16, 256, 2048):
         network = AlphaBeta.from_rate(10e9, 50e-6, algorithm)
         buckets, plan = schedules.dear_model_buckets(w, network, workers)
         simulated = schedules.dear(w, network, workers, buckets).iteration_s

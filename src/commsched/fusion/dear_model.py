@@ -99,6 +99,19 @@ def min_backward(instance: DearInstance) -> tuple[Groups, float]:
     return sorted(groups), max(instance.t_bp, end)
 
 
+def _by_bytes(nbytes: Sequence[float], cap: float) -> Groups:
+    """Consecutive units in backward order, a group closing once it holds >= cap bytes (forward order out)."""
+    groups: Groups = [[]]
+    filled = 0.0
+    for i in reversed(range(len(nbytes))):
+        if filled >= cap:
+            groups.append([])
+            filled = 0.0
+        groups[-1].insert(0, i)
+        filled += nbytes[i]
+    return groups[::-1]
+
+
 def _neighbours(groups: Groups) -> list[Groups]:
     out = []
     for k in range(len(groups) - 1):
@@ -118,9 +131,12 @@ def plan_dear_model(instance: DearInstance, max_rounds: int = 100) -> DearPlan:
         return DearPlan([], instance.t_ff + instance.t_bp, instance.t_ff + instance.t_bp)
     forward_groups, forward_min = min_forward(instance)
     backward_groups, backward_min = min_backward(instance)
-    everything = [list(range(instance.units))]
-    singles = [[i] for i in range(instance.units)]
-    best = min((forward_groups, backward_groups, everything, singles), key=instance.time)
+    # local search from several starts: both halves' optima, and fixed byte caps from 1/64 of the model up
+    # to all of it (at thousands of workers latency dominates, and neither half's optimum is near the sum's)
+    total = sum(instance.nbytes)
+    starts = [forward_groups, backward_groups, [[i] for i in range(instance.units)]]
+    starts += [_by_bytes(instance.nbytes, total / 2**k) for k in range(7)]
+    best = min(starts, key=instance.time)
     best_time = instance.time(best)
     for _ in range(max_rounds):
         candidate = min(_neighbours(best), key=instance.time, default=best)

@@ -138,11 +138,6 @@ class LayerTimer:
         layers = [Layer(self._owners[i].name, self._owners[i].nbytes, f, b) for i, f, b in zip(order, forward, backward)]
         return Workload(name, tuple(layers), batch_size)
 
-    def step_totals(self) -> list[tuple[float, float]]:
-        """(forward, backward) seconds of each recorded step."""
-        return [(sum(o.forward[s] for o in self._owners), sum(o.backward[s] for o in self._owners))
-                for s in range(self.steps)]
-
 
 def _scaled(values: list[float], total: float) -> list[float]:
     measured = sum(values)
