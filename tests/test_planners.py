@@ -13,6 +13,7 @@ from conftest import max_abs_diff
 
 from commsched.fusion.dear_model import DearInstance, min_backward, min_forward, plan_dear_model
 from commsched.fusion.mgwfbp import chain_end, plan_exact, plan_greedy
+from commsched.planning.bayes import BayesOptions, BucketSizeTuner
 from commsched.sim import AlphaBeta, Layer, Workload, builtin, schedules
 
 
@@ -110,6 +111,36 @@ def test_planners_cover_every_layer_with_gradients_once():
                     schedules.dear_model_buckets(workload, network, 2)[0]):
         assert sorted(i for b in buckets for i in b) == [0, 2, 3]
         assert [max(b) for b in buckets] == sorted((max(b) for b in buckets), reverse=True)  # backward order
+
+
+def _tune(tuner, step_of):
+    """Drive a tuner as the strategy does: measure each proposed size until it is done."""
+    size = tuner.next_size()
+    while size is not None:
+        tuner.record(size, step_of(size))
+        if tuner.done:
+            break
+        size = tuner.next_size()
+    return tuner
+
+
+def test_bayes_spends_the_budget_when_every_size_is_a_new_layout():
+    tuner = _tune(BucketSizeTuner(BayesOptions(trials=6)), lambda mb: abs(math.log2(mb) - 3) + 1)
+    assert len(tuner.trials) == 6 and tuner.trials[0].bucket_mb == 25
+    assert tuner.best().step_s == min(t.step_s for t in tuner.trials)
+
+
+def test_bayes_measures_each_layout_once_and_stops_when_nothing_new_is_proposed():
+    """Like a model whose gradients fit in 8 MB: every size from 8 MB up is the same single bucket."""
+    def layout(mb: float) -> int:
+        return -1 if mb >= 8 else round(math.log2(mb))  # below 8 MB: buckets of about 1, 2, 4 or 8 MB
+
+    measured_layouts = []
+    tuner = BucketSizeTuner(BayesOptions(trials=10), layout_of=layout)
+    _tune(tuner, lambda mb: measured_layouts.append(layout(mb)) or 1.0 + layout(mb) / 10)
+    assert tuner.done and len(tuner.trials) <= 5
+    assert len(measured_layouts) == len(set(measured_layouts)), f"a layout was measured twice: {measured_layouts}"
+    assert layout(tuner.best().bucket_mb) == -1
 
 
 # ---------------------------------------------------------------- in real 3-process training runs

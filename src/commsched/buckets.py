@@ -83,19 +83,21 @@ def trainable_in_ready_order(module: nn.Module) -> tuple[list[str], list[nn.Para
     return names, params, layers
 
 
+def param_infos(module: nn.Module) -> list[ParamInfo]:
+    """What a fusion planner sees of each trainable parameter, in ready order."""
+    return [ParamInfo(n, p.numel(), p.element_size(), p.dtype, p.device, layer)
+            for n, p, layer in zip(*trainable_in_ready_order(module))]
+
+
 def build_plan(
     module: nn.Module,
     world_size: int,
     planner: Callable[[Sequence[ParamInfo]], list[list[int]]],
 ) -> BucketPlan:
-    names, params, layers = trainable_in_ready_order(module)
+    names, params, _ = trainable_in_ready_order(module)
     if not params:
         raise CommSchedConfigError("commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise.")
-    infos = [
-        ParamInfo(n, p.numel(), p.element_size(), p.dtype, p.device, layer)
-        for n, p, layer in zip(names, params, layers)
-    ]
-    groups = planner(infos)
+    groups = planner(param_infos(module))
     flat = sorted(i for g in groups for i in g)
     if flat != list(range(len(params))):
         raise RuntimeError(f"commsched: fusion planner returned an invalid grouping {groups}")

@@ -2,7 +2,10 @@
 
 Expected Improvement (xi = 0.1) over the bucket size; the first trial is 25 MB. The search runs
 over log2(size): 1-10 MB gets the same attention as 10-100 MB, where a linear domain would spend
-most trials on large sizes that all behave alike. The tuner only decides; the strategy measures,
+most trials on large sizes that all behave alike. Many sizes give the same buckets (a model with
+20 MB of gradients has one bucket at any size above that): a proposal whose buckets were already
+measured is answered with that measurement instead of spending training steps on it, and tuning
+ends early once the optimiser proposes nothing new. The tuner only decides; the strategy measures,
 broadcasts and rebuilds.
 """
 
@@ -10,8 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional
 
 from bayes_opt import BayesianOptimization, acquisition
+
+# proposals in a row that give already-measured buckets before the search counts as finished
+MAX_REPEATED_PROPOSALS = 20
 
 
 @dataclass
@@ -33,11 +40,17 @@ class BayesOptions:
     xi: float = 0.1
 
 
+def _every_size_differs(bucket_mb: float) -> Hashable:
+    return bucket_mb
+
+
 @dataclass
 class BucketSizeTuner:
     options: BayesOptions = field(default_factory=BayesOptions)
     seed: int = 0
     trials: list[Trial] = field(default_factory=list)
+    # what a size turns into (the bucket layout); sizes with the same layout are measured once
+    layout_of: Callable[[float], Hashable] = _every_size_differs
 
     def __post_init__(self) -> None:
         bounds = (math.log2(self.options.min_mb), math.log2(self.options.max_mb))
@@ -45,18 +58,29 @@ class BucketSizeTuner:
             f=None, pbounds={"log2_mb": bounds}, acquisition_function=acquisition.ExpectedImprovement(xi=self.options.xi),
             random_state=self.seed, verbose=0, allow_duplicate_points=True,
         )
+        self._measured: dict[Hashable, float] = {}
+        self._exhausted = False
 
     @property
     def done(self) -> bool:
-        return len(self.trials) >= self.options.trials
+        return self._exhausted or len(self.trials) >= self.options.trials
 
-    def next_size(self) -> float:
+    def next_size(self) -> Optional[float]:
+        """The next size worth measuring, or None (and `done`) when the optimiser keeps proposing measured layouts."""
         if not self.trials:
             return self.options.first_mb
-        return 2 ** float(self._optimizer.suggest()["log2_mb"])
+        for _ in range(MAX_REPEATED_PROPOSALS):
+            bucket_mb = 2 ** float(self._optimizer.suggest()["log2_mb"])
+            known = self._measured.get(self.layout_of(bucket_mb))
+            if known is None:
+                return bucket_mb
+            self._optimizer.register(params={"log2_mb": math.log2(bucket_mb)}, target=-known)
+        self._exhausted = True
+        return None
 
     def record(self, bucket_mb: float, step_s: float) -> None:
         self.trials.append(Trial(bucket_mb, step_s))
+        self._measured[self.layout_of(bucket_mb)] = step_s
         self._optimizer.register(params={"log2_mb": math.log2(bucket_mb)}, target=-step_s)
 
     def best(self) -> Trial:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from commsched.buckets import trainable_in_ready_order
+from commsched.buckets import param_infos, trainable_in_ready_order
 from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed
 from commsched.links import Link
 from commsched.planning.bayes import BayesOptions, BucketSizeTuner
@@ -109,10 +109,15 @@ class PlanController:
         decision = torch.zeros(3, dtype=torch.float64)  # measured step, next size, final?
         if link.rank == 0:
             assert self._tuner is not None
+            self._tuner.layout_of = partial(_fixed_layout, strategy.lightning_module)
             step = statistics.median(self._durations)
             self._tuner.record(self._cap_mb, step)
-            final = self._tuner.done
-            chosen = self._tuner.best().bucket_mb if final else self._tuner.next_size()
+            proposed = None if self._tuner.done else self._tuner.next_size()
+            final = proposed is None
+            if final and len(self._tuner.trials) < self.bayes.trials:
+                rank_zero_info(f"commsched bayes: every size proposed gives buckets already measured; "
+                               f"stopping after {len(self._tuner.trials)} of {self.bayes.trials} trials")
+            chosen = self._tuner.best().bucket_mb if final else proposed
             decision = torch.tensor([step, chosen, float(final)], dtype=torch.float64)
         link.broadcast(decision, 0, "bayes-decision").wait()
         step, chosen, final = decision.tolist()
@@ -144,6 +149,11 @@ class PlanController:
             predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""
             rank_zero_info(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} buckets{predicted}; "
                            f"saved to {path}")
+
+
+def _fixed_layout(module: torch.nn.Module, bucket_mb: float) -> tuple[tuple[int, ...], ...]:
+    """The buckets `bucket_mb` gives this model: sizes with equal layouts are the same trial."""
+    return tuple(map(tuple, plan_fixed(param_infos(module), cap_bytes=int(bucket_mb * 2**20))))
 
 
 def _log(strategy: Any, metrics: dict[str, float]) -> None:
