@@ -38,6 +38,7 @@ def test_every_argument_has_a_default():
         ({"bucket_cap_mb": True}, "bucket_cap_mb", "number"),
         ({"fusion": "mgwfbp2"}, "fusion", "'fixed', 'layers', 'mgwfbp', 'mgwfbp-greedy', 'dear-model', 'bayes'"),
         ({"plan_profile_steps": 0}, "plan_profile_steps", ">= 1"),
+        ({"plan_warmup_steps": -1}, "plan_warmup_steps", ">= 0"),
         ({"bayes_trials": 0}, "bayes_trials", ">= 1"),
         ({"bayes_trial_steps": 2.5}, "bayes_trial_steps", "integer"),
         ({"bayes_warmup_steps": -1}, "bayes_warmup_steps", ">= 0"),

@@ -50,7 +50,8 @@ def build_strategy(cfg: Any, out: Optional[Path] = None) -> Strategy:
     strategy_class = commsched.STRATEGIES[name][0]
     return strategy_class(
         bucket_cap_mb=cfg.fusion.bucket_cap_mb, fusion=cfg.fusion.policy, bucket_layers=cfg.fusion.bucket_layers,
-        plan_profile_steps=cfg.fusion.profile_steps, bayes_trials=cfg.fusion.bayes_trials,
+        plan_profile_steps=cfg.fusion.profile_steps, plan_warmup_steps=cfg.fusion.profile_warmup_steps,
+        bayes_trials=cfg.fusion.bayes_trials,
         bayes_warmup_steps=cfg.fusion.bayes_warmup_steps, bayes_trial_steps=cfg.fusion.bayes_trial_steps,
         bayes_min_mb=cfg.fusion.bayes_min_mb, bayes_max_mb=cfg.fusion.bayes_max_mb, bayes_first_mb=cfg.fusion.bayes_first_mb,
         plan_file=cfg.fusion.plan_file,

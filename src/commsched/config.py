@@ -38,6 +38,7 @@ class FusionConfig:
     bucket_cap_mb: float = 25.0  # fixed; and the buckets model policies profile on
     bucket_layers: int = 1
     profile_steps: int = 5  # model policies: steps profiled before planning
+    profile_warmup_steps: int = 5  # model policies: steps before those, left out (a run starts slow)
     bayes_trials: int = 10
     bayes_warmup_steps: int = 2
     bayes_trial_steps: int = 10
@@ -132,6 +133,7 @@ def validate(cfg: Any) -> None:
     options.positive_number("fusion.bucket_cap_mb", cfg.fusion.bucket_cap_mb)
     options.positive_int("fusion.bucket_layers", cfg.fusion.bucket_layers)
     options.positive_int("fusion.profile_steps", cfg.fusion.profile_steps)
+    options.non_negative_int("fusion.profile_warmup_steps", cfg.fusion.profile_warmup_steps)
     options.positive_int("fusion.bayes_trials", cfg.fusion.bayes_trials)
     options.non_negative_int("fusion.bayes_warmup_steps", cfg.fusion.bayes_warmup_steps)
     options.positive_int("fusion.bayes_trial_steps", cfg.fusion.bayes_trial_steps)

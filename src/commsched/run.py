@@ -66,6 +66,7 @@ def main() -> None:
         "steps": trainer.global_step,
         "world_size": trainer.world_size,
         "exposed_comm_ms": statistics.median(metrics.exposed_ms[cfg.warmup_steps :]) if metrics.exposed_ms[cfg.warmup_steps :] else None,
+        "step_ms_each": [s * 1e3 for s in metrics.step_seconds],  # shows when warm-up ended and when plans changed
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
 

@@ -53,6 +53,7 @@ class CommSchedStrategy(DDPStrategy):
         fusion: str = "fixed",
         bucket_layers: int = 1,
         plan_profile_steps: int = 5,
+        plan_warmup_steps: int = 5,
         bayes_trials: int = 10,
         bayes_warmup_steps: int = 2,
         bayes_trial_steps: int = 10,
@@ -80,7 +81,9 @@ class CommSchedStrategy(DDPStrategy):
             fusion: ``"fixed"`` (buckets up to ``bucket_cap_mb``), ``"layers"`` (``bucket_layers`` layers each),
                 ``"mgwfbp"`` (MG-WFBP's exact plan), ``"mgwfbp-greedy"`` (the paper's rule), ``"dear-model"``
                 (the plan minimising the modelled DeAR iteration): planned by rank 0 from a profile of the
-                first ``plan_profile_steps`` steps on ``bucket_cap_mb`` buckets; or ``"bayes"``: the bucket size
+                ``plan_profile_steps`` steps on ``bucket_cap_mb`` buckets, after ``plan_warmup_steps`` left out
+                (a run's first steps are slow while allocator and kernel caches warm up; planning from them
+                overstates compute); or ``"bayes"``: the bucket size
                 tuned online by Bayesian optimisation, ``bayes_trials`` trials of ``bayes_trial_steps`` timed
                 steps after ``bayes_warmup_steps``, sizes in ``bayes_min_mb..bayes_max_mb`` starting at
                 ``bayes_first_mb``. The chosen plan is saved to
@@ -100,6 +103,7 @@ class CommSchedStrategy(DDPStrategy):
         self._fusion = options.fusion_policy(fusion)
         self._bucket_layers = options.positive_int("bucket_layers", bucket_layers)
         self._plan_profile_steps = options.positive_int("plan_profile_steps", plan_profile_steps)
+        self._plan_warmup_steps = options.non_negative_int("plan_warmup_steps", plan_warmup_steps)
         bayes = BayesOptions(trials=options.positive_int("bayes_trials", bayes_trials),
                              warmup_steps=options.non_negative_int("bayes_warmup_steps", bayes_warmup_steps),
                              trial_steps=options.positive_int("bayes_trial_steps", bayes_trial_steps),
@@ -224,8 +228,9 @@ class CommSchedStrategy(DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         planning = self._controller is not None and self._controller.tuning and self._fusion in MODEL_POLICIES
         if fitting and (self._profile_steps or planning):
-            steps = max(self._profile_steps, self._plan_profile_steps if planning else 0)
-            self._profiler = RunProfiler(steps, self._profile_dir, self._profile_probe or planning)
+            warmup = self._plan_warmup_steps if planning else 1
+            steps = max(self._profile_steps, self._plan_profile_steps + warmup if planning else 0)
+            self._profiler = RunProfiler(steps, self._profile_dir, self._profile_probe or planning, warmup=warmup)
             self._profiler.start(module, [self._link, self._control])
 
     def _build_schedule(self, module: nn.Module) -> None:
