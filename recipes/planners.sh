@@ -20,7 +20,7 @@ want grid && run "$@" schedule=wfbp,dear fusion=fixed fusion.bucket_cap_mb=1,5,1
     trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/grid"
 want mgwfbp && run "$@" schedule=wfbp fusion=mgwfbp,mgwfbp-greedy trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/mgwfbp"
 want dear-model && run "$@" schedule=dear fusion=dear-model trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/dear-model"
-want bayes && run "$@" schedule=dear fusion=bayes fusion.bayes_trials=$TRIALS fusion.bayes_trial_steps=$TRIAL_STEPS \
-    fusion.bayes_warmup_steps=1 trainer.max_steps=$((bayes_tuning + STEPS - WARMUP)) warmup_steps=$bayes_tuning \
+want bayes && run "$@" schedule=dear fusion=bayes tuning.trials=$TRIALS tuning.trial_steps=$TRIAL_STEPS \
+    tuning.warmup_steps=1 trainer.max_steps=$((bayes_tuning + STEPS - WARMUP)) warmup_steps=$bayes_tuning \
     hydra.sweep.dir="$out/bayes"
 exit 0

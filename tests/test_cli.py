@@ -74,7 +74,7 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("fusion.bucket_cap_mb=-1", "fusion.bucket_cap_mb=-1.0; allowed: a finite number > 0"),
         ("model.arch=resnet51", "model.arch='resnet51'; allowed: one of 'resnet18'"),
         ("data=digits model=gpt2", "for a language model one of ['synthetic_tokens', 'text']"),
-        ("fusion.policy=greedy", "fusion='greedy'; allowed: one of 'fixed', 'layers'"),
+        ("fusion.policy=greedy", "fusion.policy='greedy'; allowed: one of 'fixed', 'layers'"),
         ("schedule=ddp profile.steps=5", "profile.steps=5; allowed: 0 with schedule=ddp"),
         ("profile.steps=-1", "profile.steps=-1; allowed: an integer >= 0"),
     ],

@@ -21,18 +21,18 @@ def test_same_collectives_in_same_order_on_every_rank(cases, world, schedule):
 def test_dear_communicates_once_per_optimizer_step(cases, world):
     result = cases(world).load("dear-sgd")
     trace, steps = result["trace"], result["global_step"]
-    buckets = {tag for op, tag, *_ in trace if op == "reduce_scatter"}
+    buckets = {tag for _link, op, tag, *_ in trace if op == "reduce_scatter"}
     assert len(buckets) >= 3, "the test is meant to run with several buckets"
-    ops = Counter(op for op, *_ in trace)
+    ops = Counter(op for _link, op, *_ in trace)
     assert ops["reduce_scatter"] == steps * len(buckets)
     assert ops["all_gather"] == steps * len(buckets) + 1  # + the plan-hash check at setup
-    step_all_reduces = [tag for op, tag, *_ in trace if op == "all_reduce"]
+    step_all_reduces = [tag for _link, op, tag, *_ in trace if op == "all_reduce"]
     assert Counter(step_all_reduces) == {"used-mask": steps, "clip-norm": steps}
 
 
 def test_dear_buckets_padded_to_world_size(cases):
     for world in (2, 3):
-        for op, tag, numel, dtype in cases(world).load("dear-sgd")["trace"]:
+        for _link, op, tag, numel, dtype in cases(world).load("dear-sgd")["trace"]:
             if op == "reduce_scatter":
                 assert numel % world == 0
 
@@ -40,7 +40,7 @@ def test_dear_buckets_padded_to_world_size(cases):
 def test_wfbp_all_reduces_every_bucket_once_per_step(cases):
     result = cases(3).load("wfbp-sgd")
     trace, steps = result["trace"], result["global_step"]
-    buckets = {tag for op, tag, *_ in trace if op == "all_reduce" and tag.startswith("bucket")}
-    bucket_reduces = [tag for op, tag, *_ in trace if op == "all_reduce" and tag.startswith("bucket")]
+    buckets = {tag for _link, op, tag, *_ in trace if op == "all_reduce" and tag.startswith("bucket")}
+    bucket_reduces = [tag for _link, op, tag, *_ in trace if op == "all_reduce" and tag.startswith("bucket")]
     assert len(bucket_reduces) == steps * len(buckets)
-    assert not any(op in ("reduce_scatter", "all_gather") and tag.startswith("bucket") for op, tag, *_ in trace)
+    assert not any(op in ("reduce_scatter", "all_gather") and tag.startswith("bucket") for _link, op, tag, *_ in trace)

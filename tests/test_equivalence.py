@@ -104,3 +104,9 @@ def test_profiling_reports_the_same_link_fit_on_every_rank(cases):
     assert profiles[0]["link"] == profiles[1]["link"]
     assert set(profiles[0]["link"]) == {"workers", "all_reduce", "reduce_scatter", "all_gather"}
     assert profiles[0]["profiled_steps"] == 5 and len(profiles[0]["buckets"]) == len(profiles[1]["buckets"]) > 1
+
+
+def test_a_link_bound_to_a_network_interface_changes_nothing(cases):
+    results = cases(2)
+    diff, key = max_abs_diff(results.load("dear-iface")["state"], results.load("ddp-sgd")["state"])
+    assert diff <= TOLERANCE, f"{key} differs from ddp by {diff:.3g}"

@@ -56,7 +56,7 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     assert all(set(s) >= {"step_s", "exposed_comm_s", "overlap_ratio"} for s in profile["steps"])
     trace = json.loads((tmp_path / "small_cnn" / "trace.json").read_text())["traceEvents"]
     lanes = {(e["pid"], e["args"]["name"]) for e in trace if e.get("name") == "thread_name"}
-    assert lanes == {(r, lane) for r in (0, 1) for lane in ("compute", "link: schedule", "link: control")}
+    assert lanes == {(r, lane) for r in (0, 1) for lane in ("compute", "link: primary", "link: control")}
     assert any(e["ph"] == "X" and e["name"].startswith("all_reduce") for e in trace)
 
 

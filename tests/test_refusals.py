@@ -9,7 +9,7 @@ import pytest
 
 import commsched
 import lightning.pytorch as pl
-from commsched import CommSchedConfigError
+from commsched import CommSchedConfigError, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from lightning.pytorch.strategies import StrategyRegistry
 
 from conftest import run_worker
@@ -29,38 +29,41 @@ def test_every_argument_has_a_default():
 
 
 @pytest.mark.parametrize(
-    "kwargs, field, allowed",
+    "kwargs, field, value, allowed",
     [
-        ({"bucket_cap_mb": -1}, "bucket_cap_mb", "> 0"),
-        ({"bucket_cap_mb": 0}, "bucket_cap_mb", "> 0"),
-        ({"bucket_cap_mb": math.nan}, "bucket_cap_mb", "finite"),
-        ({"bucket_cap_mb": "25"}, "bucket_cap_mb", "number"),
-        ({"bucket_cap_mb": True}, "bucket_cap_mb", "number"),
-        ({"fusion": "mgwfbp2"}, "fusion", "'fixed', 'layers', 'mgwfbp', 'mgwfbp-greedy', 'dear-model', 'bayes'"),
-        ({"plan_profile_steps": 0}, "plan_profile_steps", ">= 1"),
-        ({"plan_warmup_steps": -1}, "plan_warmup_steps", ">= 0"),
-        ({"bayes_trials": 0}, "bayes_trials", ">= 1"),
-        ({"bayes_trial_steps": 2.5}, "bayes_trial_steps", "integer"),
-        ({"bayes_warmup_steps": -1}, "bayes_warmup_steps", ">= 0"),
-        ({"bayes_min_mb": 0}, "bayes_min_mb", "> 0"),
-        ({"bayes_first_mb": 500}, "bayes_first_mb", "within bayes_min_mb..bayes_max_mb"),
-        ({"plan_file": "/nonexistent/plan.json"}, "plan_file", "a plan JSON"),
-        ({"profile_steps": -2}, "profile_steps", ">= 0"),
-        ({"bucket_layers": 0}, "bucket_layers", ">= 1"),
-        ({"bucket_layers": 1.5}, "bucket_layers", "integer"),
-        ({"broadcast_buffers": "yes"}, "broadcast_buffers", "True or False"),
-        ({"trace_collectives": 1}, "trace_collectives", "True or False"),
-        ({"timeout": 30}, "timeout", "timedelta"),
-        ({"timeout": timedelta(seconds=0)}, "timeout", "timedelta"),
-        ({"start_method": "thread"}, "start_method", "'popen', 'spawn'"),
+        ({"bucket_cap_mb": -1}, "fusion.bucket_cap_mb", -1, "> 0"),
+        ({"bucket_cap_mb": 0}, "fusion.bucket_cap_mb", 0, "> 0"),
+        ({"bucket_cap_mb": math.nan}, "fusion.bucket_cap_mb", math.nan, "finite"),
+        ({"bucket_cap_mb": "25"}, "fusion.bucket_cap_mb", "25", "number"),
+        ({"bucket_cap_mb": True}, "fusion.bucket_cap_mb", True, "number"),
+        ({"fusion": "mgwfbp2"}, "fusion.policy", "mgwfbp2", "'fixed', 'layers', 'mgwfbp', 'mgwfbp-greedy', 'dear-model', 'bayes'"),
+        ({"fusion": 3}, "fusion", 3, "FusionOptions"),
+        ({"fusion": FusionOptions(profile_steps=0)}, "fusion.profile_steps", 0, ">= 1"),
+        ({"fusion": FusionOptions(profile_warmup_steps=-1)}, "fusion.profile_warmup_steps", -1, ">= 0"),
+        ({"fusion": FusionOptions(bucket_layers=1.5)}, "fusion.bucket_layers", 1.5, "integer"),
+        ({"fusion": FusionOptions(plan_file="/nonexistent/plan.json")}, "fusion.plan_file", "/nonexistent/plan.json", "a plan JSON"),
+        ({"tuning": TuningOptions(trials=0)}, "tuning.trials", 0, ">= 1"),
+        ({"tuning": TuningOptions(trial_steps=2.5)}, "tuning.trial_steps", 2.5, "integer"),
+        ({"tuning": TuningOptions(warmup_steps=-1)}, "tuning.warmup_steps", -1, ">= 0"),
+        ({"tuning": TuningOptions(min_mb=0)}, "tuning.min_mb", 0, "> 0"),
+        ({"tuning": TuningOptions(first_mb=500)}, "tuning.first_mb", 500, "within tuning.min_mb..tuning.max_mb"),
+        ({"profile": -2}, "profile.steps", -2, ">= 0"),
+        ({"profile": ProfileOptions(probe="yes")}, "profile.probe", "yes", "True or False"),
+        ({"links": LinkOptions(primary_backend="mpi")}, "links.primary_backend", "mpi", "'gloo', 'nccl'"),
+        ({"schedule": "fancy"}, "schedule", "fancy", "'wfbp', 'dear'"),
+        ({"broadcast_buffers": "yes"}, "broadcast_buffers", "yes", "True or False"),
+        ({"trace_collectives": 1}, "trace_collectives", 1, "True or False"),
+        ({"timeout": 30}, "timeout", 30, "timedelta"),
+        ({"timeout": timedelta(seconds=0)}, "timeout", timedelta(seconds=0), "timedelta"),
+        ({"start_method": "thread"}, "start_method", "thread", "'popen', 'spawn'"),
     ],
 )
 @pytest.mark.parametrize("cls", [commsched.DeARStrategy, commsched.WFBPStrategy])
-def test_bad_argument_names_field_and_allowed_values(cls, kwargs, field, allowed):
+def test_bad_argument_names_field_and_allowed_values(cls, kwargs, field, value, allowed):
     with pytest.raises(CommSchedConfigError) as error:
         cls(**kwargs)
     message = str(error.value)
-    assert field in message and allowed in message and repr(kwargs[field]) in message
+    assert f"{field}={value!r}" in message and allowed in message
 
 
 def test_unknown_argument_is_a_type_error():

@@ -1,31 +1,22 @@
 """commsched: Lightning strategies that schedule gradient communication.
 
 ``import commsched`` registers the strategies with Lightning, so ``Trainer(strategy="dear")`` and
-``Trainer(strategy="wfbp")`` work; the classes are exported for explicit configuration, e.g.
-``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``.
+``Trainer(strategy="wfbp")`` work; the classes and options are exported for explicit configuration,
+e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
-
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
-from commsched.strategy import CommSchedStrategy, DeARStrategy, WFBPStrategy
+from commsched.observers import reads_no_weights
+from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched.registry import STRATEGIES, DeARStrategy, WFBPStrategy, register_with_lightning
+from commsched.schedules import SCHEDULES
+from commsched.strategy import CommSchedStrategy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-STRATEGIES: dict[str, tuple[type[CommSchedStrategy], str]] = {
-    "wfbp": (WFBPStrategy, "commsched WFBP: bucketed all-reduce launched during backward"),
-    "dear": (DeARStrategy, "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"),
-}
-
-for _name, (_cls, _description) in STRATEGIES.items():
-    StrategyRegistry.register(_name, _cls, description=_description, override=True)
+register_with_lightning()
 
 __all__ = [
-    "CommSchedConfigError",
-    "CommSchedStrategy",
-    "DeARStrategy",
-    "PeerFailureError",
-    "STRATEGIES",
-    "ScheduleError",
-    "WFBPStrategy",
+    "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "FusionOptions", "LinkOptions", "PeerFailureError",
+    "ProfileOptions", "SCHEDULES", "STRATEGIES", "ScheduleError", "TuningOptions", "WFBPStrategy", "reads_no_weights",
 ]

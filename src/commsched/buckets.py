@@ -124,17 +124,19 @@ def module_layout(module: nn.Module) -> str:
     return "\n".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in tensors)
 
 
-def verify_same_on_all_ranks(plan: BucketPlan, module: nn.Module, link: Link) -> None:
-    """All-gather one hash of plan and module layout; every rank raises the same error if any differs.
+def verify_same_on_all_ranks(plan: BucketPlan, module: nn.Module, link: Link, extra: str = "") -> None:
+    """All-gather one hash of plan, module layout and `extra` (the schedule's settings); every rank
+    raises the same error if any differs.
 
     Runs before anything is broadcast or reduced: mismatched messages would corrupt or hang.
     """
-    text = plan.signature() + "\n" + module_layout(module)
+    text = plan.signature() + "\n" + module_layout(module) + "\n" + extra
     digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
     digests = link.all_gather_int(digest, "model-layout-hash")
     if len(set(digests)) != 1:
         raise CommSchedConfigError(
             "commsched: the model or its bucket plan differs between ranks (hash per rank: "
             f"{digests}). Every rank must build the same model: the same parameters and buffers with the "
-            "same names, shapes, dtypes and registration order. This rank's plan:\n" + plan.describe()
+            "same names, shapes, dtypes and registration order, and the same callbacks. This rank's plan:\n"
+            + plan.describe() + "\n" + extra
         )

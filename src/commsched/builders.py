@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from omegaconf import OmegaConf
 
 import commsched
+from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from commsched.models import ImageClassifier, LanguageModel
 from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
 
@@ -47,14 +50,12 @@ def build_strategy(cfg: Any, out: Optional[Path] = None) -> Strategy:
     timeout = timedelta(seconds=cfg.trainer.timeout_s)
     if name == "ddp":
         return DDPStrategy(bucket_cap_mb=cfg.fusion.bucket_cap_mb, find_unused_parameters=False, timeout=timeout)
-    strategy_class = commsched.STRATEGIES[name][0]
-    return strategy_class(
-        bucket_cap_mb=cfg.fusion.bucket_cap_mb, fusion=cfg.fusion.policy, bucket_layers=cfg.fusion.bucket_layers,
-        plan_profile_steps=cfg.fusion.profile_steps, plan_warmup_steps=cfg.fusion.profile_warmup_steps,
-        bayes_trials=cfg.fusion.bayes_trials,
-        bayes_warmup_steps=cfg.fusion.bayes_warmup_steps, bayes_trial_steps=cfg.fusion.bayes_trial_steps,
-        bayes_min_mb=cfg.fusion.bayes_min_mb, bayes_max_mb=cfg.fusion.bayes_max_mb, bayes_first_mb=cfg.fusion.bayes_first_mb,
-        plan_file=cfg.fusion.plan_file,
-        timeout=timeout, profile_steps=cfg.profile.steps, profile_probe=cfg.profile.probe,
-        profile_dir=str(out / "profile") if out is not None else None,
+    profile = ProfileOptions(**OmegaConf.to_container(cfg.profile, resolve=True))
+    if profile.dir is None and out is not None:
+        profile = dataclasses.replace(profile, dir=str(out / "profile"))
+    return commsched.STRATEGIES[name](
+        fusion=FusionOptions(**OmegaConf.to_container(cfg.fusion, resolve=True)),
+        tuning=TuningOptions(**OmegaConf.to_container(cfg.tuning, resolve=True)),
+        links=LinkOptions(**OmegaConf.to_container(cfg.link, resolve=True)),
+        profile=profile, timeout=timeout,
     )

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
+from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from commsched.models import GPT2_SIZES, IMAGE_ARCHS
 
 
@@ -30,22 +32,6 @@ class Schedule(str, enum.Enum):
 @dataclass
 class ScheduleConfig:
     name: Schedule = Schedule.dear
-
-
-@dataclass
-class FusionConfig:
-    policy: str = "fixed"  # fixed | layers | mgwfbp | mgwfbp-greedy | dear-model | bayes
-    bucket_cap_mb: float = 25.0  # fixed; and the buckets model policies profile on
-    bucket_layers: int = 1
-    profile_steps: int = 5  # model policies: steps profiled before planning
-    profile_warmup_steps: int = 5  # model policies: steps before those, left out (a run starts slow)
-    bayes_trials: int = 10
-    bayes_warmup_steps: int = 2
-    bayes_trial_steps: int = 10
-    bayes_min_mb: float = 1.0
-    bayes_max_mb: float = 100.0
-    bayes_first_mb: float = 25.0
-    plan_file: Optional[str] = None  # a saved plan: use it from the first step
 
 
 @dataclass
@@ -98,19 +84,15 @@ class TrainerConfig:
 
 
 @dataclass
-class ProfileConfig:
-    steps: int = 0  # profile the first N training steps (wfbp/dear): profile/profile.json, trace.json
-    probe: bool = False  # also fit the link's alpha-beta costs at the end of profiling
-
-
-@dataclass
 class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    fusion: FusionConfig = field(default_factory=FusionConfig)
+    fusion: FusionOptions = field(default_factory=FusionOptions)
+    tuning: TuningOptions = field(default_factory=TuningOptions)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    profile: ProfileOptions = field(default_factory=ProfileOptions)
+    link: LinkOptions = field(default_factory=LinkOptions)
     seed: int = 0
     warmup_steps: int = 5  # steps left out of the samples/s summary
 
@@ -122,25 +104,15 @@ def register_configs() -> None:
     """Schemas for conf/train.yaml and its groups: Hydra then type-checks every override."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    for group, node in (("schedule", ScheduleConfig), ("fusion", FusionConfig), ("model", ModelConfig),
-                        ("data", DataConfig), ("trainer", TrainerConfig)):
+    for group, node in (("schedule", ScheduleConfig), ("fusion", FusionOptions), ("model", ModelConfig),
+                        ("data", DataConfig), ("trainer", TrainerConfig), ("link", LinkOptions)):
         store.store(group=group, name=f"{group}_schema", node=node)
 
 
 def validate(cfg: Any) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
-    options.fusion_policy(cfg.fusion.policy)
-    options.positive_number("fusion.bucket_cap_mb", cfg.fusion.bucket_cap_mb)
-    options.positive_int("fusion.bucket_layers", cfg.fusion.bucket_layers)
-    options.positive_int("fusion.profile_steps", cfg.fusion.profile_steps)
-    options.non_negative_int("fusion.profile_warmup_steps", cfg.fusion.profile_warmup_steps)
-    options.positive_int("fusion.bayes_trials", cfg.fusion.bayes_trials)
-    options.non_negative_int("fusion.bayes_warmup_steps", cfg.fusion.bayes_warmup_steps)
-    options.positive_int("fusion.bayes_trial_steps", cfg.fusion.bayes_trial_steps)
-    for bound in ("bayes_min_mb", "bayes_max_mb", "bayes_first_mb"):
-        options.positive_number(f"fusion.{bound}", cfg.fusion[bound])
-    if not cfg.fusion.bayes_min_mb <= cfg.fusion.bayes_first_mb <= cfg.fusion.bayes_max_mb:
-        raise bad_value("fusion.bayes_first_mb", cfg.fusion.bayes_first_mb, "a size within fusion.bayes_min_mb..bayes_max_mb")
+    for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions)):
+        options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     if cfg.fusion.plan_file is not None:
         from commsched.planning import SavedPlan
 
@@ -164,7 +136,6 @@ def validate(cfg: Any) -> None:
         options.positive_int("trainer.devices", cfg.trainer.devices)
     if cfg.trainer.max_steps != -1:
         options.positive_int("trainer.max_steps", cfg.trainer.max_steps)
-    options.non_negative_int("profile.steps", cfg.profile.steps)
     if cfg.profile.steps and str(cfg.schedule.name) == "ddp":
         raise bad_value("profile.steps", cfg.profile.steps, "0 with schedule=ddp (Lightning's own DDP is not instrumented); "
                         "profile schedule=wfbp, which runs the same communication")

@@ -1,17 +1,25 @@
-"""A process group plus what every schedule needs around its collectives.
+"""Named process groups ("links") and the collectives a schedule issues on them.
 
-All communication of a schedule goes through one `Link`, so there is a single place that
-(a) picks the collective available in the installed torch, (b) turns a failed or timed-out
-collective into an error that says which collective and why, and (c) can record the exact
-sequence of collectives a rank issued, which tests compare across ranks.
+Every collective goes through a `Link`, the one place that (a) picks the collective the installed
+torch offers, (b) keeps the tensors it touches on the link's device (CUDA for NCCL, CPU for gloo),
+(c) turns a failed or timed-out collective into a `PeerFailureError` that says which one and
+why, (d) records the sequence of collectives a rank issued, which tests compare across ranks, and
+(e) times what the training loop waited for. `Links` creates a run's links on every rank in the
+same order. A collective returns a `Pending`; `then` chains a continuation that runs on the
+backend's thread the moment the collective completes, not when someone waits.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,48 +31,29 @@ from commsched.trace import Span
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+log = logging.getLogger(__name__)
+
+IFNAME_ENV = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
 
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective as issued by this rank: enough to prove every rank issued the same sequence."""
 
+    link: str
     op: str
     tag: str
     numel: int
     dtype: str
 
 
-class Pending:
-    """An in-flight collective; `wait()` re-raises failures as `PeerFailureError` with context.
+@dataclass(frozen=True)
+class LinkSpec:
+    """How to make one link: its name, backend (None: the default group's) and network interface."""
 
-    `then` runs once, right after the collective completed (e.g. the local sum that turns an
-    all-to-all into a reduce-scatter).
-    """
-
-    __slots__ = ("_work", "_what", "_then", "_clock")
-
-    def __init__(
-        self, work: dist.Work, what: str, then: Optional[Callable[[], object]] = None, clock: Optional["WaitClock"] = None
-    ) -> None:
-        self._work = work
-        self._what = what
-        self._then = then
-        self._clock = clock
-
-    def wait(self) -> None:
-        started = time.perf_counter()
-        try:
-            self._work.wait()
-        except Exception as exc:  # gloo/NCCL raise plain RuntimeError subclasses
-            raise PeerFailureError(
-                f"commsched: {self._what} failed. A peer process probably died, hung past the "
-                f"process-group timeout, or the network link broke. Original error: {exc}"
-            ) from exc
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-        if self._clock is not None:
-            self._clock.seconds += time.perf_counter() - started
+    name: str
+    backend: Optional[str] = None
+    ifname: Optional[str] = None
 
 
 class WaitClock:
@@ -76,26 +65,89 @@ class WaitClock:
         self.seconds = 0.0
 
 
+class Pending:
+    """An in-flight collective (and its continuations); `wait()` re-raises failures as `PeerFailureError`."""
+
+    __slots__ = ("_work", "_future", "_what", "_clock", "_after")
+
+    def __init__(self, work: Optional[dist.Work], what: str, clock: Optional[WaitClock] = None,
+                 future: Optional[torch.futures.Future] = None) -> None:
+        self._work = work
+        self._future = future  # the last continuation, if any
+        self._what = what
+        self._clock = clock
+        self._after: Optional[Pending] = None  # a second-stage collective started by a continuation
+
+    def then(self, continuation: Callable[[], Any]) -> "Pending":
+        """Run `continuation` when this completes (on the backend's thread). If it starts another
+        collective and returns its `Pending`, waiting on this waits for that too.
+
+        A continuation that issues collectives must issue them in the same order on every rank
+        (e.g. on a link only continuations use, in a fixed order): backend threads finish out of order.
+        """
+        base = self._future if self._future is not None else self._work.get_future()
+
+        def run(done: torch.futures.Future) -> None:
+            done.wait()  # re-raises the collective's error into the chained future
+            after = continuation()
+            if isinstance(after, Pending):
+                self._after = after
+
+        self._future = base.then(run)
+        return self
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            if self._work is not None:
+                self._work.wait()
+            if self._future is not None:
+                self._future.wait()
+            if self._after is not None:
+                self._after.wait()
+        except PeerFailureError:
+            raise
+        except Exception as exc:  # gloo/NCCL raise plain RuntimeError subclasses
+            raise PeerFailureError(
+                f"commsched: {self._what} failed. A peer process probably died, hung past the "
+                f"process-group timeout, or the network link broke. Original error: {exc}"
+            ) from exc
+        finally:
+            if self._clock is not None:
+                self._clock.seconds += time.perf_counter() - started
+
+    def is_completed(self) -> bool:
+        done = self._future.done() if self._future is not None else self._work.is_completed()
+        return done and (self._after is None or self._after.is_completed())
+
+
 class Link:
     """Issues asynchronous collectives on one process group (None = the default group)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, trace: Optional[list[CollectiveRecord]] = None,
-                 lane: str = "link") -> None:
-        """`trace`: a list to append a record of every collective to (links may share one).
-        `lane`: this link's name on a profiler timeline."""
+    def __init__(self, name: str, group: Optional[dist.ProcessGroup] = None,
+                 trace: Optional[list[CollectiveRecord]] = None) -> None:
+        """`trace`: a list to append a record of every collective to (links may share one)."""
+        self.name = name
         self.group = group
         self.trace = trace
-        self.lane = lane
         self.clock = WaitClock()
         self.spans: Optional[list[Span]] = None  # set by the profiler: launch-to-completion of each collective
+        self._lock = threading.Lock()  # continuations may issue collectives from backend threads
 
-    def _pending(self, work: dist.Work, what: str, then: Optional[Callable[[], object]] = None) -> Pending:
-        if self.spans is not None:
-            spans, lane, start = self.spans, self.lane, time.perf_counter()
-            # runs on the backend's thread the moment the collective completes, not when someone waits
-            work.get_future().add_done_callback(
-                lambda _: spans.append(Span(lane, what.split(" (")[0], start, time.perf_counter())))
-        return Pending(work, what, then=then, clock=self.clock)
+    @property
+    def lane(self) -> str:
+        return f"link: {self.name}"
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group))
+
+    @property
+    def device(self) -> torch.device:
+        """Where every tensor this link's collectives touch must live."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     @property
     def world_size(self) -> int:
@@ -105,51 +157,69 @@ class Link:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
-    def _record(self, op: str, tag: str, tensor: torch.Tensor) -> str:
-        if self.trace is not None:
-            self.trace.append(CollectiveRecord(op, tag, tensor.numel(), str(tensor.dtype)))
-        return f"{op} of {tag} ({tensor.numel()} x {tensor.dtype})"
+    def tensor(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
+        """A small control tensor (mask, decision, hash) on this link's device."""
+        return torch.as_tensor(values, dtype=dtype, device=self.device)
+
+    def _issue(self, op: str, tag: str, tensor: torch.Tensor, launch: Callable[[], dist.Work]) -> Pending:
+        what = f"{op} of {tag} ({tensor.numel()} x {tensor.dtype}) on link '{self.name}'"
+        with self._lock:
+            if self.trace is not None:
+                self.trace.append(CollectiveRecord(self.name, op, tag, tensor.numel(), str(tensor.dtype)))
+            work = launch()
+        if self.spans is not None:
+            spans, lane, name, start = self.spans, self.lane, f"{op} {tag}", time.perf_counter()
+            work.get_future().add_done_callback(lambda _: spans.append(Span(lane, name, start, time.perf_counter())))
+        return Pending(work, what, clock=self.clock)
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
-        what = self._record("all_reduce", tag, tensor)
-        return self._pending(dist.all_reduce(tensor, op=op, group=self.group, async_op=True), what)
+        return self._issue("all_reduce", tag, tensor, partial(dist.all_reduce, tensor, op=op, group=self.group, async_op=True))
 
     @property
     def native_reduce_scatter(self) -> bool:
         """gloo's reduce-scatter costs a whole all-reduce (measured: 12 MB at 1 Gbit, 208 ms vs 203 ms
         all-reduce vs 102 ms all-gather); an all-to-all plus a local sum moves half the bytes."""
-        return dist.get_backend(self.group) != "gloo"
+        return self.backend != "gloo"
 
-    def reduce_scatter(
-        self, shard: torch.Tensor, full: torch.Tensor, tag: str, scratch: Optional[torch.Tensor] = None
-    ) -> Pending:
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str,
+                       scratch: Optional[torch.Tensor] = None) -> Pending:
         """Sum `full` over ranks and leave this rank's slice in `shard`.
 
         `scratch` (same size as `full`) receives the other ranks' slices when the backend has no
-        efficient reduce-scatter; callers allocate it once.
-        """
-        what = self._record("reduce_scatter", tag, full)
+        efficient reduce-scatter; the local sum then runs as a continuation on completion."""
         if self.native_reduce_scatter:
-            return self._pending(_reduce_scatter_single(shard, full, group=self.group, async_op=True), what)
+            launch = partial(_reduce_scatter_single, shard, full, group=self.group, async_op=True)
+            return self._issue("reduce_scatter", tag, full, launch)
         if scratch is None:
             raise ValueError("commsched: reduce_scatter over gloo needs a scratch tensor the size of `full`")
-        work = dist.all_to_all_single(scratch, full, group=self.group, async_op=True)
-        return self._pending(work, what, then=partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard))
+        launch = partial(dist.all_to_all_single, scratch, full, group=self.group, async_op=True)
+        pending = self._issue("reduce_scatter", tag, full, launch)
+        return pending.then(partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> Pending:
-        what = self._record("all_gather", tag, full)
-        return self._pending(_all_gather_single(full, shard, group=self.group, async_op=True), what)
+        launch = partial(_all_gather_single, full, shard, group=self.group, async_op=True)
+        return self._issue("all_gather", tag, full, launch)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: str) -> Pending:
-        what = self._record("broadcast", tag, tensor)
-        return self._pending(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what)
+        return self._issue("broadcast", tag, tensor, partial(dist.broadcast, tensor, src=src, group=self.group, async_op=True))
 
     def all_gather_int(self, value: int, tag: str) -> list[int]:
         """Blocking all-gather of one int64 per rank (plan hashes, decisions)."""
-        mine = torch.tensor([value], dtype=torch.int64)
-        everyone = torch.empty(self.world_size, dtype=torch.int64)
+        mine = self.tensor([value], torch.int64)
+        everyone = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
         self.all_gather(everyone, mine, tag).wait()
         return everyone.tolist()
+
+    def broadcast_object(self, value: Any, src: int, tag: str) -> Any:
+        """Blocking broadcast of a picklable object (plans, decisions); every rank returns src's."""
+        holder = [value if self.rank == src else None]
+        if self.trace is not None:
+            self.trace.append(CollectiveRecord(self.name, "broadcast_object", tag, 1, "object"))
+        try:
+            dist.broadcast_object_list(holder, src=src, group=self.group, device=self.device)
+        except Exception as exc:
+            raise PeerFailureError(f"commsched: broadcast of {tag} on link '{self.name}' failed: {exc}") from exc
+        return holder[0]
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int, tag: str) -> None:
         """Blocking broadcast of many tensors from `src` as one message of their bytes, whatever their dtypes."""
@@ -165,3 +235,54 @@ class Link:
                 # channels_last or otherwise strided, so it is filled by copy_, not by a view)
                 t.copy_(flat[offset : offset + n].clone().view(t.dtype).view(t.shape))
                 offset += n
+
+
+@contextmanager
+def _interface(backend: str, ifname: Optional[str]) -> Iterator[None]:
+    """The backends read the interface from the environment when a group is created."""
+    if ifname is None:
+        yield
+        return
+    key = IFNAME_ENV[backend]
+    previous = os.environ.get(key)
+    os.environ[key] = ifname
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+
+class Links:
+    """A run's links by name: `control` (the default group: setup checks, buffer broadcasts, plan
+    decisions) and one new group per spec, created on every rank in the order given."""
+
+    def __init__(self, specs: list[LinkSpec], timeout: Optional[timedelta], trace: Optional[list[CollectiveRecord]]) -> None:
+        self.control = Link("control", None, trace)
+        self._links: dict[str, Link] = {}
+        for spec in specs:
+            backend = spec.backend or str(dist.get_backend())
+            with _interface(backend, spec.ifname):
+                group = dist.new_group(backend=backend, timeout=timeout)
+            log.debug(f"commsched: link '{spec.name}': {backend}" + (f" on {spec.ifname}" if spec.ifname else ""))
+            self._links[spec.name] = Link(spec.name, group, trace)
+
+    def __getitem__(self, name: str) -> Link:
+        return self._links[name]
+
+    def __iter__(self) -> Iterator[Link]:
+        return iter([*self._links.values(), self.control])
+
+    @property
+    def exposed_seconds(self) -> float:
+        """Time the training loop waited on any link."""
+        return sum(link.clock.seconds for link in self)
+
+    def destroy(self) -> None:
+        for link in self._links.values():
+            if link.group is not None:
+                dist.destroy_process_group(link.group)
+                link.group = None
+        self._links.clear()

@@ -1,52 +1,211 @@
-"""Validation of the strategies' constructor arguments: each bad value gets a message naming the field."""
+"""Typed options, one object per concern, shared by the Python API and the Hydra schema.
+
+Each field carries its own check (`metadata["check"]`), so adding an option is one edit here: the
+strategy's constructor, `commsched-train`'s schema and its validation all read these classes.
+`validated(options, prefix)` runs every check and raises the error that names the field (with the
+Hydra path, e.g. ``fusion.bucket_cap_mb``) and what is allowed. A docstring under each field says
+what it is for.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from commsched.errors import bad_value
 from commsched.fusion import FUSION_POLICIES
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("gloo", "nccl")
+
+Check = Callable[[str, Any], Any]
+OptionsT = TypeVar("OptionsT")
 
 
-def positive_number(field: str, value: Any) -> float:
+# ------------------------------------------------------------------ checks
+def positive_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise bad_value(field, value, "a finite number > 0")
+        raise bad_value(name, value, "a finite number > 0")
     return float(value)
 
 
-def positive_int(field: str, value: Any) -> int:
+def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_value(field, value, "an integer >= 1")
+        raise bad_value(name, value, "an integer >= 1")
     return value
 
 
-def non_negative_int(field: str, value: Any) -> int:
+def non_negative_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise bad_value(field, value, "an integer >= 0")
+        raise bad_value(name, value, "an integer >= 0")
     return value
 
 
-def flag(field: str, value: Any) -> bool:
+def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise bad_value(field, value, "True or False")
+        raise bad_value(name, value, "True or False")
     return value
 
 
-def choice(field: str, value: Any, allowed: tuple[str, ...]) -> str:
+def choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
-        raise bad_value(field, value, allowed)
+        raise bad_value(name, value, allowed)
     return value
 
 
-def fusion_policy(value: Any) -> str:
-    return choice("fusion", value, FUSION_POLICIES)
+def one_of(*allowed: str) -> Check:
+    return lambda name, value: choice(name, value, allowed)
+
+
+def optional(check: Check) -> Check:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_value(name, value, "a non-empty string")
+    return value
 
 
 def timeout(value: Any) -> Optional[timedelta]:
     if value is not None and not (isinstance(value, timedelta) and value.total_seconds() > 0):
         raise bad_value("timeout", value, "a datetime.timedelta > 0 or None")
     return value
+
+
+def option(default: Any, check: Check) -> Any:
+    """A dataclass field with its check."""
+    return field(default=default, metadata={"check": check})
+
+
+def validated(options: OptionsT, prefix: str = "") -> OptionsT:
+    """Run every field's check (nested options too) and the class's own `cross_check`; returns `options`."""
+    for f in dataclasses.fields(options):  # type: ignore[arg-type]
+        value = getattr(options, f.name)
+        if dataclasses.is_dataclass(value):
+            validated(value, f"{prefix}{f.name}.")
+        elif "check" in f.metadata:
+            f.metadata["check"](f"{prefix}{f.name}", value)
+    cross_check = getattr(options, "cross_check", None)
+    if cross_check is not None:
+        cross_check(prefix)
+    return options
+
+
+# ------------------------------------------------------------------ concerns
+@dataclass
+class TuningOptions:
+    """Bayesian optimisation of the bucket size (``fusion.policy="bayes"``; DESIGN.md §5)."""
+
+    trials: int = option(10, positive_int)
+    """Trial budget: bucket sizes measured before the best is kept."""
+    warmup_steps: int = option(2, non_negative_int)
+    """Steps left out at the start of each trial (the rebuild and first steps are slower)."""
+    trial_steps: int = option(10, positive_int)
+    """Steps timed per trial; the median counts."""
+    min_mb: float = option(1.0, positive_number)
+    """Smallest bucket size searched (MB). Lower it for models with only a few MB of gradients."""
+    max_mb: float = option(100.0, positive_number)
+    """Largest bucket size searched (MB)."""
+    first_mb: float = option(25.0, positive_number)
+    """The first trial's size (MB); DDP's default."""
+    xi: float = option(0.1, positive_number)
+    """Expected Improvement's exploration parameter."""
+
+    def cross_check(self, prefix: str) -> None:
+        if not self.min_mb <= self.first_mb <= self.max_mb:
+            raise bad_value(f"{prefix}first_mb", self.first_mb,
+                            f"a size within {prefix}min_mb..{prefix}max_mb ({self.min_mb}..{self.max_mb})")
+
+
+@dataclass
+class FusionOptions:
+    """Which gradients share a bucket, and how that is decided."""
+
+    policy: str = option("fixed", one_of(*FUSION_POLICIES))
+    """fixed | layers | mgwfbp | mgwfbp-greedy | dear-model | bayes (see README, Fusion planners)."""
+    bucket_cap_mb: float = option(25.0, positive_number)
+    """fixed: a bucket closes before the next tensor would pass this many MB (the first at 1 MiB, as DDP);
+    the model planners profile on these buckets."""
+    bucket_layers: int = option(1, positive_int)
+    """layers: consecutive layers (modules owning parameters) per bucket."""
+    profile_steps: int = option(5, positive_int)
+    """Model planners: steps profiled before rank 0 plans."""
+    profile_warmup_steps: int = option(5, non_negative_int)
+    """Model planners: steps left out before those (a CPU run's first steps are up to 2x slower)."""
+    plan_file: Optional[str] = option(None, optional(text))
+    """A saved plan (commsched-plan, or a run's commsched_plan.json): used from the first step, no planning."""
+
+
+@dataclass
+class ProfileOptions:
+    """The in-run profiler: per-layer, per-bucket and per-link times of the first steps."""
+
+    steps: int = option(0, non_negative_int)
+    """Profile the first N training steps (0: off); writes profile.json and a Chrome trace.json."""
+    dir: Optional[str] = option(None, optional(text))
+    """Where the profile goes (default: <default_root_dir>/commsched_profile)."""
+    probe: bool = option(False, flag)
+    """Also fit every link's alpha-beta costs when profiling ends."""
+
+
+@dataclass
+class LinkOptions:
+    """The process groups a schedule communicates over, each created on every rank in the same order.
+
+    A schedule names the links it needs (`primary`; DeFT adds `secondary`). An interface name binds
+    that link's sockets to one network interface (gloo: GLOO_SOCKET_IFNAME, NCCL: NCCL_SOCKET_IFNAME
+    while the group is created), e.g. the second NIC of each node of ``commsched-cluster``.
+    """
+
+    primary_backend: Optional[str] = option(None, optional(one_of(*BACKENDS)))
+    """Backend of the primary link (default: the Trainer's process group backend, NCCL on GPU, gloo on CPU)."""
+    primary_ifname: Optional[str] = option(None, optional(text))
+    """Network interface of the primary link (default: the backend's own choice)."""
+    secondary_backend: str = option("gloo", one_of(*BACKENDS))
+    """Backend of the secondary link, for schedules that use two (DeFT: gloo beside NCCL)."""
+    secondary_ifname: Optional[str] = option(None, optional(text))
+    """Network interface of the secondary link (default: $COMMSCHED_SECONDARY_IFNAME, set by commsched-cluster;
+    without one, a second group on the primary network)."""
+
+
+def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:
+    """`value` if it is a `cls`, else the error naming the argument."""
+    if not isinstance(value, cls):
+        raise bad_value(name, value, f"a commsched.{cls.__name__}")
+    return value
+
+
+def fusion_from(fusion: Any, bucket_cap_mb: Optional[float]) -> FusionOptions:
+    """The strategy's `fusion=` (a policy name or options) with the `bucket_cap_mb=` shorthand applied."""
+    options = FusionOptions(policy=fusion) if isinstance(fusion, str) else typed("fusion", fusion, FusionOptions)
+    if bucket_cap_mb is not None:
+        options = dataclasses.replace(options, bucket_cap_mb=bucket_cap_mb)
+    return validated(options, "fusion.")
+
+
+def profile_from(profile: Any) -> ProfileOptions:
+    """The strategy's `profile=`: a number of steps or options."""
+    if isinstance(profile, int) and not isinstance(profile, bool):
+        return validated(ProfileOptions(steps=profile), "profile.")
+    return validated(typed("profile", profile, ProfileOptions), "profile.")
+
+
+@dataclass
+class StrategyOptions:
+    """Every concern's options of one strategy, resolved from its constructor arguments and validated."""
+
+    fusion: FusionOptions
+    tuning: TuningOptions
+    profile: ProfileOptions
+    links: LinkOptions
+
+    @classmethod
+    def from_arguments(cls, fusion: Any, bucket_cap_mb: Optional[float], tuning: Any, profile: Any, links: Any) -> "StrategyOptions":
+        return cls(fusion_from(fusion, bucket_cap_mb),
+                   validated(typed("tuning", tuning or TuningOptions(), TuningOptions), "tuning."),
+                   profile_from(profile),
+                   validated(typed("links", links or LinkOptions(), LinkOptions), "links."))

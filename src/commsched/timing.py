@@ -1,4 +1,4 @@
-"""StepTimer: wall time per optimizer step, measured on rank 0 between consecutive batch starts."""
+"""StepTimer: wall time and CPU time per optimizer step, measured between consecutive batch starts."""
 
 from __future__ import annotations
 
@@ -7,21 +7,28 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+from commsched.observers import reads_no_weights
 
 
+@reads_no_weights
 class StepTimer(pl.Callback):
-    """Records step durations after `warmup` steps; `median` is what benchmarks report."""
+    """Records step durations after `warmup` steps; `median` is what benchmarks report.
+
+    CPU time is this process's, all threads included (the backend's communication threads too):
+    on a machine with few cores, CPU spent on communication is compute time lost."""
 
     def __init__(self, warmup: int = 3) -> None:
         self.warmup = warmup
         self.durations: list[float] = []
-        self._last: float | None = None
+        self.cpu: list[float] = []
+        self._last: tuple[float, float] | None = None
         self._seen = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         if self._last is not None and self._seen > self.warmup:
-            self.durations.append(now - self._last)
+            self.durations.append(now[0] - self._last[0])
+            self.cpu.append(now[1] - self._last[1])
         self._last = now
         self._seen += 1
 
@@ -30,3 +37,7 @@ class StepTimer(pl.Callback):
         if not self.durations:
             raise RuntimeError("StepTimer: no steps after warm-up were timed; run more steps")
         return statistics.median(self.durations)
+
+    @property
+    def median_cpu(self) -> float:
+        return statistics.median(self.cpu) if self.cpu else float("nan")

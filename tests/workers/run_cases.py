@@ -21,7 +21,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
+from commsched import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+
 sys.path.insert(0, str(Path(__file__).parent))
+import extension_schedule  # noqa: E402,F401  (registers the "localsum" schedule)
 from toy import ToyNet, UnfreezingToyNet  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -35,33 +38,42 @@ BATCH = 4
 def make_strategy(kind: str, **options):
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
-    cls = commsched.DeARStrategy if kind == "dear" else commsched.WFBPStrategy
     # 600-byte buckets: several buckets, sizes that no world size divides
-    return cls(**{"bucket_cap_mb": 600 / 2**20, "trace_collectives": True, **options})
+    return commsched.CommSchedStrategy(schedule=kind, **{"bucket_cap_mb": 600 / 2**20, "trace_collectives": True, **options})
 
 
+@commsched.reads_no_weights
 class PlanWatcher(pl.Callback):
-    """The bucket layouts a run went through, in order (a planner changes it mid-run)."""
+    """The bucket layouts a run went through, in order (a planner changes it mid-run), and the
+    schedule's communication state at the end; reads no weights, so the schedules keep their overlap."""
 
-    def __init__(self) -> None:
+    def __init__(self, replan_at: int | None = None) -> None:
         self.layouts: list[str] = []
+        self.comm_state: dict = {}
+        self.replan_at = replan_at
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.replan_at and batch_idx % ACCUMULATE == 0:
+            trainer.strategy.request_replan()  # e.g. the network changed: plan again
         plan = getattr(trainer.strategy, "bucket_plan", None)
         if plan is not None and (not self.layouts or self.layouts[-1] != plan.describe()):
             self.layouts.append(plan.describe())
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if getattr(trainer.strategy, "schedule", None) is not None:
+            self.comm_state = trainer.strategy.schedule.state_dict()
+
 
 def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epochs: int = 1,
         clip: str = "norm", precision: str = "32-true", resume_from: str | None = None, unfreeze: bool = False,
-        **strategy_overrides) -> None:
+        replan_at: int | None = None, **strategy_overrides) -> None:
     pl.seed_everything(1234, verbose=False)
     model_class = UnfreezingToyNet if unfreeze else ToyNet
     model = model_class(optimizer=optimizer, batch_size=BATCH, train_size=STEPS_PER_EPOCH * ACCUMULATE * BATCH * world)
     if "plan_file" in strategy_overrides:
-        strategy_overrides["plan_file"] = str(out / strategy_overrides["plan_file"])
+        strategy_overrides["fusion"] = FusionOptions(plan_file=str(out / strategy_overrides.pop("plan_file")))
     strategy = make_strategy(kind, **strategy_overrides)
-    watcher = PlanWatcher()
+    watcher = PlanWatcher(replan_at)
     ckpt = ModelCheckpoint(dirpath=out / f"{name}-ckpt", save_last=True, save_top_k=0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, precision=precision,
@@ -85,6 +97,7 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
         result["fusion_plan"] = vars(trainer.strategy.fusion_plan)
         result["trials"] = trainer.strategy.tuning_trials
     result["layouts"] = watcher.layouts
+    result["comm_state"] = watcher.comm_state
     if name.endswith("-eval"):
         result["validate_before_fit"] = validate_before
         result["test"] = trainer.test(model, verbose=False)
@@ -93,8 +106,8 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
 
 
 # the toy's gradients are ~2 KB: tune between 200 B and 2 KB so that trials give different buckets
-BAYES = {"fusion": "bayes", "bayes_trials": 3, "bayes_trial_steps": 2, "bayes_warmup_steps": 1,
-         "bayes_min_mb": 200 / 2**20, "bayes_max_mb": 2000 / 2**20, "bayes_first_mb": 600 / 2**20}
+BAYES = {"fusion": "bayes", "tuning": TuningOptions(trials=3, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20,
+                                                     max_mb=2000 / 2**20, first_mb=600 / 2**20)}
 
 CASES = {
     # name: (kind, kwargs)
@@ -104,13 +117,14 @@ CASES = {
     "wfbp-value": ("wfbp", {"clip": "value"}),
     "ddp-bf16": ("ddp", {"precision": "bf16-mixed"}),
     "dear-bf16": ("dear", {"precision": "bf16-mixed"}),
-    "dear-layers": ("dear", {"fusion": "layers", "bucket_layers": 2}),
+    "dear-layers": ("dear", {"fusion": FusionOptions(policy="layers", bucket_layers=2)}),
     "dear-onebucket": ("dear", {"bucket_cap_mb": 25.0}),
-    "dear-profiled": ("dear", {"profile_steps": 5, "profile_probe": True}),
+    "dear-profiled": ("dear", {"profile": ProfileOptions(steps=5, probe=True)}),
+    "dear-iface": ("dear", {"links": LinkOptions(primary_ifname="lo")}),  # the link's sockets on one interface
     # planners (world size 3): each changes the buckets mid-run; none may change the math
-    "dear-mgwfbp": ("dear", {"fusion": "mgwfbp", "plan_profile_steps": 3}),
-    "dear-greedy": ("dear", {"fusion": "mgwfbp-greedy", "plan_profile_steps": 3}),
-    "wfbp-dear-model": ("wfbp", {"fusion": "dear-model", "plan_profile_steps": 3}),
+    "dear-mgwfbp": ("dear", {"fusion": FusionOptions(policy="mgwfbp", profile_steps=3)}),
+    "dear-greedy": ("dear", {"fusion": FusionOptions(policy="mgwfbp-greedy", profile_steps=3)}),
+    "wfbp-dear-model": ("wfbp", {"fusion": FusionOptions(policy="dear-model", profile_steps=3)}),
     "dear-planfile": ("dear", {"plan_file": "dear-mgwfbp/commsched_plan.json"}),
     "dear-bayes-1ep": ("dear", BAYES),
     "dear-bayes-resume": ("dear", {"epochs": 2, "resume_from": "dear-bayes-1ep", **BAYES}),
@@ -125,6 +139,14 @@ CASES = {
     "wfbp-from-ddp": ("wfbp", {"epochs": 2, "resume_from": "ddp-1ep"}),
     "dear-eval": ("dear", {}),
     "dear-unfreeze": ("dear", {"unfreeze": True}),
+    "dear-replan": ("dear", {"fusion": FusionOptions(policy="mgwfbp", profile_steps=2, profile_warmup_steps=1), "replan_at": 6}),
+    "wfbp-1ep": ("wfbp", {"epochs": 1}),
+    "wfbp-resume": ("wfbp", {"epochs": 2, "resume_from": "wfbp-1ep"}),
+    # a schedule added from outside (workers/extension_schedule.py) with per-rank state
+    "localsum-1ep": ("localsum", {"epochs": 1}),
+    "localsum-2ep": ("localsum", {"epochs": 2}),
+    "localsum-resume": ("localsum", {"epochs": 2, "resume_from": "localsum-1ep"}),
+    "localsum-bayes-2ep": ("localsum", {"epochs": 2, **BAYES}),
     "wfbp-unfreeze": ("wfbp", {"unfreeze": True}),
     "ddp-eval": ("ddp", {}),
 }

@@ -30,7 +30,7 @@ from commsched.bench.config import register_bench_config, validate_bench
 
 register_bench_config()
 
-COLUMNS = ("schedule", "step_ms", "samples_per_s", "speedup_vs_ddp", "theoretical_ms", "measured_over_theoretical",
+COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "theoretical_ms", "measured_over_theoretical",
            "predicted_ms", "prediction_error")
 
 
@@ -58,15 +58,28 @@ def print_results(results: list[dict], cfg: Any, rate: str, console: Console) ->
                       f"{result['buckets']} buckets, {cfg.devices} workers, batch {cfg.batch_size}/worker, "
                       f"link {rate}; components (ms): {parts}")
         table = Table()
-        for column in ("schedule", "step (ms)", "samples/s", "vs ddp", "theoretical best (ms)", "measured / best",
+        for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "theoretical best (ms)", "measured / best",
                        "simulated (ms)", "sim error"):
             table.add_column(column, justify="right")
         for row in result["rows"]:
             vs = f"{row['speedup_vs_ddp']:.3f}" if row["speedup_vs_ddp"] is not None else "-"
-            table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['samples_per_s']:.1f}", vs,
+            table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}", vs,
                           f"{row['theoretical_ms']:.1f}", f"{row['measured_over_theoretical']:.2f}",
                           f"{row['predicted_ms']:.1f}", f"{row['prediction_error']:+.1%}")
         console.print(table)
+        warn_if_noisy(result, console)
+
+
+ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
+
+
+def warn_if_noisy(result: dict, console: Console) -> None:
+    for row in result["rows"]:
+        times = row.get("rounds_ms", [])
+        if len(times) > 1 and max(times) / min(times) - 1 > ROUNDS_AGREE:
+            console.print(f"[yellow]commsched-bench: the {len(times)} rounds of {row['schedule']} on {result['model']} "
+                          f"disagree by {max(times) / min(times) - 1:.0%} ({', '.join(f'{t:.0f}' for t in times)} ms): "
+                          "too few steps to trust; raise steps= or rounds=[/yellow]")
 
 
 def plot(results: list[dict], rate: str, path: Path) -> None:

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import commsched
+from commsched.options import ProfileOptions
 import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
 from commsched.sim import Measured, Workload, schedules
@@ -37,28 +38,29 @@ def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) 
 def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
     if schedule == "ddp":
         return DDPStrategy(bucket_cap_mb=spec["bucket_cap_mb"])
-    return commsched.STRATEGIES[schedule][0](bucket_cap_mb=spec["bucket_cap_mb"], **extra)
+    return commsched.STRATEGIES[schedule](bucket_cap_mb=spec["bucket_cap_mb"], **extra)
 
 
 def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
     return DataLoader(make_data(spec["batch_size"] * spec["devices"] * (steps + 2)), batch_size=spec["batch_size"])
 
 
-def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tuple[float, int]:
+def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tuple[float, float, int]:
+    """Median wall and CPU seconds per step (after warm-up) of one run, and this process's rank."""
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     steps = spec["warmup"] + spec["steps"] + 1
     timer = StepTimer(warmup=spec["warmup"])
     trainer = _trainer(_strategy(schedule, spec), spec, steps, [timer], out)
     trainer.fit(model, _loader(make_data, spec, steps))
-    return timer.median, trainer.global_rank
+    return timer.median, timer.median_cpu, trainer.global_rank
 
 
 def profile_components(model_name: str, spec: dict, out: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     steps = spec["warmup"] + spec["steps"] + 1
-    strategy = _strategy("wfbp", spec, profile_steps=spec["warmup"] + spec["steps"], profile_dir=str(out))
+    strategy = _strategy("wfbp", spec, profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(out)))
     trainer = _trainer(strategy, spec, steps + 1, [], out)
     trainer.fit(model, _loader(make_data, spec, steps + 1))
     assert strategy.profile is not None
@@ -94,11 +96,13 @@ def main() -> None:
     results = []
     rank = 0
     for model_name in spec["models"]:
-        measured: dict[str, float] = {}
-        for _ in range(spec["rounds"]):
+        rounds: dict[str, list[tuple[float, float]]] = {s: [] for s in spec["schedules"]}
+        for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
-                step, rank = time_schedule(model_name, schedule, spec, out / model_name)
-                measured[schedule] = min(measured.get(schedule, float("inf")), step)
+                step, cpu, rank = time_schedule(model_name, schedule, spec, out / model_name)
+                rounds[schedule].append((step, cpu))
+        measured = {s: min(step for step, _ in r) for s, r in rounds.items()}
+        cpu = {s: min(r)[1] for s, r in rounds.items()}  # CPU time of the best round
         profile = profile_components(model_name, spec, out / model_name)
         summary = profile["summary"]
         theory = {k: v + summary["t_other"] for k, v in summary["theoretical_best_s"].items()}
@@ -109,7 +113,8 @@ def main() -> None:
             "model": model_name, "gradient_mb": nbytes / 2**20, "buckets": len(profile["buckets"]),
             "components_ms": {k: v * 1e3 for k, v in summary.items() if k.startswith("t_")},
             "rows": [{
-                "schedule": s, "step_ms": measured[s] * 1e3,
+                "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": cpu[s] * 1e3,
+                "rounds_ms": [step * 1e3 for step, _ in rounds[s]],
                 "samples_per_s": spec["batch_size"] * spec["devices"] / measured[s],
                 "speedup_vs_ddp": measured["ddp"] / measured[s] if "ddp" in measured else None,
                 "theoretical_ms": theory[s] * 1e3, "measured_over_theoretical": measured[s] / theory[s],

@@ -17,6 +17,8 @@ from typing import Callable, Hashable, Optional
 
 from bayes_opt import BayesianOptimization, acquisition
 
+from commsched.options import TuningOptions
+
 # proposals in a row that give already-measured buckets before the search counts as finished
 MAX_REPEATED_PROPOSALS = 20
 
@@ -27,26 +29,13 @@ class Trial:
     step_s: float
 
 
-@dataclass(frozen=True)
-class BayesOptions:
-    """The tuning run: `trials` trials, each `trial_steps` timed steps after `warmup_steps`."""
-
-    trials: int = 10
-    warmup_steps: int = 2
-    trial_steps: int = 10
-    min_mb: float = 1.0
-    max_mb: float = 100.0
-    first_mb: float = 25.0
-    xi: float = 0.1
-
-
 def _every_size_differs(bucket_mb: float) -> Hashable:
     return bucket_mb
 
 
 @dataclass
 class BucketSizeTuner:
-    options: BayesOptions = field(default_factory=BayesOptions)
+    options: TuningOptions = field(default_factory=TuningOptions)
     seed: int = 0
     trials: list[Trial] = field(default_factory=list)
     # what a size turns into (the bucket layout); sizes with the same layout are measured once

@@ -39,10 +39,10 @@ class SavedPlan:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "SavedPlan":
+    def load(cls, path: str | Path, field: str = "fusion.plan_file") -> "SavedPlan":
         path = Path(path).expanduser()
         if not path.is_file():
-            raise CommSchedConfigError(f"commsched: invalid plan_file={str(path)!r}; allowed: a plan JSON written by "
+            raise CommSchedConfigError(f"commsched: invalid {field}={str(path)!r}; allowed: a plan JSON written by "
                                        "commsched-plan or a previous run (file not found).")
         data = json.loads(path.read_text())
         return cls.from_dict(data)

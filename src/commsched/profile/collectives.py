@@ -30,8 +30,8 @@ def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype
     """Median seconds of one blocking collective over a buffer of `numel` elements (padded to the world size)."""
     world = link.world_size
     numel = -(-numel // world) * world
-    full = torch.zeros(numel, dtype=dtype)
-    shard = torch.zeros(numel // world, dtype=dtype)
+    full = torch.zeros(numel, dtype=dtype, device=link.device)
+    shard = torch.zeros(numel // world, dtype=dtype, device=link.device)
     scratch = torch.empty_like(full)
     ops = {
         "all_reduce": lambda: link.all_reduce(full, "profile").wait(),

@@ -34,23 +34,23 @@ def fit_line(sizes: list[float], seconds: list[float]) -> Line:
 def probe_link(link: Link, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
                collectives: tuple[str, ...] = COLLECTIVES) -> tuple[Fitted, dict[str, list[float]]]:
     """Returns the fit and the measured medians (seconds per size, per collective), same on all ranks."""
-    decision = torch.tensor([repeats, len(sizes), *sizes], dtype=torch.int64)
-    header = torch.zeros(2, dtype=torch.int64)
+    decision = link.tensor([repeats, len(sizes), *sizes], torch.int64)
+    header = torch.zeros(2, dtype=torch.int64, device=link.device)
     if link.rank == 0:
         header.copy_(decision[:2])
     link.broadcast(header, 0, "probe-plan").wait()
-    plan = decision if link.rank == 0 else torch.zeros(2 + int(header[1]), dtype=torch.int64)
+    plan = decision if link.rank == 0 else torch.zeros(2 + int(header[1]), dtype=torch.int64, device=link.device)
     link.broadcast(plan, 0, "probe-plan").wait()
     repeats, sizes = int(plan[0]), [int(s) for s in plan[2:]]
 
-    measured = torch.tensor([[time_collective(link, c, max(1, size // 4), repeats) for size in sizes]
-                             for c in collectives], dtype=torch.float64)
+    measured = link.tensor([[time_collective(link, c, max(1, size // 4), repeats) for size in sizes]
+                            for c in collectives], torch.float64)
     link.all_reduce(measured, "probe-times", torch.distributed.ReduceOp.MAX).wait()
-    fits = torch.zeros(len(collectives), 3, dtype=torch.float64)
+    fits = torch.zeros(len(collectives), 3, dtype=torch.float64, device=link.device)
     if link.rank == 0:
         for row, _ in enumerate(collectives):
             line = fit_line([float(s) for s in sizes], measured[row].tolist())
-            fits[row] = torch.tensor([line.a, line.b, line.residual])
+            fits[row] = link.tensor([line.a, line.b, line.residual], torch.float64)
     link.broadcast(fits, 0, "probe-fit").wait()
     lines = {c: Line(*fits[row].tolist()) for row, c in enumerate(collectives)}
     medians = {c: measured[row].tolist() for row, c in enumerate(collectives)}

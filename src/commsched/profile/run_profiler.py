@@ -26,25 +26,17 @@ from commsched.profile.probe import probe_link
 from commsched.trace import Span, write_chrome_trace
 
 
-def schedule_comm_seconds(schedule: str, bucket_times: list[dict[str, float]]) -> float:
-    """Communication one step of `schedule` issues, each collective run alone."""
-    if schedule == "dear":
-        return sum(t["reduce_scatter"] + t["all_gather"] for t in bucket_times)
-    return sum(t["all_reduce"] for t in bucket_times)
-
-
 def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> dict[str, float]:
-    """dear.txt Eq. 7-8."""
-    return {
-        "wfbp": t_ff + max(t_bp, totals["all_reduce"]),
-        "dear": max(t_ff, totals["all_gather"]) + max(t_bp, totals["reduce_scatter"]),
-    }
+    """Each registered schedule's best step for the measured times (dear.txt Eq. 7-8 for wfbp and dear)."""
+    from commsched.schedules import SCHEDULES
+
+    return {name: schedule.theoretical_best(t_ff, t_bp, totals) for name, schedule in SCHEDULES.items()}
 
 
 class RunProfiler:
-    def __init__(self, steps: int, out_dir: Optional[Path], probe: bool, repeats: int = 5, warmup: int = 1) -> None:
+    def __init__(self, steps: int, out_dir: Optional[str | Path], probe: bool, repeats: int = 5, warmup: int = 1) -> None:
         self.steps = steps
-        self.out_dir = out_dir
+        self.out_dir = Path(out_dir).expanduser() if out_dir is not None else None
         self.probe = probe
         self.repeats = repeats
         self.warmup = warmup  # steps kept in the timeline but left out of the medians
@@ -133,7 +125,8 @@ class RunProfiler:
 
     def _summarise(self, strategy: Any, timer: LayerTimer, plan: BucketPlan, bucket_times: list[dict[str, float]]) -> dict:
         module = strategy.lightning_module
-        schedule_name = strategy.schedule_class.name
+        schedule = strategy.schedule
+        schedule_name = schedule.name
         skip = min(self.warmup, timer.steps - 1)
         t_ff = statistics.median(self._forward[skip:timer.steps])
         t_bp = statistics.median(self._backward[skip:timer.steps])
@@ -149,7 +142,7 @@ class RunProfiler:
                 "backward_s": sum(by_name[n].backward_s for n in names if n in by_name),
                 **{f"{c}_s": t for c, t in times.items()},
             })
-        isolated = schedule_comm_seconds(schedule_name, bucket_times)
+        isolated = sum(t[c] for t in bucket_times for c in schedule.step_collectives)
         steps = []
         for k in range(timer.steps):
             exposed = self._exposed[k + 1] - self._exposed[k]

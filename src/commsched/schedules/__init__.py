@@ -1,7 +1,14 @@
-"""Schedule runtimes: one file per schedule, each a `Schedule` subclass."""
+"""Schedule runtimes, one file per schedule, and the registry of them.
 
-from commsched.schedules.base import Schedule
+Adding a schedule: a `Schedule` subclass in its own file here, an entry in `SCHEDULES`, and its
+named strategy class in `commsched.registry`. Nothing in the strategy or the profiler changes:
+they ask the schedule (`links_used`, `step_collectives`, `theoretical_best`, `state_dict`).
+"""
+
+from commsched.schedules.base import Observed, Schedule
 from commsched.schedules.dear import DeARSchedule
 from commsched.schedules.wfbp import WFBPSchedule
 
-__all__ = ["DeARSchedule", "Schedule", "WFBPSchedule"]
+SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (WFBPSchedule, DeARSchedule)}
+
+__all__ = ["DeARSchedule", "Observed", "SCHEDULES", "Schedule", "WFBPSchedule"]

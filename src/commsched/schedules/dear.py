@@ -1,12 +1,16 @@
 """DeAR: reduce-scatter in backward (BackPipe), all-gather overlapped with the next forward (FeedPipe).
 
-Update arrangement (DESIGN.md §4 option a): after the closure each rank holds its shard of every
+Update arrangement (DESIGN.md §4 option a): after backward each rank holds its shard of every
 bucket's averaged gradient. Clipping is done on the shards (one scalar all-reduce gives the global
 norm). The all-gathers of the *gradients* start right away, and the user's own optimizer is run
 bucket by bucket in the next forward, just before the first module that owns a parameter of the
 bucket runs, with the hyper-parameters snapshotted at step time. This keeps any torch optimizer,
 its state and its checkpoints exactly as under DDP (a plain `ddp` run can resume from them), at
 the price of the full optimizer work on every rank -- the same work DDP does.
+
+When user code reads gradients after backward (`Observed.gradients`), the all-gathers run at the
+end of backward instead and the step is taken at once: the forward overlap is given up so that
+`on_after_backward` and `on_before_optimizer_step` see whole, averaged gradients as under DDP.
 """
 
 from __future__ import annotations
@@ -19,17 +23,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
-from commsched.links import Link, Pending
-from commsched.schedules.base import Schedule
+from commsched.links import Links, Pending
+from commsched.reducers import ShardedReduce
+from commsched.schedules.base import Observed, Schedule
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
 
 
 class _PendingUpdate:
     """The update of one optimizer step, waiting to be applied bucket by bucket."""
 
-    def __init__(
-        self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: list[Optional[Pending]]
-    ) -> None:
+    def __init__(self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: list[Optional[Pending]]) -> None:
         self.stepper = stepper
         self.step = step
         self.hyper = hyper
@@ -39,14 +42,14 @@ class _PendingUpdate:
 
 class DeARSchedule(Schedule):
     name = "dear"
+    description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
+    step_collectives = ("reduce_scatter", "all_gather")
     grads_complete_after_closure = False
+    applies_late = True
 
-    def __init__(self, plan: BucketPlan, link: Link) -> None:
-        super().__init__(plan, link)
-        self._shards = [torch.zeros(b.shard_numel, dtype=b.buffer.dtype, device=b.buffer.device) for b in plan.buckets]
-        # gloo: the other ranks' slices land here before the local sum (one extra gradient copy)
-        native = link.native_reduce_scatter
-        self._scratch = [None if native else torch.empty_like(b.buffer) for b in plan.buckets]
+    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed()) -> None:
+        super().__init__(plan, links, observed)
+        self._reducers = [ShardedReduce(b.buffer, self.link) for b in plan.buckets]
         self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
         self._pending: Optional[_PendingUpdate] = None
         self._stepper: Optional[SubsetStepper] = None
@@ -81,18 +84,21 @@ class DeARSchedule(Schedule):
         self._owners_of = [[tuple(o) for o in per_bucket] for per_bucket in owners]
 
     # ------------------------------------------------------------------ backward
-    def _launch(self, b: int) -> None:
-        self._scatters[b] = self.link.reduce_scatter(
-            self._shards[b], self.plan.buckets[b].buffer, f"bucket{b}", scratch=self._scratch[b]
-        )
+    def _bucket_ready(self, b: int) -> None:
+        self._scatters[b] = self._reducers[b].scatter(f"bucket{b}")
 
-    def _complete_reduction(self) -> None:
+    def _backward_end(self) -> None:
         for b, work in enumerate(self._scatters):
             assert work is not None
             work.wait()
             self._scatters[b] = None
+        self.capture.read_mask()
         if self._learning:
             self._learn_early_buckets()
+        if self.observed.gradients:  # whole gradients before on_after_backward, as DDP
+            for work in [reducer.gather(f"bucket{b}") for b, reducer in enumerate(self._reducers)]:
+                work.wait()
+            self._hand_back_gradients(range(len(self.plan.buckets)))
 
     def _learn_early_buckets(self) -> None:
         """A parameter that got a gradient although none of its modules ran is read directly (e.g. a
@@ -100,10 +106,17 @@ class DeARSchedule(Schedule):
         for b, bucket in enumerate(self.plan.buckets):
             for slot in range(len(bucket.params)):
                 ran = any(owner in self._modules_run for owner in self._owners_of[b][slot])
-                if self._filled[b][slot] and not ran:
+                if self.capture.filled(b, slot) and not ran:
                     self._early[b] = True
         self._learning = False
         self._modules_run.clear()
+
+    def _hand_back_gradients(self, buckets: Any) -> None:
+        """`.grad` becomes a view of the whole averaged gradient (None where no rank produced one), as under DDP."""
+        for b in buckets:
+            bucket = self.plan.buckets[b]
+            for param, view, used in zip(bucket.params, bucket.views, self.capture.globally_used[b]):
+                param.grad = view if used else None
 
     # ------------------------------------------------------------------ clipping
     def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int]]]:
@@ -125,23 +138,28 @@ class DeARSchedule(Schedule):
         return self._norm_segments[key]
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
-        squares = torch.zeros(1, dtype=torch.float32, device=self._shards[0].device)
-        for shard, ranges in zip(self._shards, self._segments(optimizer)):
+        if self.observed.gradients:
+            return super().clip_grad_norm(optimizer, max_norm)
+        squares = torch.zeros(1, dtype=torch.float32, device=self.link.device)
+        for reducer, ranges in zip(self._reducers, self._segments(optimizer)):
             for start, length in ranges:
-                squares += torch.linalg.vector_norm(shard.narrow(0, start, length), dtype=torch.float32).square()
+                squares += torch.linalg.vector_norm(reducer.shard.narrow(0, start, length), dtype=torch.float32).square()
         self.link.all_reduce(squares, "clip-norm").wait()
-        total_norm = squares.sqrt()
-        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for shard in self._shards:
-            shard.mul_(coefficient.to(shard.dtype))
+        coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for reducer in self._reducers:
+            reducer.shard.mul_(coefficient.to(reducer.shard.dtype))
 
     def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:
-        for shard in self._shards:
-            shard.clamp_(min=-clip_value, max=clip_value)
+        if self.observed.gradients:
+            return super().clip_grad_value(optimizer, clip_value)
+        for reducer in self._reducers:
+            reducer.shard.clamp_(min=-clip_value, max=clip_value)
 
     # ------------------------------------------------------------------- update
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         """Let Lightning run closure, hooks and clipping, but defer the actual update to the next forward."""
+        if self.observed.gradients:
+            return run_step()
         real_step = optimizer.step
         had_instance_step = "step" in optimizer.__dict__
 
@@ -165,7 +183,7 @@ class DeARSchedule(Schedule):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
         gathers: list[Optional[Pending]] = [None] * len(self.plan.buckets)
         for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
-            gathers[b] = self.link.all_gather(self.plan.buckets[b].buffer, self._shards[b], f"bucket{b}")
+            gathers[b] = self._reducers[b].gather(f"bucket{b}")
         self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), gathers)
         # The update is real, only later: keep torch's scheduler from warning that it stepped first.
         optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -177,14 +195,8 @@ class DeARSchedule(Schedule):
         work = pending.gathers[b]
         work.wait()
         pending.gathers[b] = None
-        bucket = self.plan.buckets[b]
-        for param, view, used in zip(bucket.params, bucket.views, self.globally_used[b]):
-            param.grad = view if used else None
-        try:
-            pending.stepper.step_bucket(b, pending.hyper, pending.step)
-        finally:
-            for param in bucket.params:
-                param.grad = None
+        self._hand_back_gradients((b,))
+        pending.stepper.step_bucket(b, pending.hyper, pending.step)
         pending.left -= 1
         if pending.left == 0:
             self._pending = None
@@ -197,7 +209,7 @@ class DeARSchedule(Schedule):
             self._modules_run.add(module_id)
 
     def before_forward(self) -> None:
-        self._stale[:] = [False] * len(self._stale)
+        self.capture.stale[:] = [False] * len(self.capture.stale)
         self._recording = self._learning
         if self._pending is not None:
             for b in reversed(range(len(self.plan.buckets))):
@@ -211,9 +223,14 @@ class DeARSchedule(Schedule):
         if self._pending is not None:
             for b in reversed(range(len(self.plan.buckets))):
                 if self._pending is not None and self._pending.gathers[b] is not None:
-                    self._stale[b] = True
+                    self.capture.stale[b] = True
                     self._apply(b)
 
     def flush(self) -> None:
         for b in reversed(range(len(self.plan.buckets))):
             self._apply(b)
+
+    @staticmethod
+    def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
+        """dear.txt Eq. 8."""
+        return max(t_ff, totals["all_gather"]) + max(t_bp, totals["reduce_scatter"])

@@ -1,8 +1,9 @@
 """WFBP: all-reduce each bucket as soon as backward has filled it (wait-free backpropagation).
 
-This is DDP's schedule. After the closure every bucket holds the averaged gradient and each
-parameter's `.grad` becomes a view into it, so clipping, `on_before_optimizer_step` and the
-optimizer see exactly what they would see under DDP.
+This is DDP's schedule, and it ends the way DDP's does: at the end of backward (autograd's final
+callback) it waits for every bucket and makes each parameter's `.grad` a view into its bucket, so
+`on_after_backward`, clipping, `on_before_optimizer_step` and the optimizer see exactly what they
+would see under DDP.
 """
 
 from __future__ import annotations
@@ -10,25 +11,34 @@ from __future__ import annotations
 from typing import Optional
 
 from commsched.buckets import BucketPlan
-from commsched.links import Link, Pending
-from commsched.schedules.base import Schedule
+from commsched.links import Links, Pending
+from commsched.reducers import AllReduce
+from commsched.schedules.base import Observed, Schedule
 
 
 class WFBPSchedule(Schedule):
     name = "wfbp"
+    description = "commsched WFBP: bucketed all-reduce launched during backward"
+    step_collectives = ("all_reduce",)
 
-    def __init__(self, plan: BucketPlan, link: Link) -> None:
-        super().__init__(plan, link)
+    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed()) -> None:
+        super().__init__(plan, links, observed)
+        self._reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
         self._works: list[Optional[Pending]] = [None] * len(plan.buckets)
 
-    def _launch(self, b: int) -> None:
-        self._works[b] = self.link.all_reduce(self.plan.buckets[b].buffer, f"bucket{b}")
+    def _bucket_ready(self, b: int) -> None:
+        self._works[b] = self._reducers[b].start(f"bucket{b}")
 
-    def _complete_reduction(self) -> None:
+    def _backward_end(self) -> None:
+        self.capture.read_mask()
         for b, bucket in enumerate(self.plan.buckets):
-            work = self._works[b]
+            work, self._works[b] = self._works[b], None
             assert work is not None
             work.wait()
-            self._works[b] = None
-            for param, view, used in zip(bucket.params, bucket.views, self.globally_used[b]):
+            for param, view, used in zip(bucket.params, bucket.views, self.capture.globally_used[b]):
                 param.grad = view if used else None
+
+    @staticmethod
+    def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
+        """dear.txt Eq. 7."""
+        return t_ff + max(t_bp, totals["all_reduce"])

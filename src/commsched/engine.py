@@ -1,0 +1,151 @@
+"""The communication machinery of one fit: links, the plan policy, the schedule and its state.
+
+The strategy calls the engine at Lightning's fixed points; the engine builds the links a schedule
+asks for, builds buckets with the policy's planner (the same on every rank, checked by hash),
+rebuilds them at iteration boundaries when the plan or the set of trainable parameters changes,
+moves the schedule's communication state across rebuilds by parameter name, and starts the
+profiler when asked for or when a planner needs one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterator, Optional
+
+from torch import nn
+
+from commsched import state
+from commsched.buckets import build_plan, verify_same_on_all_ranks
+from commsched.links import CollectiveRecord, Links, LinkSpec
+from commsched.options import StrategyOptions
+from commsched.planning import PlanPolicy
+from commsched.profile import RunProfiler
+from commsched.schedules import Observed, Schedule
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, schedule_class: type[Schedule], options: StrategyOptions, trace_collectives: bool) -> None:
+        self.schedule_class = schedule_class
+        self.policy = PlanPolicy(options.fusion, options.tuning)
+        self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
+        self.schedule: Optional[Schedule] = None
+        self.links: Optional[Links] = None
+        self.observed = Observed()
+        self.profiler: Optional[RunProfiler] = None
+        self._fusion = options.fusion
+        self._profile = options.profile
+        self._link_options = options.links
+        self._trainable: tuple[int, ...] = ()
+
+    def start(self, module: nn.Module, world_size: int, timeout: Optional[timedelta], default_backend: Optional[str],
+              observed: Observed, restored: Optional[state.Restored]) -> None:
+        """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only)."""
+        log.debug(f"commsched: creating links {self.schedule_class.links_used}")
+        if self.trace is not None:
+            self.trace.clear()
+        self.links = Links(self._link_specs(default_backend), timeout, self.trace)
+        if restored is not None:
+            self.policy.load_state_dict(restored.plan)
+        self.observed = observed
+        log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}' ({observed})")
+        self.build(module, world_size)
+        if restored is not None:
+            self.schedule.load_state_dict(merged(restored.shared, restored.mine))
+        self.links.control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
+        self.maybe_start_profiler(module)
+
+    def _link_specs(self, default_backend: Optional[str]) -> list[LinkSpec]:
+        o = self._link_options
+        specs = {"primary": LinkSpec("primary", o.primary_backend or default_backend, o.primary_ifname),
+                 "secondary": LinkSpec("secondary", o.secondary_backend, o.secondary_ifname)}
+        return [specs[name] for name in self.schedule_class.links_used]
+
+    def build(self, module: nn.Module, world_size: int) -> None:
+        assert self.links is not None
+        plan = build_plan(module, world_size, self.policy.planner())
+        verify_same_on_all_ranks(plan, module, self.links.control, f"{self.schedule_class.name} {self.observed}")
+        self.schedule = self.schedule_class(plan, self.links, self.observed)
+        self.schedule.attach(module)
+        self._trainable = _trainable_ids(module)
+
+    def rebuild(self, module: nn.Module, world_size: int) -> None:
+        """New buckets at an iteration boundary; communication state moves over by parameter name."""
+        assert self.schedule is not None
+        log.debug("commsched: rebuilding buckets")
+        sync_enabled = self.schedule.sync_enabled
+        self.schedule.flush()
+        carried = self.schedule.state_dict()
+        self.schedule.detach()
+        self.build(module, world_size)
+        self.schedule.load_state_dict(merged(carried.get("shared", {}), carried.get("per_rank", {})))
+        self.schedule.sync_enabled = sync_enabled
+
+    def at_boundary(self, strategy: Any) -> None:
+        """An iteration boundary every rank reaches at the same batch: profiling, re-planning, and a
+        rebuild when the set of trainable parameters changed (e.g. BackboneFinetuning unfreezing)."""
+        module = strategy.lightning_module
+        if self.profiler is not None:
+            self.profiler.on_batch_start(strategy)
+        if self.policy.at_boundary(strategy):
+            self.rebuild(module, strategy.world_size)
+            self.policy.rebuilt(strategy)
+        elif _trainable_ids(module) != self._trainable:
+            self.rebuild(module, strategy.world_size)
+        self.maybe_start_profiler(module)
+
+    def maybe_start_profiler(self, module: nn.Module) -> None:
+        """Profile the first `profile.steps` steps, and whenever a model planner needs a profile."""
+        if self.profiler is not None and self.profiler.active:
+            return
+        planning = self.policy.wants_profile
+        if not (self._profile.steps or planning):
+            return
+        warmup = self._fusion.profile_warmup_steps if planning else 1
+        steps = max(self._profile.steps, self._fusion.profile_steps + warmup if planning else 0)
+        self.profiler = RunProfiler(steps, self._profile.dir, self._profile.probe or planning, warmup=warmup)
+        self.profiler.start(module, list(self.links or []))
+        self._profile = dataclasses.replace(self._profile, steps=0)  # the asked-for profile runs once
+
+    def finish_profile(self, strategy: Any) -> None:
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.finish(strategy)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients stay local (accumulation micro-batches)."""
+        schedule = self.schedule
+        if schedule is not None:
+            schedule.sync_enabled = False
+        try:
+            yield
+        finally:
+            if schedule is not None:
+                schedule.sync_enabled = True
+
+    def checkpoint_state(self, world_size: int) -> dict[str, Any]:
+        """Called on every rank (after a flush); rank 0's return value goes into the checkpoint."""
+        assert self.schedule is not None
+        saved = self.schedule.state_dict()
+        per_rank = state.gather_to_rank0(saved.get("per_rank", {}), world_size)
+        return state.entry(self.schedule.name, world_size, self.policy.state_dict(), saved.get("shared", {}), per_rank)
+
+    def stop(self, destroy_links: bool) -> None:
+        if self.schedule is not None:
+            self.schedule.detach()
+            self.schedule = None
+        if self.links is not None and destroy_links:
+            self.links.destroy()
+
+
+def merged(shared: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+    """What `Schedule.load_state_dict` receives: the shared and this rank's parts in one dict."""
+    return {**shared, **mine}
+
+
+def _trainable_ids(module: nn.Module) -> tuple[int, ...]:
+    return tuple(id(p) for p in module.parameters() if p.requires_grad)

@@ -1,0 +1,172 @@
+"""The fusion plan during training: which planner builds the buckets, and when that changes.
+
+The policy decides only at iteration boundaries (the strategy's batch-start hook, reached by every
+rank at the same batch); rank 0 decides and `Link.broadcast_object` hands the decision to every
+rank, so all ranks rebuild together. Model policies (`mgwfbp`, `mgwfbp-greedy`, `dear-model`)
+start on fixed buckets, ask for a profile of the first steps and plan from it; `bayes` times
+trials of bucket sizes; a plan file or a resumed checkpoint decides at once. `request_replan()`
+starts deciding again (e.g. after the network changed), as often as asked.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from commsched.buckets import param_infos
+from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed, plan_layers
+from commsched.links import Link
+from commsched.options import FusionOptions, TuningOptions
+from commsched.planning.bayes import BucketSizeTuner
+from commsched.planning.model_plans import plan_from_profile
+from commsched.planning.plan_file import SavedPlan
+
+Planner = Callable[[Sequence[ParamInfo]], list[list[int]]]
+PLAN_FILE_NAME = "commsched_plan.json"
+
+
+class PlanPolicy:
+    def __init__(self, fusion: FusionOptions, tuning: TuningOptions, seed: int = 0) -> None:
+        self.fusion = fusion
+        self.tuning_options = tuning
+        self.decided: Optional[SavedPlan] = SavedPlan.load(fusion.plan_file) if fusion.plan_file else None
+        self.trials: list[dict[str, float]] = []
+        self._seed = seed
+        self._adaptive = fusion.policy in (*MODEL_POLICIES, "bayes")
+        self._replan = False
+        self._start_tuning()
+
+    def _start_tuning(self) -> None:
+        bayes = self.fusion.policy == "bayes"
+        self._cap_mb = self.tuning_options.first_mb if bayes else self.fusion.bucket_cap_mb
+        self._tuner = BucketSizeTuner(self.tuning_options, seed=self._seed) if bayes else None
+        self._timing: list[float] = []
+        self._batches_in_trial = 0
+        self._last_start: Optional[float] = None
+        self._final_pending = False
+
+    @property
+    def deciding(self) -> bool:
+        return self._adaptive and self.decided is None
+
+    @property
+    def wants_profile(self) -> bool:
+        """A model policy still waiting for the profile it plans from."""
+        return self.deciding and self.fusion.policy in MODEL_POLICIES
+
+    def planner(self) -> Planner:
+        if self.decided is not None:
+            return self.decided.planner()
+        if self.fusion.policy == "layers":
+            return partial(plan_layers, layers_per_bucket=self.fusion.bucket_layers)
+        return partial(plan_fixed, cap_bytes=int(self._cap_mb * 2**20))
+
+    def request_replan(self) -> None:
+        """Decide again from the next boundary on (a plan file or checkpoint plan is given up too)."""
+        self._replan = True
+
+    # ------------------------------------------------------------ at a boundary
+    def at_boundary(self, strategy: Any) -> bool:
+        """Called at every training batch start on every rank; True: rebuild the buckets now."""
+        if self._replan:
+            self._replan = False
+            self.decided = None
+            self._adaptive = True
+            self._start_tuning()
+            return True
+        if not self.deciding:
+            return False
+        if self.fusion.policy in MODEL_POLICIES:
+            return self._plan_from_profile(strategy)
+        return self._bayes_step(strategy)
+
+    def _plan_from_profile(self, strategy: Any) -> bool:
+        profile = strategy.profile
+        if profile is None:
+            return False  # still profiling
+        link: Link = strategy.control_link
+        mine = vars(plan_from_profile(profile, self.fusion.policy)) if link.rank == 0 else None
+        self.decided = SavedPlan(**link.broadcast_object(mine, 0, "plan-decision"))
+        self._announce(strategy)
+        return True
+
+    def _bayes_step(self, strategy: Any) -> bool:
+        now = time.perf_counter()
+        if self._last_start is not None and self._batches_in_trial > self.tuning_options.warmup_steps:
+            self._timing.append(now - self._last_start)
+        self._last_start = now
+        self._batches_in_trial += 1
+        if len(self._timing) < self.tuning_options.trial_steps:
+            return False
+        link: Link = strategy.control_link
+        decision = self._bayes_decide(strategy) if link.rank == 0 else None
+        step_s, chosen, final = link.broadcast_object(decision, 0, "bayes-decision")
+        self.trials.append({"trial": len(self.trials), "bucket_mb": self._cap_mb, "step_ms": step_s * 1e3})
+        _log(strategy, {"bayes/trial": len(self.trials) - 1, "bayes/bucket_mb": self._cap_mb, "bayes/step_ms": step_s * 1e3})
+        rank_zero_info(f"commsched bayes: trial {len(self.trials) - 1}: {self._cap_mb:.2f} MB buckets, "
+                       f"median step {step_s * 1e3:.1f} ms")
+        self._cap_mb = chosen
+        self._timing, self._batches_in_trial, self._last_start = [], 0, None
+        self._final_pending = final
+        return True
+
+    def _bayes_decide(self, strategy: Any) -> tuple[float, float, bool]:
+        """Rank 0: record this trial, propose the next size (or the best one, when done)."""
+        assert self._tuner is not None
+        self._tuner.layout_of = partial(_fixed_layout, strategy.lightning_module)
+        step = statistics.median(self._timing)
+        self._tuner.record(self._cap_mb, step)
+        proposed = None if self._tuner.done else self._tuner.next_size()
+        final = proposed is None
+        if final and len(self._tuner.trials) < self.tuning_options.trials:
+            rank_zero_info(f"commsched bayes: every size proposed gives buckets already measured; "
+                           f"stopping after {len(self._tuner.trials)} of {self.tuning_options.trials} trials")
+        return step, self._tuner.best().bucket_mb if final else proposed, final
+
+    def rebuilt(self, strategy: Any) -> None:
+        """After the strategy rebuilt its buckets: a final Bayesian choice becomes the decided plan."""
+        if not self._final_pending:
+            return
+        self._final_pending = False
+        names = [list(b.names) for b in strategy.bucket_plan.buckets]
+        self.decided = SavedPlan("bayes", strategy.world_size, names, details={"bucket_mb": self._cap_mb, "trials": self.trials})
+        self._announce(strategy)
+
+    def _announce(self, strategy: Any) -> None:
+        assert self.decided is not None
+        plan = self.decided
+        if strategy.global_rank == 0:
+            path = Path(strategy.lightning_module.trainer.default_root_dir) / PLAN_FILE_NAME
+            plan.save(path)
+            sizes = sum(p.nbytes for p in param_infos(strategy.lightning_module)) / 2**20 / max(len(plan.buckets), 1)
+            predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""
+            rank_zero_info(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
+                           f"{sizes:.2f} MB on average{predicted}; saved to {path}")
+
+    # ---------------------------------------------------- communication state
+    def state_dict(self) -> dict[str, Any]:
+        return {"decided": vars(self.decided) if self.decided is not None else None, "trials": list(self.trials)}
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        """A plan decided before the checkpoint is kept (no tuning again); a plan file or a fixed policy given now wins."""
+        if not state or self.fusion.plan_file or not self._adaptive:
+            return
+        self.trials = list(state.get("trials", []))
+        if state.get("decided") is not None:
+            self.decided = SavedPlan.from_dict(state["decided"])
+
+
+def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:
+    """The buckets `bucket_mb` gives this model: sizes with equal layouts are the same trial."""
+    return tuple(map(tuple, plan_fixed(param_infos(module), cap_bytes=int(bucket_mb * 2**20))))
+
+
+def _log(strategy: Any, metrics: dict[str, float]) -> None:
+    trainer = strategy.lightning_module.trainer
+    if trainer.logger is not None and strategy.global_rank == 0:
+        trainer.logger.log_metrics(metrics, step=trainer.global_step)

@@ -1,0 +1,12 @@
+"""How one bucket's bytes are combined across ranks: a reducer object per bucket, chosen by the schedule.
+
+`AllReduce` (wfbp, DeFT) sums a bucket in one collective; `ShardedReduce` (DeAR) splits it into a
+reduce-scatter and an all-gather the schedule starts at different times. Sparse top-k and
+hierarchical exchanges (DESIGN.md §9) are further reducers with the same shape: they keep their
+per-rank state (error-feedback residuals) by parameter name, see `commsched.state`.
+"""
+
+from commsched.reducers.allreduce import AllReduce
+from commsched.reducers.sharded import ShardedReduce
+
+__all__ = ["AllReduce", "ShardedReduce"]

@@ -1,0 +1,163 @@
+"""Gradient capture, the first stage of every schedule: hooks fill bucket buffers, buckets are
+handed on in order, missing gradients become zeros, one used-mask per step.
+
+The invariant that keeps ranks in lock-step: every synchronised backward hands each bucket to the
+schedule exactly once, in bucket order, then launches one small all-reduce of the "gradient
+produced" mask. Buckets are handed on during backward as soon as they and all earlier buckets are
+complete; what is left (parameters that got no gradient on this rank) is handed on at the end of
+backward, with zeros in place of the missing gradients. The mask tells every rank which
+parameters got a gradient on *some* rank, so a parameter unused everywhere keeps `.grad = None`
+and the optimizer skips it, exactly as DDP with `find_unused_parameters=True` does.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from commsched.buckets import BucketPlan
+from commsched.errors import ScheduleError
+from commsched.links import Link, Pending
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no gradient of this step seen yet
+    COLLECTING = "collecting"  # backward running, buckets filling and handed on
+    LAUNCHED = "launched"  # every bucket handed on, the mask in flight
+
+
+class GradientCapture:
+    """Calls `on_bucket(b)` for each complete bucket in order and `on_backward_end()` once per step."""
+
+    def __init__(self, plan: BucketPlan, mask_link: Link, schedule_name: str,
+                 on_bucket: Callable[[int], None], on_backward_end: Callable[[], None]) -> None:
+        self.plan = plan
+        self.sync_enabled = True  # False inside Lightning's no-sync accumulation micro-batches
+        self.phase = Phase.IDLE
+        self.stale = [False] * len(plan.buckets)  # set by schedules that apply updates late
+        self.globally_used: list[list[bool]] = [[True] * len(b.params) for b in plan.buckets]
+        self._name = schedule_name
+        self._link = mask_link
+        self._on_bucket = on_bucket
+        self._on_backward_end = on_backward_end
+        self._scale = 1.0 / plan.world_size  # DDP divides while copying into the bucket
+        self._sizes = [len(b.params) for b in plan.buckets]
+        self._remaining = list(self._sizes)
+        self._filled = [[False] * n for n in self._sizes]
+        self._next = 0
+        self._mask = torch.zeros(plan.num_params, device=mask_link.device)
+        self._mask_work: Optional[Pending] = None
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self) -> None:
+        for bucket in self.plan.buckets:
+            for slot, param in enumerate(bucket.params):
+                self._handles.append(param.register_post_accumulate_grad_hook(partial(self._grad_ready, bucket.index, slot)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def filled(self, b: int, slot: int) -> bool:
+        return self._filled[b][slot]
+
+    # ------------------------------------------------------------------ backward
+    def _grad_ready(self, b: int, slot: int, param: nn.Parameter) -> None:
+        if self.stale[b]:
+            raise ScheduleError(
+                f"commsched {self._name}: parameter '{self.plan.buckets[b].names[slot]}' was read in this forward "
+                "before its pending update was applied: it is used outside the forward of the module that owns "
+                "it, and was not used that way in the first training step. Use it through its module, or use "
+                "strategy='wfbp'."
+            )
+        if not self.sync_enabled:
+            return
+        if self.phase is not Phase.COLLECTING:
+            self._begin(in_backward=True)
+        if self._filled[b][slot]:
+            return
+        self._fill(b, slot, param)
+        self._remaining[b] -= 1
+        if b == self._next and self._remaining[b] == 0:
+            self._hand_on_in_order()
+
+    def _fill(self, b: int, slot: int, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad.is_sparse:
+            raise ScheduleError(
+                f"commsched: parameter '{self.plan.buckets[b].names[slot]}' has a sparse gradient; "
+                "sparse gradients are not supported (use dense embeddings)."
+            )
+        torch.mul(grad, self._scale, out=self.plan.buckets[b].views[slot])
+        self._filled[b][slot] = True
+        param.grad = None  # the gradient lives in the bucket now; the schedule hands it back later
+
+    def _begin(self, in_backward: bool) -> None:
+        if self.phase is Phase.LAUNCHED:
+            raise ScheduleError(
+                f"commsched {self._name}: a second backward ran in one optimizer step after the gradients were "
+                "already sent. Call backward once per optimizer step (use gradient accumulation instead)."
+            )
+        self.phase = Phase.COLLECTING
+        self._remaining[:] = self._sizes
+        for filled in self._filled:
+            filled[:] = [False] * len(filled)
+        self._next = 0
+        if in_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _hand_on_in_order(self) -> None:
+        while self._next < len(self._sizes) and self._remaining[self._next] == 0:
+            self._on_bucket(self._next)
+            self._next += 1
+
+    def _finalize(self) -> None:
+        """End of backward: hand on what is left, treating gradients that never came as zeros."""
+        if self.phase is not Phase.COLLECTING:
+            return
+        for b in range(self._next, len(self._sizes)):
+            if not self._remaining[b]:
+                continue
+            bucket = self.plan.buckets[b]
+            for slot, param in enumerate(bucket.params):
+                if self._filled[b][slot]:
+                    continue
+                if param.grad is not None:  # accumulated on earlier micro-batches, or a step without backward
+                    self._fill(b, slot, param)
+                else:
+                    bucket.views[slot].zero_()
+            self._remaining[b] = 0
+        self._hand_on_in_order()
+        used = [flag for filled in self._filled for flag in filled]
+        self._mask.copy_(self._link.tensor(used, self._mask.dtype))
+        self._mask_work = self._link.all_reduce(self._mask, "used-mask")
+        self.phase = Phase.LAUNCHED
+        self._on_backward_end()
+
+    def finish(self) -> None:
+        """After Lightning's closure: make sure this step's buckets and mask were handed on (a rank
+        that saw no gradient still issues every collective)."""
+        if self.phase is Phase.IDLE:
+            self._begin(in_backward=False)
+        self._finalize()
+
+    def read_mask(self) -> None:
+        """Wait for the used-mask and set `globally_used` (idempotent within a step)."""
+        if self._mask_work is None:
+            return
+        self._mask_work.wait()
+        self._mask_work = None
+        flags = (self._mask > 0).tolist()
+        offset = 0
+        for b, n in enumerate(self._sizes):
+            self.globally_used[b] = flags[offset : offset + n]
+            offset += n
+
+    def reset(self) -> None:
+        self.phase = Phase.IDLE

@@ -1,0 +1,86 @@
+"""Communication state in Lightning checkpoints.
+
+Everything the engine keeps across steps goes into ``checkpoint["commsched"]``:
+
+- ``plan``: the plan policy's state (the decided fusion plan, tuning progress), equal on all ranks;
+- ``shared``: the schedule's state that is equal on every rank (saved once);
+- ``per_rank``: the schedule's state that differs between ranks (delayed local gradients,
+  error-feedback residuals), gathered to rank 0 when the checkpoint is written and handed back
+  to the same rank on resume.
+
+Schedule state is keyed by parameter name, never by bucket index, so it survives a different
+bucket layout (a rebuild, a re-plan, a plan file). A checkpoint resumed at another world size is
+refused when it holds per-rank state (it cannot be split or merged without changing the math);
+plan state is then dropped (a plan is planned for one world size) and planning starts again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import CommSchedConfigError
+
+KEY = "commsched"
+VERSION = 2
+LEGACY_PLAN_KEY = "commsched_fusion_plan"  # version 1 checkpoints held only the fusion plan
+
+
+def to_cpu(state: Any) -> Any:
+    """A copy of `state` with every tensor on the CPU (checkpoints load on any machine)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: to_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(v) for v in state)
+    return state
+
+
+def has_tensors(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        return True
+    if isinstance(state, dict):
+        return any(has_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(has_tensors(v) for v in state)
+    return False
+
+
+def gather_to_rank0(mine: Any, world_size: int) -> Optional[list[Any]]:
+    """Every rank's per-rank state, on rank 0 (None elsewhere); a collective on the default group."""
+    everyone: Optional[list[Any]] = [None] * world_size if dist.get_rank() == 0 else None
+    dist.gather_object(to_cpu(mine), everyone, dst=0)
+    return everyone
+
+
+def entry(schedule: str, world_size: int, plan: Any, shared: Any, per_rank: Optional[list[Any]]) -> dict[str, Any]:
+    return {"version": VERSION, "schedule": schedule, "world_size": world_size, "plan": plan,
+            "shared": to_cpu(shared), "per_rank": per_rank}
+
+
+class Restored:
+    """What a checkpoint's communication state gives this rank, checked against the current run."""
+
+    def __init__(self, checkpoint: dict[str, Any], schedule: str, rank: int, world_size: int) -> None:
+        saved = checkpoint.get(KEY)
+        if saved is None and LEGACY_PLAN_KEY in checkpoint:
+            saved = {"schedule": schedule, "world_size": checkpoint[LEGACY_PLAN_KEY].get("world_size"),
+                     "plan": {"decided": checkpoint[LEGACY_PLAN_KEY]}, "shared": {}, "per_rank": None}
+        saved = saved or {}
+        per_rank = saved.get("per_rank")
+        saved_world = saved.get("world_size")
+        same_world = saved_world in (None, world_size)
+        if not same_world and per_rank is not None and any(has_tensors(state) for state in per_rank):
+            raise CommSchedConfigError(
+                f"commsched: this checkpoint was written by {saved_world} processes and holds per-rank communication "
+                f"state of schedule '{saved.get('schedule')}' (delayed gradients or residuals that differ per rank); "
+                f"it cannot be resumed by {world_size} processes without changing the result. Resume it with "
+                f"{saved_world} processes, or load only the weights (e.g. LightningModule.load_from_checkpoint)."
+            )
+        same_schedule = saved.get("schedule") == schedule
+        self.plan: Any = saved.get("plan") if same_world else None
+        self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
+        self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}

@@ -1,0 +1,81 @@
+"""The engine's extension points in real multi-process runs: communication state in checkpoints
+(per rank, by parameter name, across rebuilds), plans revised on request, continuations on completion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import max_abs_diff, run_worker
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize(
+    "case, reference",
+    [("wfbp-resume", "wfbp-2ep"), ("dear-bayes-resume", "ddp-2ep")],
+)
+def test_a_resumed_run_equals_the_uninterrupted_one(cases, case, reference):
+    """Checkpoints written mid-run (end of epoch 1 of 2) carry the engine's state: weights, optimizer,
+    plan; the resumed run ends where the uninterrupted one does."""
+    results = cases(3)
+    for rank in range(results.world):
+        diff, key = max_abs_diff(results.load(case, rank)["state"], results.load(reference, rank)["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
+
+
+def test_per_rank_state_is_restored_to_its_own_rank(cases):
+    """A schedule added from outside keeps a per-rank sum of local gradients (workers/extension_schedule.py):
+    the checkpoint holds every rank's, each rank gets its own back, and the resumed run's state equals
+    the uninterrupted run's on every rank."""
+    results = cases(3)
+    sums = [results.load("localsum-2ep", r)["comm_state"]["per_rank"]["local_sum"] for r in range(results.world)]
+    assert sums[0].keys() and any(not torch.equal(sums[0][k], sums[1][k]) for k in sums[0]), "ranks should differ"
+    for rank in range(results.world):
+        resumed = results.load("localsum-resume", rank)["comm_state"]["per_rank"]["local_sum"]
+        diff, key = max_abs_diff(resumed, sums[rank])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
+        diff, key = max_abs_diff(results.load("localsum-resume", rank)["state"], results.load("localsum-2ep", rank)["state"])
+        assert diff <= TOLERANCE
+
+
+def test_state_survives_bucket_rebuilds(cases):
+    """Bayesian tuning rebuilds the buckets several times; state keyed by parameter name carries over."""
+    results = cases(3)
+    assert len(results.load("localsum-bayes-2ep")["layouts"]) >= 3
+    for rank in range(results.world):
+        tuned = results.load("localsum-bayes-2ep", rank)["comm_state"]["per_rank"]["local_sum"]
+        fixed = results.load("localsum-2ep", rank)["comm_state"]["per_rank"]["local_sum"]
+        diff, key = max_abs_diff(tuned, fixed)
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
+
+
+def test_per_rank_state_refuses_another_world_size(cases):
+    from commsched import CommSchedConfigError
+    from commsched.state import Restored
+
+    checkpoint = torch.load(Path(cases(3).directory) / "localsum-1ep-ckpt" / "last.ckpt", weights_only=False)
+    assert len(checkpoint["commsched"]["per_rank"]) == 3
+    with pytest.raises(CommSchedConfigError, match="written by 3 processes.*cannot be resumed by 2 processes"):
+        Restored(checkpoint, "localsum", rank=0, world_size=2)
+    plan_only = torch.load(Path(cases(3).directory) / "dear-bayes-1ep-ckpt" / "last.ckpt", weights_only=False)
+    restored = Restored(plan_only, "dear", rank=0, world_size=2)  # no per-rank state: resumable, plans again
+    assert restored.plan is None
+
+
+def test_a_plan_is_revised_when_asked(cases):
+    """`request_replan()` at step 6 of an mgwfbp run: profile again, plan again; the math never changes."""
+    results = cases(3)
+    for rank, result in enumerate(results.all_ranks("dear-replan")):
+        assert len(result["layouts"]) >= 3, result["layouts"]
+        assert result["layouts"] == results.load("dear-replan", 0)["layouts"]
+        diff, key = max_abs_diff(result["state"], results.load("ddp-1ep")["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
+
+
+def test_continuations_run_when_the_collective_completes(tmp_path):
+    proc = run_worker("run_links.py", str(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ok").read_text() == "ok"
