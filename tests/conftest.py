@@ -73,3 +73,11 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
         diff = (a[key].double() - b[key].double()).abs().max().item() if a[key].numel() else 0.0
         worst = max(worst, (diff, key))
     return worst
+
+
+def per_link(trace: list[tuple]) -> dict[str, list[tuple]]:
+    """A collective trace split by link (process group): the order that must match across ranks."""
+    links: dict[str, list[tuple]] = {}
+    for record in trace:
+        links.setdefault(record[0], []).append(record)
+    return links

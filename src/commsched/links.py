@@ -121,6 +121,48 @@ class Pending:
         return done and (self._after is None or self._after.is_completed())
 
 
+class InOrder:
+    """Collectives that go one after another: each is launched, on the backend's thread, the moment
+    the one before it completed. On a saturated link a collective launched together with others
+    shares the bandwidth with them; in a chain the first one needed finishes first (DeAR's
+    all-gathers, in the order the next forward needs them). The launch order is the same on every
+    rank; `wait(i)` waits for the i-th one, and a failure anywhere reaches every waiter."""
+
+    def __init__(self, launches: list[Callable[[], Pending]], timeout_s: float) -> None:
+        self._launches = launches
+        self._timeout_s = timeout_s
+        self._pending: list[Optional[Pending]] = [None] * len(launches)
+        self._launched = [threading.Event() for _ in launches]
+        self._error: Optional[BaseException] = None
+        if launches:
+            self._launch(0)
+
+    def _launch(self, i: int) -> None:
+        try:
+            pending = self._launches[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter
+            self._fail(i, exc)
+            return
+        self._pending[i] = pending
+        self._launched[i].set()
+        if i + 1 < len(self._launches):
+            pending.then(partial(self._launch, i + 1))  # not run if it failed: its own waiter gets the error
+
+    def _fail(self, i: int, error: BaseException) -> None:
+        self._error = error
+        for event in self._launched[i:]:
+            event.set()
+
+    def wait(self, i: int) -> None:
+        if not self._launched[i].wait(self._timeout_s):
+            raise PeerFailureError(f"commsched: collective {i} of a chain was not launched within {self._timeout_s:.0f} s; "
+                                   "a peer probably died or hung")
+        pending = self._pending[i]
+        if pending is None:
+            raise PeerFailureError(f"commsched: a collective of a chain could not be launched: {self._error}") from self._error
+        pending.wait()
+
+
 class Link:
     """Issues asynchronous collectives on one process group (None = the default group)."""
 
@@ -132,6 +174,7 @@ class Link:
         self.trace = trace
         self.clock = WaitClock()
         self.spans: Optional[list[Span]] = None  # set by the profiler: launch-to-completion of each collective
+        self.timeout_s = 1800.0  # the process group's; Links sets it
         self._lock = threading.Lock()  # continuations may issue collectives from backend threads
 
     @property
@@ -195,6 +238,9 @@ class Link:
         launch = partial(dist.all_to_all_single, scratch, full, group=self.group, async_op=True)
         pending = self._issue("reduce_scatter", tag, full, launch)
         return pending.then(partial(torch.sum, scratch.view(self.world_size, -1), 0, out=shard))
+
+    def in_order(self, launches: list[Callable[[], Pending]]) -> InOrder:
+        return InOrder(launches, self.timeout_s)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str) -> Pending:
         launch = partial(_all_gather_single, full, shard, group=self.group, async_op=True)
@@ -262,12 +308,15 @@ class Links:
     def __init__(self, specs: list[LinkSpec], timeout: Optional[timedelta], trace: Optional[list[CollectiveRecord]]) -> None:
         self.control = Link("control", None, trace)
         self._links: dict[str, Link] = {}
+        timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
         for spec in specs:
             backend = spec.backend or str(dist.get_backend())
             with _interface(backend, spec.ifname):
                 group = dist.new_group(backend=backend, timeout=timeout)
             log.debug(f"commsched: link '{spec.name}': {backend}" + (f" on {spec.ifname}" if spec.ifname else ""))
             self._links[spec.name] = Link(spec.name, group, trace)
+        for link in self:
+            link.timeout_s = timeout_s
 
     def __getitem__(self, name: str) -> Link:
         return self._links[name]

@@ -2,7 +2,9 @@
 
 Update arrangement (DESIGN.md §4 option a): after backward each rank holds its shard of every
 bucket's averaged gradient. Clipping is done on the shards (one scalar all-reduce gives the global
-norm). The all-gathers of the *gradients* start right away, and the user's own optimizer is run
+norm). The all-gathers of the *gradients* start right away, one after another in the order the next
+forward needs them (`InOrder`: on a saturated link the first one needed is not slowed down by the
+others), and the user's own optimizer is run
 bucket by bucket in the next forward, just before the first module that owns a parameter of the
 bucket runs, with the hyper-parameters snapshotted at step time. This keeps any torch optimizer,
 its state and its checkpoints exactly as under DDP (a plain `ddp` run can resume from them), at
@@ -23,7 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
-from commsched.links import Links, Pending
+from commsched.links import InOrder, Links, Pending
 from commsched.reducers import ShardedReduce
 from commsched.schedules.base import Observed, Schedule
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
@@ -32,12 +34,14 @@ from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapsho
 class _PendingUpdate:
     """The update of one optimizer step, waiting to be applied bucket by bucket."""
 
-    def __init__(self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: list[Optional[Pending]]) -> None:
+    def __init__(self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: InOrder, order: list[int]) -> None:
         self.stepper = stepper
         self.step = step
         self.hyper = hyper
-        self.gathers = gathers  # None once the bucket is applied
-        self.left = sum(g is not None for g in gathers)
+        self.gathers = gathers
+        self.position = {b: i for i, b in enumerate(order)}  # bucket -> its place in the chain of all-gathers
+        self.waiting = [True] * len(order)  # False once the bucket is applied
+        self.left = len(order)
 
 
 class DeARSchedule(Schedule):
@@ -181,20 +185,18 @@ class DeARSchedule(Schedule):
         self.flush()
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
-        gathers: list[Optional[Pending]] = [None] * len(self.plan.buckets)
-        for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
-            gathers[b] = self._reducers[b].gather(f"bucket{b}")
-        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), gathers)
+        order = list(reversed(range(len(self.plan.buckets))))  # forward needs the last bucket first
+        gathers = self.link.in_order([partial(self._reducers[b].gather, f"bucket{b}") for b in order])
+        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), gathers, order)
         # The update is real, only later: keep torch's scheduler from warning that it stepped first.
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _apply(self, b: int) -> None:
         pending = self._pending
-        if pending is None or pending.gathers[b] is None:
+        if pending is None or not pending.waiting[b]:
             return
-        work = pending.gathers[b]
-        work.wait()
-        pending.gathers[b] = None
+        pending.gathers.wait(pending.position[b])
+        pending.waiting[b] = False
         self._hand_back_gradients((b,))
         pending.stepper.step_bucket(b, pending.hyper, pending.step)
         pending.left -= 1
@@ -222,7 +224,7 @@ class DeARSchedule(Schedule):
         self._recording = False
         if self._pending is not None:
             for b in reversed(range(len(self.plan.buckets))):
-                if self._pending is not None and self._pending.gathers[b] is not None:
+                if self._pending is not None and self._pending.waiting[b]:
                     self.capture.stale[b] = True
                     self._apply(b)
 
