@@ -1,7 +1,8 @@
 """A bucket reduced in two collectives the schedule starts at different times (DeAR).
 
-`scatter` leaves this rank's slice of the summed bucket in `shard` (reduce-scatter; on gloo an
-all-to-all plus a local sum, run as a continuation when the all-to-all completes); `gather`
+`scatter` leaves this rank's slice of the summed bucket in `shard` (reduce-scatter; on gloo
+point-to-point exchanges plus a local sum, run as a continuation when they complete, with the
+shard being the bucket's own slice); `gather`
 puts every rank's shard back into the whole bucket (all-gather). Between the two, the schedule
 can read and scale the shard (clipping on reduced shards).
 """
@@ -18,10 +19,13 @@ class ShardedReduce:
     def __init__(self, buffer: torch.Tensor, link: Link) -> None:
         self.link = link
         self._staging = Staging(buffer, link)
-        world = link.world_size
-        self.shard = torch.zeros(buffer.numel() // world, dtype=buffer.dtype, device=link.device)
-        # gloo: the other ranks' slices land here before the local sum (one extra gradient copy)
-        self._scratch = None if link.native_reduce_scatter else torch.empty_like(self._staging.tensor)
+        world, full = link.world_size, self._staging.tensor
+        if link.native_reduce_scatter:
+            self.shard = torch.zeros(full.numel() // world, dtype=full.dtype, device=link.device)
+            self._scratch = None
+        else:  # gloo: the shard is this rank's own slice of the bucket, the others' slices land in scratch
+            self.shard = full.view(world, -1)[link.rank]
+            self._scratch = torch.empty(full.numel() // world * (world - 1), dtype=full.dtype, device=link.device)
 
     def scatter(self, tag: str) -> Pending:
         self._staging.to_link()

@@ -192,14 +192,20 @@ class DeARSchedule(Schedule):
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _apply(self, b: int) -> None:
+        """Apply bucket `b`'s update, waiting for its all-gather; buckets whose all-gathers have
+        landed already are applied in the same optimizer call."""
         pending = self._pending
         if pending is None or not pending.waiting[b]:
             return
         pending.gathers.wait(pending.position[b])
-        pending.waiting[b] = False
-        self._hand_back_gradients((b,))
-        pending.stepper.step_bucket(b, pending.hyper, pending.step)
-        pending.left -= 1
+        ready = [b] + [c for c, waiting in enumerate(pending.waiting)
+                       if waiting and c != b and pending.gathers.done(pending.position[c])]
+        for c in ready:
+            pending.gathers.wait(pending.position[c])  # completed: re-raises a failure, runs nothing
+            pending.waiting[c] = False
+        self._hand_back_gradients(ready)
+        pending.stepper.step_buckets(ready, pending.hyper, pending.step)
+        pending.left -= len(ready)
         if pending.left == 0:
             self._pending = None
 

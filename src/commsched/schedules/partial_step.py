@@ -27,7 +27,7 @@ def snapshot_hyperparams(optimizer: Optimizer) -> HyperParams:
 
 
 class SubsetStepper:
-    """Steps `optimizer` on one bucket's parameters; the per-group subsets are computed once per bucket."""
+    """Steps `optimizer` on some buckets' parameters; the per-group subsets are computed once per bucket."""
 
     def __init__(self, optimizer: Optimizer, buckets: list[list[nn.Parameter]]) -> None:
         self.optimizer = optimizer
@@ -42,13 +42,14 @@ class SubsetStepper:
         """Changes when the optimizer's parameter lists change (e.g. `add_param_group`): subsets are then stale."""
         return (id(optimizer), *(len(g["params"]) for g in optimizer.param_groups))
 
-    def step_bucket(self, bucket: int, hyper: HyperParams, step: Callable[[], Any]) -> None:
-        """Call `step` (the optimizer's own, unwrapped by us) with only `bucket`'s parameters visible."""
+    def step_buckets(self, buckets: list[int], hyper: HyperParams, step: Callable[[], Any]) -> None:
+        """Call `step` (the optimizer's own, unwrapped by us) with only `buckets`' parameters visible:
+        one call for several buckets costs the optimizer's per-call overhead once."""
         groups = self.optimizer.param_groups
         saved = [(g["params"], {k: g[k] for k in hp}) for g, hp in zip(groups, hyper)]
         try:
-            for g, subset, hp in zip(groups, self._subsets[bucket], hyper):
-                g["params"] = subset
+            for index, (g, hp) in enumerate(zip(groups, hyper)):
+                g["params"] = [p for b in buckets for p in self._subsets[b][index]]
                 g.update(hp)
             step()
         finally:
