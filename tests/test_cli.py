@@ -89,7 +89,7 @@ def test_bad_values_are_refused_with_allowed_values(override, message):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("schedule=fancy", "Available options in 'schedule'"),
+        ("schedule=fancy", "invalid schedule='fancy'; allowed: ddp, dear, wfbp"),
         ("schedule.name=fancy", "Invalid value 'fancy', expected one of [ddp, wfbp, dear]"),
         ("model.arch=resnet51", "allowed: one of 'resnet18', 'resnet34'"),
         ("data=cifar10 data.dir=/nonexistent", "does not hold CIFAR-10"),

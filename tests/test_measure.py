@@ -14,7 +14,7 @@ import time
 import pytest
 
 from commsched import netns
-from commsched.profile import fit_line
+from commsched.profile.probe import fit_line
 
 CAN_EMULATE = netns.unavailable_reason() is None
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason=str(netns.unavailable_reason()))

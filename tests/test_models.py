@@ -65,3 +65,12 @@ def test_unknown_arch_lists_valid_choices():
         build_backbone("resnet51", 10, cifar=True, width=64)
     with pytest.raises(CommSchedConfigError, match="model.size='medium'.*'tiny', 'small'"):
         LanguageModel(size="medium")
+
+
+def test_the_light_name_lists_match_the_zoo():
+    """The command lines validate against `model_names` without importing torch; it must name what the zoo builds."""
+    from commsched import model_names
+    from commsched.models.resnet import DEPTHS
+    from commsched.models.vgg import LAYOUTS
+
+    assert model_names.RESNET_DEPTHS == tuple(DEPTHS) and model_names.VGG_DEPTHS == tuple(LAYOUTS)

@@ -3,18 +3,41 @@
 ``import commsched`` registers the strategies with Lightning, so ``Trainer(strategy="dear")`` and
 ``Trainer(strategy="wfbp")`` work; the classes and options are exported for explicit configuration,
 e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``.
+
+The command lines (`commsched_cli`) import the package without torch and Lightning, so that
+``--help`` and bad input answer at once; the strategies load when first used.
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
-from commsched.observers import reads_no_weights
 from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
-from commsched.registry import STRATEGIES, DeARStrategy, WFBPStrategy, register_with_lightning
-from commsched.schedules import SCHEDULES
-from commsched.strategy import CommSchedStrategy
 
 __version__ = "0.2.0"
 
-register_with_lightning()
+_NEEDS_LIGHTNING = {
+    "CommSchedStrategy": "commsched.strategy", "DeARStrategy": "commsched.registry", "WFBPStrategy": "commsched.registry",
+    "STRATEGIES": "commsched.registry", "SCHEDULES": "commsched.schedules", "reads_no_weights": "commsched.observers",
+}
+
+
+def _register() -> None:
+    importlib.import_module("commsched.registry").register_with_lightning()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NEEDS_LIGHTNING:
+        raise AttributeError(f"module 'commsched' has no attribute {name!r}")
+    _register()
+    return getattr(importlib.import_module(_NEEDS_LIGHTNING[name]), name)
+
+
+if "commsched_cli" not in sys.modules:
+    _register()
 
 __all__ = [
     "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "FusionOptions", "LinkOptions", "PeerFailureError",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 from commsched import options
 from commsched.errors import bad_value
 from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
-from commsched.models import GPT2_SIZES, IMAGE_ARCHS
+from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
 class Schedule(str, enum.Enum):
@@ -84,6 +85,18 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Lightning checkpoints of the run, in <run dir>/checkpoints (communication state included)."""
+
+    enabled: bool = True
+    every_n_steps: int = 0  # 0: at the end of every epoch (and when the run stops)
+    save_last: bool = True  # checkpoints/last.ckpt: what resume=<run dir> continues from
+    monitor: Optional[str] = None  # e.g. val_loss: also keep the best top_k by it
+    mode: str = "min"
+    top_k: int = 1
+
+
+@dataclass
 class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     fusion: FusionOptions = field(default_factory=FusionOptions)
@@ -93,6 +106,8 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     link: LinkOptions = field(default_factory=LinkOptions)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     seed: int = 0
     warmup_steps: int = 5  # steps left out of the samples/s summary
 
@@ -114,9 +129,7 @@ def validate(cfg: Any) -> None:
     for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions)):
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     if cfg.fusion.plan_file is not None:
-        from commsched.planning import SavedPlan
-
-        SavedPlan.load(cfg.fusion.plan_file)
+        check_plan_file(cfg)
     if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("fixed",) or cfg.fusion.plan_file is not None):
         raise bad_value("fusion", cfg.fusion.policy, "fixed with schedule=ddp (Lightning's DDP takes only bucket_cap_mb)")
     options.choice("model.kind", cfg.model.kind, ("image", "language"))
@@ -139,7 +152,41 @@ def validate(cfg: Any) -> None:
     if cfg.profile.steps and str(cfg.schedule.name) == "ddp":
         raise bad_value("profile.steps", cfg.profile.steps, "0 with schedule=ddp (Lightning's own DDP is not instrumented); "
                         "profile schedule=wfbp, which runs the same communication")
+    options.non_negative_int("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps)
+    options.choice("checkpoint.mode", cfg.checkpoint.mode, ("min", "max"))
+    options.non_negative_int("checkpoint.top_k", cfg.checkpoint.top_k)
+    if cfg.resume is not None:
+        resume_path(cfg.resume)
+    if cfg.data.name == "text" and cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists():
+        raise bad_value("data.path", cfg.data.path, "an existing text file or directory (not found)")
     if cfg.data.name == "cifar10":
         from commsched.data import check_cifar10_dir
 
         check_cifar10_dir(cfg.data.dir)
+
+
+def resume_path(resume: str) -> Path:
+    """`resume=`: a checkpoint file, or a run directory whose checkpoints/last.ckpt is continued."""
+    path = Path(resume).expanduser()
+    if path.is_dir():
+        last = path / "checkpoints" / "last.ckpt"
+        if not last.is_file():
+            raise bad_value("resume", resume, f"a checkpoint file or a run directory with checkpoints/last.ckpt ({last} not found)")
+        return last
+    if not path.is_file():
+        raise bad_value("resume", resume, "a checkpoint file or a previous run directory (not found)")
+    return path
+
+
+def check_plan_file(cfg: Any) -> None:
+    """A plan file must be a plan, and one for this model: its parameter names are checked against the
+    model built on the meta device (no memory, no weights), before any worker starts."""
+    import torch
+
+    from commsched.builders import build_model
+    from commsched.planning.plan_file import SavedPlan
+
+    plan = SavedPlan.load(cfg.fusion.plan_file)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    plan.check_matches([name for name, _ in model.named_parameters()])

@@ -21,8 +21,8 @@ from commsched import state
 from commsched.buckets import build_plan, verify_same_on_all_ranks
 from commsched.links import CollectiveRecord, Links, LinkSpec
 from commsched.options import StrategyOptions
-from commsched.planning import PlanPolicy
-from commsched.profile import RunProfiler
+from commsched.planning.policy import PlanPolicy
+from commsched.profile.run_profiler import RunProfiler
 from commsched.schedules import Observed, Schedule
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class Engine:
         if restored is not None:
             self.policy.load_state_dict(restored.plan)
         self.observed = observed
+        if self.policy.decided is not None:  # a plan file or a checkpoint's plan: made for this model?
+            self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
         log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}' ({observed})")
         self.build(module, world_size)
         if restored is not None:

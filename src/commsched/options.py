@@ -16,8 +16,9 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar
 
 from commsched.errors import bad_value
-from commsched.fusion import FUSION_POLICIES
 
+MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a profile of the first steps
+FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
 

@@ -3,17 +3,23 @@
 `commsched-train` (Hydra) composes and validates the configuration, writes it resolved to the run
 directory and starts this module in a fresh process, which Lightning then re-launches for every
 rank. Keeping Hydra out of the worker processes is what makes multi-runs (`-m`) work with
-multi-process strategies. Rank 0 writes OUT_DIR/metrics.json.
+multi-process strategies. Rank 0 writes OUT_DIR/metrics.json; Lightning's and commsched's
+messages also go to OUT_DIR/train.log; checkpoints to OUT_DIR/checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 import statistics
 import sys
-import warnings
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator, Optional
 
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import OmegaConf
 
@@ -21,6 +27,17 @@ import commsched  # noqa: F401  (registers the strategies)
 import lightning.pytorch as pl
 from commsched.builders import build_data, build_model, build_strategy
 from commsched.callbacks import StepMetrics
+from commsched.config import resume_path
+from commsched.quiet import quiet_lightning
+
+
+class RunProgressBar(RichProgressBar):
+    """Lightning's rich bar, without "Epoch 0/-2" when the run is bounded by steps, not epochs."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is None or self.trainer.max_epochs < 0:
+            return f"Epoch {current_epoch}"
+        return super()._get_train_description(current_epoch)
 
 
 def loggers(out: Path) -> list[Logger]:
@@ -34,39 +51,91 @@ def loggers(out: Path) -> list[Logger]:
     return chosen
 
 
+def checkpointing(cfg: Any, out: Path) -> Optional[ModelCheckpoint]:
+    c = cfg.checkpoint
+    if not c.enabled:
+        return None
+    return ModelCheckpoint(
+        dirpath=out / "checkpoints", every_n_train_steps=c.every_n_steps or None, save_last=c.save_last,
+        monitor=c.monitor, mode=c.mode, save_top_k=c.top_k if c.monitor else 0,
+    )
+
+
+def log_to_file(path: Path) -> None:
+    """Lightning's and commsched's messages of this rank-0 process also go to the run's train.log."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    for name in ("lightning.pytorch", "commsched"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(min(logger.level or logging.INFO, logging.INFO))
+
+
+@contextmanager
+def interruptible(out: Path) -> Iterator[None]:
+    """Ctrl-C reaches every rank: whatever it raises on any of them (Lightning's own shutdown, a peer
+    gone in the middle of a collective) ends this process quietly with 130, not with tracebacks."""
+    interrupted = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    except BaseException:
+        if not interrupted:
+            raise
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"commsched: run interrupted; checkpoints and logs so far are in {out}", file=sys.stderr)
+        os._exit(130)  # skip interpreter teardown: backend threads of a half-torn-down process group can hang it
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def main() -> None:
     config_file, out = Path(sys.argv[1]), Path(sys.argv[2])
     cfg = OmegaConf.load(config_file)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+    quiet_lightning()
     pl.seed_everything(cfg.seed, verbose=False)
     model = build_model(cfg)
     data = build_data(cfg)
     t = cfg.trainer
+    checkpoint = checkpointing(cfg, out)
+    callbacks: list[pl.Callback] = [checkpoint] if checkpoint is not None else []
+    if t.enable_progress_bar:
+        callbacks.append(RunProgressBar())
     trainer = pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(cfg, out),
         max_steps=t.max_steps, max_epochs=t.max_epochs, precision=t.precision,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
         val_check_interval=t.val_check_interval, limit_val_batches=t.limit_val_batches,
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
-        logger=loggers(out), default_root_dir=out, enable_checkpointing=False,
+        logger=loggers(out), default_root_dir=out, enable_checkpointing=checkpoint is not None, callbacks=callbacks,
     )
+    if trainer.is_global_zero:
+        log_to_file(out / "train.log")
     samples_per_step = cfg.data.batch_size * trainer.world_size * t.accumulate_grad_batches
     metrics = StepMetrics(samples_per_step)
     trainer.callbacks.append(metrics)
-    trainer.fit(model, datamodule=data)
+    ckpt_path = str(resume_path(cfg.resume)) if cfg.get("resume") else None
+    with interruptible(out):
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     if not trainer.is_global_zero:
         return
     timed = metrics.step_seconds[cfg.warmup_steps :] or metrics.step_seconds
-    step = statistics.median(timed)
+    step = statistics.median(timed) if timed else float("nan")
+    exposed = metrics.exposed_ms[cfg.warmup_steps :] or metrics.exposed_ms
     result = {
         **{k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
         "samples_per_s": samples_per_step / step,
         "step_ms": step * 1e3,
         "steps": trainer.global_step,
         "world_size": trainer.world_size,
-        "exposed_comm_ms": statistics.median(metrics.exposed_ms[cfg.warmup_steps :]) if metrics.exposed_ms[cfg.warmup_steps :] else None,
+        "exposed_comm_ms": statistics.median(exposed) if exposed else None,
         "step_ms_each": [s * 1e3 for s in metrics.step_seconds],  # shows when warm-up ended and when plans changed
+        "checkpoints": str(out / "checkpoints") if checkpoint is not None else None,
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
 

@@ -36,7 +36,7 @@ from commsched.errors import PeerFailureError
 from commsched.engine import Engine
 from commsched.links import CollectiveRecord, Link, Links
 from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
-from commsched.planning import SavedPlan
+from commsched.planning.plan_file import SavedPlan
 from commsched.schedules import SCHEDULES, Schedule
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ metrics.json and summary.json, and the one-line summary is printed.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from commsched.config import register_configs, validate
+from commsched import overrides
+from commsched.config import TrainConfig, register_configs, validate
+from commsched.errors import CommSchedConfigError
 
 register_configs()
 
@@ -51,18 +54,42 @@ def summary_line(summary: dict[str, Any]) -> str:
     )
 
 
+CONF = Path(__file__).parent / "conf"
+log = logging.getLogger("commsched.train")
+
+
+def main() -> Any:
+    """Refuse unknown keys and group options first (Hydra would accept and ignore some), then run."""
+    try:
+        overrides.check(sys.argv[1:], TrainConfig, overrides.group_choices(CONF), "commsched-train")
+    except CommSchedConfigError as error:
+        print(error, file=sys.stderr)
+        sys.exit(2)
+    return run_training()
+
+
 @hydra.main(version_base=None, config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> float:
-    validate(cfg)
+def run_training(cfg: DictConfig) -> float:
+    try:
+        validate(cfg)
+    except CommSchedConfigError as error:  # one line, no traceback: the message says what to change
+        print(error, file=sys.stderr)
+        sys.exit(2)
     out = Path(HydraConfig.get().runtime.output_dir)
     resolved = out / "config.resolved.yaml"
     OmegaConf.save(cfg, resolved, resolve=True)
-    run = subprocess.run([sys.executable, "-m", "commsched.run", str(resolved), str(out)])
+    try:
+        run = subprocess.run([sys.executable, "-m", "commsched.run", str(resolved), str(out)])
+    except KeyboardInterrupt:  # Ctrl-C reached the run too; it stops and says so itself
+        print(f"commsched-train: interrupted; what the run wrote so far is in {out}", file=sys.stderr)
+        sys.exit(130)
     if run.returncode != 0:
-        raise SystemExit(f"commsched: the training run failed (exit code {run.returncode}); its output is above, its files in {out}")
+        print(f"commsched-train: the training run failed (exit code {run.returncode}); its output is above, "
+              f"its files in {out}", file=sys.stderr)
+        sys.exit(1)
     summary = summarise(cfg, json.loads((out / "metrics.json").read_text()), list(HydraConfig.get().overrides.task))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(summary_line(summary), flush=True)
+    log.info(f"{summary_line(summary)}; results in {out}")
     return float(summary["samples_per_s"])
 
 

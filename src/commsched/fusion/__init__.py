@@ -8,8 +8,7 @@ from commsched.fusion.assigned import plan_assigned
 from commsched.fusion.fixed import plan_fixed
 from commsched.fusion.layers import plan_layers
 from commsched.fusion.grouping import ParamInfo
+from commsched.options import FUSION_POLICIES, MODEL_POLICIES
 
-MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a profile of the first steps
-FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
 
 __all__ = ["FUSION_POLICIES", "MODEL_POLICIES", "ParamInfo", "plan_assigned", "plan_fixed", "plan_layers"]

@@ -9,16 +9,12 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import lightning.pytorch as pl
 from commsched.errors import bad_value
+from commsched.model_names import IMAGE_ARCHS
 from commsched.models import optim
-from commsched.models.resnet import DEPTHS, ResNet
+from commsched.models.resnet import ResNet
 from commsched.models.small_cnn import SmallCNNBackbone
-from commsched.models.vgg import LAYOUTS, VGG
+from commsched.models.vgg import VGG
 
-IMAGE_ARCHS = (
-    *(f"resnet{d}" for d in DEPTHS),
-    *(f"vgg{d}{bn}" for d in LAYOUTS for bn in ("", "_bn")),
-    "small_cnn",
-)
 
 
 def build_backbone(arch: str, num_classes: int, cifar: bool, width: int) -> nn.Module:
@@ -49,6 +45,8 @@ class ImageClassifier(optim.HparamsOptimizer, pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.backbone = build_backbone(arch, num_classes, cifar, width)
+        side = 32 if cifar else 224
+        self.example_input_array = torch.zeros(1, 3, side, side)  # the model summary counts FLOPs on it
         self.train_acc = MulticlassAccuracy(num_classes)
         self.val_acc = MulticlassAccuracy(num_classes)
 

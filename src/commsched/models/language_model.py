@@ -10,10 +10,10 @@ from torchmetrics.text import Perplexity
 
 import lightning.pytorch as pl
 from commsched.errors import bad_value
+from commsched.model_names import GPT2_SIZES
 from commsched.models import optim
 from commsched.models.gpt2 import GPT2, GPT2Config
 
-GPT2_SIZES = ("tiny", "small")
 
 
 class LanguageModel(optim.HparamsOptimizer, pl.LightningModule):
@@ -41,6 +41,7 @@ class LanguageModel(optim.HparamsOptimizer, pl.LightningModule):
         overrides = {k: v for k, v in dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd).items() if v is not None}
         self.config = dataclasses.replace(base, **overrides)
         self.gpt = GPT2(self.config)
+        self.example_input_array = torch.zeros(1, self.config.block_size, dtype=torch.long)  # FLOPs in the summary
         self.val_ppl = Perplexity()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

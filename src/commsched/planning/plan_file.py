@@ -44,13 +44,35 @@ class SavedPlan:
         if not path.is_file():
             raise CommSchedConfigError(f"commsched: invalid {field}={str(path)!r}; allowed: a plan JSON written by "
                                        "commsched-plan or a previous run (file not found).")
-        data = json.loads(path.read_text())
-        return cls.from_dict(data)
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CommSchedConfigError(f"commsched: invalid {field}={str(path)!r}: not a JSON plan ({error}); allowed: a plan "
+                                       "written by commsched-plan or a previous run's commsched_plan.json.") from None
+        return cls.from_dict(data, field=f"{field}={str(path)!r}")
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SavedPlan":
-        return cls(data["policy"], int(data["world_size"]), [list(b) for b in data["buckets"]],
-                   data.get("predicted_s"), data.get("lower_bound_s"), dict(data.get("details", {})))
+    def from_dict(cls, data: Any, field: str = "plan") -> "SavedPlan":
+        try:
+            plan = cls(str(data["policy"]), int(data["world_size"]), [[str(n) for n in b] for b in data["buckets"]],
+                       data.get("predicted_s"), data.get("lower_bound_s"), dict(data.get("details", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise CommSchedConfigError(
+                f"commsched: invalid {field}: not a fusion plan (missing or malformed {error}); a plan has 'policy', "
+                "'world_size' and 'buckets' (lists of parameter names), as commsched-plan writes it.") from None
+        if not plan.buckets or not all(plan.buckets):
+            raise CommSchedConfigError(f"commsched: invalid {field}: the plan has no buckets, or an empty one.")
+        return plan
+
+    def check_matches(self, parameter_names: Sequence[str], field: str = "fusion.plan_file") -> None:
+        """Refuse a plan made for another model: every parameter it names must be one of this model's."""
+        known = set(parameter_names)
+        unknown = [n for bucket in self.buckets for n in bucket if n not in known]
+        if unknown:
+            raise CommSchedConfigError(
+                f"commsched: invalid {field}: the plan names {len(unknown)} parameter(s) this model does not have "
+                f"(e.g. {', '.join(unknown[:3])}); it was made for another model. Make one for this model with "
+                "commsched-plan, or let a run with fusion=mgwfbp, dear-model or bayes save one.")
 
     def print(self, console: Optional[Console] = None, sizes: Optional[dict[str, int]] = None) -> None:
         console = console or Console(width=140)

@@ -110,6 +110,9 @@ class PlanPolicy:
         _log(strategy, {"bayes/trial": len(self.trials) - 1, "bayes/bucket_mb": self._cap_mb, "bayes/step_ms": step_s * 1e3})
         rank_zero_info(f"commsched bayes: trial {len(self.trials) - 1}: {self._cap_mb:.2f} MB buckets, "
                        f"median step {step_s * 1e3:.1f} ms")
+        if final and len(self.trials) < self.tuning_options.trials:  # after the trial's own line, in order
+            rank_zero_info(f"commsched bayes: every size proposed gives buckets already measured; "
+                           f"stopping after {len(self.trials)} of {self.tuning_options.trials} trials")
         self._cap_mb = chosen
         self._timing, self._batches_in_trial, self._last_start = [], 0, None
         self._final_pending = final
@@ -123,9 +126,6 @@ class PlanPolicy:
         self._tuner.record(self._cap_mb, step)
         proposed = None if self._tuner.done else self._tuner.next_size()
         final = proposed is None
-        if final and len(self._tuner.trials) < self.tuning_options.trials:
-            rank_zero_info(f"commsched bayes: every size proposed gives buckets already measured; "
-                           f"stopping after {len(self._tuner.trials)} of {self.tuning_options.trials} trials")
         return step, self._tuner.best().bucket_mb if final else proposed, final
 
     def rebuilt(self, strategy: Any) -> None:

@@ -14,7 +14,7 @@ from commsched.links import Link
 from commsched.profile.collectives import COLLECTIVES, time_collective
 from commsched.sim.network import Fitted, Line
 
-DEFAULT_SIZES = tuple(4**k * 1024 for k in range(8))  # 1 KiB .. 16 MiB
+from commsched.profile.probe_cli import DEFAULT_SIZES  # noqa: E402
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> Line:

@@ -18,10 +18,9 @@ from rich.table import Table
 
 from commsched import netns
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.links import Link
-from commsched.profile.probe import DEFAULT_SIZES, probe_link
 from commsched.sim.network import parse_rate
-from commsched.workers import run_workers
+
+DEFAULT_SIZES = tuple(4**k * 1024 for k in range(8))  # 1 KiB .. 16 MiB
 
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
 
@@ -41,7 +40,10 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def _probe_worker(rank: int, sizes: tuple[int, ...], repeats: int, out: str) -> None:
-    fitted, medians = probe_link(Link(None), sizes, repeats)
+    from commsched.links import Link
+    from commsched.profile.probe import probe_link
+
+    fitted, medians = probe_link(Link("control", None), sizes, repeats)
     if rank == 0:
         Path(out).write_text(json.dumps({"link": fitted.to_dict(), "probe": medians}, indent=1))
 
@@ -49,11 +51,11 @@ def _probe_worker(rank: int, sizes: tuple[int, ...], repeats: int, out: str) -> 
 def print_table(result: dict, console: Console) -> None:
     link = result["link"]
     table = Table(title=f"link fit t(m) = a + b*m on {link['workers']} workers")
-    for column in ("collective", "a (latency, us)", "1/b (GB/s)", "rel. RMS residual", "1 MiB (ms)", "16 MiB (ms)"):
+    for column in ("collective", "a (latency, us)", "1/b (Gbit/s)", "rel. RMS residual", "1 MiB (ms)", "16 MiB (ms)"):
         table.add_column(column, justify="right")
     for name in ("all_reduce", "reduce_scatter", "all_gather"):
         line = link[name]
-        rate = f"{1 / line['b'] / 1e9:.3f}" if line["b"] > 0 else "inf"
+        rate = f"{8 / line['b'] / 1e9:.3f}" if line["b"] > 0 else "inf"  # Gbit/s, as the simulator and --rate
         table.add_row(name, f"{line['a'] * 1e6:.1f}", rate, f"{line['residual']:.1%}",
                       f"{(line['a'] + line['b'] * 2**20) * 1e3:.2f}", f"{(line['a'] + line['b'] * 2**24) * 1e3:.2f}")
     console.print(table)
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if reason is None:
             return netns.run_in_namespace(args.rate, [sys.executable, "-m", "commsched.profile.probe_cli", *argv, "--inside"])
         console.print(f"[yellow]{reason}: probing the unlimited loopback instead of {args.rate}[/yellow]")
+    from commsched.workers import run_workers  # torch: only once there is something to run
+
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "probe.json"
         run_workers(args.workers, _probe_worker, sizes, args.repeats, str(out))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 
 from commsched.buckets import BucketPlan
 from commsched.links import Link
@@ -150,8 +151,9 @@ class RunProfiler:
             steps.append({
                 "step": k, "step_s": step_s, "forward_s": self._forward[k], "backward_s": self._backward[k],
                 "exposed_comm_s": exposed, "other_s": step_s - self._forward[k] - self._backward[k] - exposed,
-                # negative when the loop waited longer than the collectives take alone (contention)
-                "overlap_ratio": 1.0 - exposed / isolated if isolated > 0 else 1.0,
+                # the share of the step's communication hidden behind compute; 0 when the loop waited as long as
+                # the collectives take alone, or longer (contention, a slower peer): nothing was hidden
+                "overlap_ratio": min(1.0, max(0.0, 1.0 - exposed / isolated)) if isolated > 0 else 1.0,
             })
         timed = steps[skip:]
         comm_totals = {c: sum(t[c] for t in bucket_times) for c in ("all_reduce", "reduce_scatter", "all_gather")}
@@ -181,6 +183,11 @@ class RunProfiler:
         (out_dir / "profile.json").write_text(json.dumps(result, indent=1))
         write_chrome_trace(shifted, out_dir / "trace.json")
         result["files"] = {"profile": str(out_dir / "profile.json"), "trace": str(out_dir / "trace.json")}
+        summary = result["summary"]
+        rank_zero_info(f"commsched: profiled {result['profiled_steps']} steps: {summary['step_s'] * 1e3:.1f} ms/step, "
+                       f"{summary['exposed_comm_s'] * 1e3:.1f} ms of it waiting on communication, overlap ratio "
+                       f"{summary['overlap_ratio']:.2f}; wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} "
+                       "(chrome://tracing or ui.perfetto.dev)")
         logger = strategy.lightning_module.trainer.logger
         if logger is not None:
             for step in result["steps"]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from typing import TYPE_CHECKING
 
 from commsched.errors import bad_value
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,9 @@ class Workload:
         return cls.from_dict(data.get("workload", data))
 
 
-def _zoo_model(name: str, batch_size: int) -> tuple[nn.Module, torch.Tensor]:
+def _zoo_model(name: str, batch_size: int) -> tuple["torch.nn.Module", "torch.Tensor"]:
+    import torch
+
     from commsched.models import GPT2, GPT2Config, ResNet, VGG
 
     if name == "resnet50":
@@ -87,6 +89,9 @@ def builtin(name: str, batch_size: int | None = None, device_tflops: float = 10.
         raise bad_value("workload", name, BUILTIN_WORKLOADS)
     if device_tflops <= 0:
         raise bad_value("device_tflops", device_tflops, "a positive number")
+    import torch  # the built-in workloads are counted on the meta device: torch only when asked for
+    from torch.utils.flop_counter import FlopCounterMode
+
     batch_size = batch_size or DEFAULT_BATCH[name]
     with torch.device("meta"):
         model, inputs = _zoo_model(name, batch_size)

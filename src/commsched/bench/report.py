@@ -1,0 +1,108 @@
+"""Running the benchmark's workers (in an emulated link when asked) and reporting what they measured:
+the table, bench.csv, bench.png. Shared by `commsched-bench` and `make demo`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from commsched import netns
+
+COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "theoretical_ms", "measured_over_theoretical",
+           "predicted_ms", "prediction_error", "weights_vs_ddp")
+ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
+
+
+def run(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
+    """Run the workers on `spec` (a validated bench config); the results and the link rate really used."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec_file = out / "bench.json"
+    spec_file.write_text(json.dumps(spec, indent=1))
+    argv = [sys.executable, "-m", "commsched.bench.worker", str(spec_file), str(out)]
+    rate = spec["link"]["rate"]
+    if rate != "none":
+        reason = netns.unavailable_reason()
+        if reason is None:
+            _check(netns.run_in_namespace(rate, argv))
+            return json.loads((out / "results.json").read_text()), rate
+        console.print(f"[yellow]commsched-bench: {reason}; running on the unlimited loopback instead of {rate}[/yellow]")
+    _check(subprocess.run(argv).returncode)
+    return json.loads((out / "results.json").read_text()), "none"
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise SystemExit(f"commsched-bench: the benchmark workers failed (exit code {code}); output above")
+
+
+def _fmt(value: object, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_results(results: list[dict], spec: dict, rate: str, console: Console) -> None:
+    for result in results:
+        parts = "  ".join(f"{k} {v:.1f}" for k, v in result["components_ms"].items())
+        console.print(f"[bold]{result['model']}[/bold]: {result['gradient_mb']:.1f} MB of gradients in "
+                      f"{result['buckets']} buckets, {spec['devices']} workers, batch {spec['batch_size']}/worker, "
+                      f"link {rate}; components (ms): {parts}")
+        table = Table()
+        for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "best possible (ms)", "measured / best",
+                       "simulated (ms)", "sim error", "weights vs ddp"):
+            table.add_column(column, justify="right")
+        for row in result["rows"]:
+            table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}",
+                          _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row["theoretical_ms"], ".1f"),
+                          _fmt(row["measured_over_theoretical"], ".2f"), f"{row['predicted_ms']:.1f}",
+                          f"{row['prediction_error']:+.1%}", _fmt(row.get("weights_vs_ddp"), ".1e"))
+        console.print(table)
+        if any(row["schedule"] == "ddp" for row in result["rows"]):
+            console.print("ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
+                          "is wfbp's (the same bound and simulation).")
+        warn_if_noisy(result, console)
+
+
+def warn_if_noisy(result: dict, console: Console) -> None:
+    for row in result["rows"]:
+        times = row.get("rounds_ms", [])
+        if len(times) > 1 and max(times) / min(times) - 1 > ROUNDS_AGREE:
+            console.print(f"[yellow]commsched-bench: the {len(times)} rounds of {row['schedule']} on {result['model']} "
+                          f"disagree by {max(times) / min(times) - 1:.0%} ({', '.join(f'{t:.0f}' for t in times)} ms): "
+                          "too few steps to trust; raise steps= or rounds=[/yellow]")
+
+
+def write_csv(results: list[dict], rate: str, path: Path) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["model", "link_rate", *COLUMNS])
+        writer.writeheader()
+        for result in results:
+            for row in result["rows"]:
+                writer.writerow({"model": result["model"], "link_rate": rate, **{k: row.get(k) for k in COLUMNS}})
+
+
+def plot(results: list[dict], rate: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4.4), squeeze=False)
+    for ax, result in zip(axes[0], results):
+        names = [row["schedule"] for row in result["rows"]]
+        x = range(len(names))
+        for offset, key, label in ((-0.27, "step_ms", "measured"), (0.0, "predicted_ms", "simulated"),
+                                   (0.27, "theoretical_ms", "best possible")):
+            ax.bar([i + offset for i in x], [row[key] or 0.0 for row in result["rows"]], width=0.27, label=label)
+        ax.set_xticks(list(x), names)
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"{result['model']}, link {rate}")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=3, frameon=False)  # below the bars, never on them
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

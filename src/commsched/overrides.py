@@ -1,0 +1,60 @@
+"""Refuse, before Hydra composes anything, what it would accept and then ignore.
+
+Hydra lets ``+fusion.bucket_cap=3`` or ``+ckpt_path=x`` append keys that nothing reads, and its own
+listing of a group's options includes the schema nodes (``schedule_schema``). Every key a command
+line sets must be a field of the typed schema and every group choice one of the group's files;
+the refusal names the key and what is valid there, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional, Sequence, get_type_hints
+
+from commsched.errors import CommSchedConfigError
+
+
+def group_choices(conf_dir: Path) -> dict[str, tuple[str, ...]]:
+    """The options of every config group: the YAML files of each folder of `conf_dir`."""
+    return {d.name: tuple(sorted(f.stem for f in d.glob("*.yaml"))) for d in sorted(conf_dir.iterdir()) if d.is_dir()}
+
+
+def _fields(schema: type) -> dict[str, Any]:
+    hints = get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def _nested(annotation: Any) -> Optional[type]:
+    """The dataclass a field holds, if it holds one."""
+    return annotation if dataclasses.is_dataclass(annotation) else None
+
+
+def check(argv: Sequence[str], schema: type, groups: dict[str, tuple[str, ...]], program: str) -> None:
+    """Raise `CommSchedConfigError` for the first override that names an unknown key or group option."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue  # Hydra's flags (-m, --cfg ...) and bare words are Hydra's business
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        if key in groups:
+            for choice in value.split(","):  # a sweep: schedule=ddp,wfbp
+                if choice not in groups[key]:
+                    raise CommSchedConfigError(f"{program}: invalid {key}={choice!r}; allowed: {', '.join(groups[key])}.")
+            continue
+        node: Optional[type] = schema
+        path: list[str] = []
+        for part in key.split("."):
+            fields = _fields(node)
+            if part not in fields:
+                where = ".".join(path) or "the configuration"
+                raise CommSchedConfigError(
+                    f"{program}: unknown key {key!r}; valid keys in {where}: {', '.join(fields)}"
+                    + (f"; groups: {', '.join(g + '=' for g in groups)}" if not path else "") + "."
+                )
+            path.append(part)
+            node = _nested(fields[part])
+            if node is None and part != key.split(".")[-1]:
+                raise CommSchedConfigError(f"{program}: unknown key {key!r}: {'.'.join(path)} has no sub-keys.")

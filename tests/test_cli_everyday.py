@@ -1,0 +1,145 @@
+"""The command lines as a daily user meets them, through the real console scripts: keys nothing
+reads are refused before any worker starts, files are checked early with the field named, runs
+checkpoint and resume exactly, say where their results went, and the console says no untruths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BIN = Path(sys.executable).parent
+QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
+SMALL = ["+recipe=resnet", "model.width=4", "data.train_size=384", "data.val_size=32", "warmup_steps=0"]
+
+
+def script(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def train(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return script("commsched-train", f"hydra.run.dir={run_dir}", *QUIET, *overrides, cwd=run_dir.parent, timeout=timeout)
+
+
+def refused_early(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert "Traceback" not in output and "Initializing distributed" not in output
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line that says what to change
+    for needle in needles:
+        assert needle in output, output
+    return output
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("+fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb", "profile_steps"]),
+    ("fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb"]),
+    ("+ckpt_path=/nope.ckpt", ["unknown key 'ckpt_path'", "resume", "checkpoint"]),
+    ("schedule=fancy", ["invalid schedule='fancy'", "ddp, dear, wfbp"]),
+    ("fusion=greedy", ["invalid fusion='greedy'", "mgwfbp-greedy"]),
+    ("+recipe=gpt2 data.path=/nonexistent", ["data.path='/nonexistent'", "not found"]),
+    ("resume=/nonexistent", ["resume='/nonexistent'", "not found"]),
+])
+def test_bad_command_lines_are_refused_before_any_worker(tmp_path, override, needles):
+    output = refused_early(train(tmp_path / "run", *override.split()), *needles)
+    assert "schedule_schema" not in output and "fusion_schema" not in output
+
+
+def test_plan_files_are_checked_before_any_worker(tmp_path):
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"policy": "mgwfbp", "world_size": 2, "buck')
+    refused_early(train(tmp_path / "a", f"fusion.plan_file={truncated}"), "fusion.plan_file", "not a JSON plan")
+    shaped = tmp_path / "shaped.json"
+    shaped.write_text(json.dumps({"buckets": [["fc.weight"]]}))
+    refused_early(train(tmp_path / "b", f"fusion.plan_file={shaped}"), "fusion.plan_file", "not a fusion plan", "policy")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"policy": "mgwfbp", "world_size": 2, "buckets": [["gpt.lm_head.weight", "gpt.wte.weight"]]}))
+    refused_early(train(tmp_path / "c", *SMALL, f"fusion.plan_file={other}"), "fusion.plan_file",
+                  "parameter(s) this model does not have", "gpt.lm_head.weight")
+
+
+@pytest.mark.parametrize("schedule", ["ddp", "wfbp", "dear"])
+def test_a_run_stopped_at_step_k_and_resumed_equals_an_uninterrupted_one(tmp_path, schedule):
+    """Stopped mid-epoch (step 4 of 6) and at an epoch's end (step 6), resumed from the run directory."""
+    common = [*SMALL, f"schedule={schedule}"]
+    for stop in (4, 6):
+        first = tmp_path / f"first-{stop}"
+        assert train(first, *common, f"trainer.max_steps={stop}").returncode == 0
+        resumed = train(tmp_path / f"resumed-{stop}", *common, "trainer.max_steps=9", f"resume={first}")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "not resumable" not in resumed.stdout + resumed.stderr
+    assert train(tmp_path / "whole", *common, "trainer.max_steps=9").returncode == 0
+    expected = torch.load(tmp_path / "whole/checkpoints/last.ckpt", weights_only=False)["state_dict"]
+    for stop in (4, 6):
+        got = torch.load(tmp_path / f"resumed-{stop}/checkpoints/last.ckpt", weights_only=False)
+        assert got["global_step"] == 9
+        diff = max((got["state_dict"][k].double() - expected[k].double()).abs().max().item() for k in expected)
+        assert diff <= 1e-5, f"stopped at {stop}: differs by {diff:.3g}"
+
+
+def test_a_run_says_where_its_results_went(tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, *SMALL, "trainer.max_steps=4", "profile.steps=2", "trainer.enable_progress_bar=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert f"results in {run}" in output
+    assert str(run / "profile" / "profile.json") in output and "overlap ratio" in output
+    log = (run / "train.log").read_text()
+    assert f"results in {run}" in log and "profile.json" in log
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    for untruth in ("Previous log files", "/-2", "Total FLOPs: 0", "💡 Tip"):
+        assert untruth not in output, untruth
+    overlap = [line.split(",") for line in (run / "metrics.csv").read_text().splitlines()]
+    column = overlap[0].index("profile/overlap_ratio")
+    ratios = [float(row[column]) for row in overlap[1:] if row[column]]
+    assert ratios and all(0.0 <= r <= 1.0 for r in ratios)
+
+
+def test_ctrl_c_ends_the_run_with_a_message_not_a_traceback(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([str(BIN / "commsched-train"), f"hydra.run.dir={run}", *QUIET, *SMALL, "trainer.max_steps=100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.csv").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-2000:]
+    assert "interrupted" in output and "Traceback" not in output, output[-3000:]
+
+
+def test_help_answers_without_torch_or_lightning():
+    code = ("import sys, commsched_cli; sys.argv = ['commsched-train', '--help']\n"
+            "try:\n    commsched_cli.train()\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy imports on --help'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "schedule:" in proc.stdout or "Configuration groups" in proc.stdout
+
+
+def test_bench_help_lists_only_its_own_options(tmp_path):
+    proc = script("commsched-bench", "--help", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0
+    for training_group in ("schedule:", "fusion:", "trainer:", "recipe"):
+        assert training_group not in proc.stdout
+    assert "models:" in proc.stdout and "rounds:" in proc.stdout
+
+
+def test_the_python_api_writes_its_plan_to_default_root_dir(cases):
+    """The planners' runs (workers/run_cases.py) set default_root_dir: the plan lands there, nowhere else."""
+    directory = Path(cases(3).directory)
+    assert (directory / "dear-mgwfbp" / "commsched_plan.json").is_file()
+    assert not (directory / "commsched_plan.json").exists() and not (Path(__file__).parent / "workers" / "commsched_plan.json").exists()
+
+
+def test_readme_cites_no_file_outside_the_repository():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "papers/" not in readme and "DESIGN.md" not in readme
