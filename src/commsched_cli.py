@@ -30,3 +30,7 @@ def simulate() -> Any:
 
 def plan() -> Any:
     return sys.exit(_run("commsched.planning.cli"))
+
+
+def cluster() -> Any:
+    return sys.exit(_run("commsched.cluster.cli"))

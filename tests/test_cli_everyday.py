@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import max_abs_diff, run_worker
+
 BIN = Path(sys.executable).parent
 QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
 SMALL = ["+recipe=resnet", "model.width=4", "data.train_size=384", "data.val_size=32", "warmup_steps=0"]
@@ -66,23 +68,30 @@ def test_plan_files_are_checked_before_any_worker(tmp_path):
                   "parameter(s) this model does not have", "gpt.lm_head.weight")
 
 
-@pytest.mark.parametrize("schedule", ["ddp", "wfbp", "dear"])
-def test_a_run_stopped_at_step_k_and_resumed_equals_an_uninterrupted_one(tmp_path, schedule):
-    """Stopped mid-epoch (step 4 of 6) and at an epoch's end (step 6), resumed from the run directory."""
-    common = [*SMALL, f"schedule={schedule}"]
-    for stop in (4, 6):
-        first = tmp_path / f"first-{stop}"
-        assert train(first, *common, f"trainer.max_steps={stop}").returncode == 0
-        resumed = train(tmp_path / f"resumed-{stop}", *common, "trainer.max_steps=9", f"resume={first}")
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert "not resumable" not in resumed.stdout + resumed.stderr
+def test_a_run_stopped_at_step_k_and_resumed_equals_an_uninterrupted_one(tmp_path):
+    """Every schedule, stopped mid-epoch (step 4 of 6) and at an epoch's end (step 6), resumed to step 9."""
+    proc = run_worker("run_resume.py", str(tmp_path), "ddp", "wfbp", "dear")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "not resumable" not in proc.stdout + proc.stderr
+    for schedule in ("ddp", "wfbp", "dear"):
+        expected = torch.load(tmp_path / f"{schedule}-whole.pt")
+        for stop in (4, 6):
+            diff, key = max_abs_diff(torch.load(tmp_path / f"{schedule}-resumed{stop}.pt"), expected)
+            assert diff <= 1e-5, f"{schedule} stopped at {stop}: {key} differs by {diff:.3g}"
+
+
+def test_resume_takes_a_run_directory_from_the_command_line(tmp_path):
+    common = [*SMALL, "schedule=dear"]
+    first = tmp_path / "first"
+    assert train(first, *common, "trainer.max_steps=4").returncode == 0
+    resumed = train(tmp_path / "resumed", *common, "trainer.max_steps=9", f"resume={first}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert train(tmp_path / "whole", *common, "trainer.max_steps=9").returncode == 0
-    expected = torch.load(tmp_path / "whole/checkpoints/last.ckpt", weights_only=False)["state_dict"]
-    for stop in (4, 6):
-        got = torch.load(tmp_path / f"resumed-{stop}/checkpoints/last.ckpt", weights_only=False)
-        assert got["global_step"] == 9
-        diff = max((got["state_dict"][k].double() - expected[k].double()).abs().max().item() for k in expected)
-        assert diff <= 1e-5, f"stopped at {stop}: differs by {diff:.3g}"
+    got = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=False)
+    expected = torch.load(tmp_path / "whole/checkpoints/last.ckpt", weights_only=False)
+    assert got["global_step"] == 9 and "commsched" in got
+    diff, key = max_abs_diff(got["state_dict"], expected["state_dict"])
+    assert diff <= 1e-5, f"{key} differs by {diff:.3g}"
 
 
 def test_a_run_says_where_its_results_went(tmp_path):

@@ -35,8 +35,12 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     if not CAN_EMULATE:
         assert "running on the unlimited loopback" in proc.stdout
     for row in rows:
-        assert float(row["step_ms"]) > 0 and float(row["theoretical_ms"]) > 0 and float(row["predicted_ms"]) > 0
-    assert "theoretical best" in proc.stdout and "simulated" in proc.stdout
+        assert float(row["step_ms"]) > 0 and float(row["predicted_ms"]) > 0
+        assert float(row["weights_vs_ddp"]) <= 1e-5  # same seed, same batches: the schedules change no math
+        if row["schedule"] != "ddp":  # ddp is Lightning's, not ours to bound
+            assert float(row["theoretical_ms"]) > 0
+    assert "best possible" in proc.stdout and "simulated" in proc.stdout
+    assert proc.stdout.count("GPU available") <= 1  # Lightning's banner once, not per phase
     assert (tmp_path / "bench.png").stat().st_size > 5000
     if CAN_EMULATE:
         assert netns.namespaces() == []

@@ -4,7 +4,7 @@ whose loopback is rate-limited; needs root, which CI and these machines have; wi
 says so and runs on the unlimited loopback, where there is nothing to hide).
 
 It prints each schedule's step time, its speed-up over ddp, the best step its schedule allows for
-the measured compute and communication (dear.txt Eq. 7-8), and how far its final weights are from
+the measured compute and communication ([DeAR] Eq. 7-8), and how far its final weights are from
 ddp's: the schedules change when bytes move, not what is computed.
 
     python -m commsched.demo [--rate 600mbit] [--steps 12] [--rounds 2]

@@ -6,7 +6,8 @@ sums it from scratch. Here each rank sends every other rank its slice of the buc
 what it receives to its own slice in place; the all-gather sends the own slice and receives the
 others' slices straight into the bucket. Measured between two processes on one machine, 12 MB:
 reduce-scatter 11.9 ms and all-gather 4.0 ms, against 14.7 ms (all-to-all + sum) and 7.9 ms
-(gloo's all-gather). Bytes on the wire are those of a ring: (P-1)/P of the bucket each way.
+(gloo's all-gather); over a full-duplex 1 Gbit link, 16 MiB: 68 ms against 86 ms (gloo's
+all-gather) and 117 ms (all-to-all). Bytes on the wire are those of a ring: (P-1)/P each way.
 
 Sends and receives between a pair of ranks are matched in the order they are posted; every rank
 posts the exchanges of one link in the same order (that is the schedules' invariant anyway).
@@ -20,6 +21,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+
+PIECE_BYTES = 2**20
 
 
 class WorkSet:
@@ -80,10 +84,24 @@ def _peer(group: Optional[dist.ProcessGroup], rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    count = max(1, -(-tensor.numel() * tensor.element_size() // PIECE_BYTES))
+    return list(tensor.reshape(-1).chunk(count))
+
+
 def _exchange(group: Optional[dist.ProcessGroup], sends: list[tuple[int, torch.Tensor]],
               receives: list[tuple[int, torch.Tensor]]) -> WorkSet:
-    ops = [dist.P2POp(dist.isend, t, _peer(group, r), group) for r, t in sends]
-    ops += [dist.P2POp(dist.irecv, t, _peer(group, r), group) for r, t in receives]
+    """Messages go in pieces, sends and receives interleaved: one large message on a gloo connection
+    does not overlap the reverse direction (measured on a full-duplex 1 Gbit link, 8 MiB each way:
+    116 ms whole, 68 ms in 1 MiB pieces, the link's own 67 ms)."""
+    outgoing = [(r, piece) for r, t in sends for piece in _pieces(t)]
+    incoming = [(r, piece) for r, t in receives for piece in _pieces(t)]
+    ops = []
+    for k in range(max(len(outgoing), len(incoming))):
+        if k < len(outgoing):
+            ops.append(dist.P2POp(dist.isend, outgoing[k][1], _peer(group, outgoing[k][0]), group))
+        if k < len(incoming):
+            ops.append(dist.P2POp(dist.irecv, incoming[k][1], _peer(group, incoming[k][0]), group))
     return WorkSet(dist.batch_isend_irecv(ops), _completer(group))
 
 

@@ -1,5 +1,5 @@
-"""An emulated slow network on one machine: a fresh network namespace whose loopback is rate-limited
-(DESIGN.md §7), created for one command and always removed afterwards, also on Ctrl-C or error.
+"""An emulated slow network on one machine: a fresh network namespace whose loopback is rate-limited,
+created for one command and always removed afterwards, also on Ctrl-C or error.
 
 Workers started inside talk over 127.0.0.1 of that namespace only. Needs root and iproute2.
 """

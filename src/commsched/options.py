@@ -99,7 +99,7 @@ def validated(options: OptionsT, prefix: str = "") -> OptionsT:
 # ------------------------------------------------------------------ concerns
 @dataclass
 class TuningOptions:
-    """Bayesian optimisation of the bucket size (``fusion.policy="bayes"``; DESIGN.md §5)."""
+    """Bayesian optimisation of the bucket size (``fusion.policy="bayes"``)."""
 
     trials: int = option(10, positive_int)
     """Trial budget: bucket sizes measured before the best is kept."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,8 @@ def run_training(cfg: DictConfig) -> float:
         print(f"commsched-train: the training run failed (exit code {run.returncode}); its output is above, "
               f"its files in {out}", file=sys.stderr)
         sys.exit(1)
+    if os.environ.get("NODE_RANK", "0") != "0":  # a node of a cluster (commsched-cluster): node 0 reports
+        return 0.0
     summary = summarise(cfg, json.loads((out / "metrics.json").read_text()), list(HydraConfig.get().overrides.task))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info(f"{summary_line(summary)}; results in {out}")

@@ -30,3 +30,19 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def run_workers(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> None:
     """Run `fn(rank, *args)` in `world` spawned processes; an error in any of them is raised here."""
     mp.start_processes(_entry, args=(world, free_port(), fn, args, timeout_s), nprocs=world, start_method="spawn")
+
+
+def _node_entry(local: int, per_node: int, fn: Callable[..., Any], args: tuple, timeout_s: float) -> None:
+    """One worker of a node of a cluster: its global rank from the node's NODE_RANK (commsched-cluster)."""
+    nodes = int(os.environ["COMMSCHED_NUM_NODES"])
+    rank = int(os.environ["NODE_RANK"]) * per_node + local
+    dist.init_process_group("gloo", rank=rank, world_size=nodes * per_node, timeout=timedelta(seconds=timeout_s))
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_node_workers(per_node: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0) -> None:
+    """This node's `per_node` workers of a cluster run (MASTER_ADDR/PORT and NODE_RANK from the environment)."""
+    mp.start_processes(_node_entry, args=(per_node, fn, args, timeout_s), nprocs=per_node, start_method="spawn")

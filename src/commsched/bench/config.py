@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -21,11 +21,23 @@ class LinkConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Run inside an emulated cluster instead (commsched-cluster): `nodes` > 0 turns it on."""
+
+    nodes: int = 0
+    workers_per_node: int = 1
+    rate: str = "1gbit"
+    secondary_rate: Optional[str] = None
+    flow_rate: Optional[str] = None
+
+
+@dataclass
 class BenchConfig:
     models: list[str] = field(default_factory=lambda: ["small_cnn"])
     schedules: list[str] = field(default_factory=lambda: list(BENCH_SCHEDULES))
     devices: int = 2
     link: LinkConfig = field(default_factory=LinkConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     width: int = 64  # channels (images) or embedding size (gpt2_tiny); SmallCNN width 64: 3.06 M parameters
     batch_size: int = 32
     bucket_cap_mb: float = 2.0  # the same for every schedule, ddp included
@@ -48,7 +60,14 @@ def validate_bench(cfg: Any) -> None:
         raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(BENCH_SCHEDULES)}")
     for schedule in cfg.schedules:
         options.choice("schedules", schedule, BENCH_SCHEDULES)
-    if cfg.devices < 2:
+    if cfg.cluster.nodes:
+        from commsched.cluster.spec import ClusterSpec
+
+        ClusterSpec(cfg.cluster.nodes, cfg.cluster.workers_per_node, cfg.cluster.rate, cfg.cluster.secondary_rate,
+                    cfg.cluster.flow_rate).check(lambda field: f"cluster.{field}")
+        if cfg.cluster.nodes * cfg.cluster.workers_per_node < 2:
+            raise bad_value("cluster.nodes", cfg.cluster.nodes, "a cluster of 2 workers or more")
+    elif cfg.devices < 2:
         raise bad_value("devices", cfg.devices, "an integer >= 2")
     if cfg.link.rate != "none":
         try:

@@ -25,6 +25,9 @@ def run(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
     spec_file = out / "bench.json"
     spec_file.write_text(json.dumps(spec, indent=1))
     argv = [sys.executable, "-m", "commsched.bench.worker", str(spec_file), str(out)]
+    cluster = spec.get("cluster", {})
+    if cluster.get("nodes"):
+        return _run_in_cluster(spec, spec_file, argv, out, console)
     rate = spec["link"]["rate"]
     if rate != "none":
         reason = netns.unavailable_reason()
@@ -34,6 +37,22 @@ def run(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
         console.print(f"[yellow]commsched-bench: {reason}; running on the unlimited loopback instead of {rate}[/yellow]")
     _check(subprocess.run(argv).returncode)
     return json.loads((out / "results.json").read_text()), "none"
+
+
+def _run_in_cluster(spec: dict, spec_file: Path, argv: list[str], out: Path, console: Console) -> tuple[list[dict], str]:
+    """Each node runs the worker with Trainer(num_nodes=N, devices=G): Lightning's own multi-node path."""
+    from commsched.cluster.launch import run
+    from commsched.cluster.spec import ClusterSpec
+
+    c = spec["cluster"]
+    cluster = ClusterSpec(c["nodes"], c["workers_per_node"], c["rate"], c.get("secondary_rate"), c.get("flow_rate")).check()
+    spec_file.write_text(json.dumps({**spec, "devices": c["workers_per_node"], "num_nodes": c["nodes"]}, indent=1))
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"commsched-bench: {reason}; cluster.nodes needs an emulated cluster")
+    _check(run(cluster, argv))
+    label = f"{c['nodes']}x{c['workers_per_node']} @ {c['rate']}" + (f", flows {c['flow_rate']}" if c.get("flow_rate") else "")
+    return json.loads((out / "results.json").read_text()), label
 
 
 def _check(code: int) -> None:

@@ -4,7 +4,7 @@ For each model: every schedule trains `rounds` times, interleaved (a noisy momen
 hurts all alike), and the best median step time counts. Then one profiled `wfbp` run measures the
 components on the same processes and link: per-layer forward/backward, each bucket's all-reduce /
 reduce-scatter / all-gather alone, and the rest of the step (optimizer, data, Lightning). From those
-come each schedule's theoretical best (dear.txt Eq. 7-8) and the simulator's prediction.
+come each schedule's theoretical best ([DeAR] Eq. 7-8) and the simulator's prediction.
 Rank 0 writes OUT_DIR/results.json.
 """
 
@@ -29,7 +29,7 @@ from commsched.timing import StepTimer
 
 def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=spec["devices"], strategy=strategy, max_steps=steps, logger=False,
+        accelerator="cpu", devices=spec["devices"], num_nodes=spec.get("num_nodes", 1), strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         default_root_dir=out,
     )
@@ -42,7 +42,8 @@ def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
 
 
 def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
-    return DataLoader(make_data(spec["batch_size"] * spec["devices"] * (steps + 2)), batch_size=spec["batch_size"])
+    world = spec["devices"] * spec.get("num_nodes", 1)
+    return DataLoader(make_data(spec["batch_size"] * world * (steps + 2)), batch_size=spec["batch_size"])
 
 
 def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tuple[float, float, int, dict]:
@@ -122,7 +123,7 @@ def main() -> None:
                 "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": cpu[s] * 1e3,
                 "rounds_ms": [step * 1e3 for step, _ in rounds[s]],
                 "weights_vs_ddp": _max_difference(final[s], final["ddp"]) if "ddp" in final else None,
-                "samples_per_s": spec["batch_size"] * spec["devices"] / measured[s],
+                "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
                 "speedup_vs_ddp": measured["ddp"] / measured[s] if "ddp" in measured else None,
                 "theoretical_ms": theory[s] * 1e3 if s in theory else None,  # ddp: not ours to bound
                 "measured_over_theoretical": measured[s] / theory[s] if s in theory else None,

@@ -1,4 +1,4 @@
-"""A DeAR-aware fusion plan from a model of the iteration (dear.txt §III-IV, DESIGN.md §5).
+"""A DeAR-aware fusion plan from a model of the iteration ([DeAR] §III-IV).
 
 Under DeAR one grouping decides two pipelines: reduce-scatters overlapping backward (a FIFO chain
 in backward order, like WFBP's) and all-gathers overlapping the next forward (issued together,

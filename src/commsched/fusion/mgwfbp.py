@@ -1,8 +1,8 @@
-"""MG-WFBP (mg-wfbp.txt §3-4): which consecutive gradients to merge into one all-reduce.
+"""MG-WFBP ([MG-WFBP] §3-4): which consecutive gradients to merge into one all-reduce.
 
 Gradients arrive in backward order at known times; each message starts once its last gradient is
 ready and the previous message is done, and costs `cost(bytes)`. `plan_exact` is the O(L^2)
-dynamic programme over contiguous groups (DESIGN.md §5):
+dynamic programme over contiguous groups:
 
     F[j] = min_{i<j} max(F[i], e_j) + cost(bytes(i+1..j))
 

@@ -1,4 +1,4 @@
-"""Online tuning of the bucket size with Bayesian optimisation (DESIGN.md §5, dear.txt §IV-C).
+"""Online tuning of the bucket size with Bayesian optimisation ([DeAR] §IV-C).
 
 Expected Improvement (xi = 0.1) over the bucket size; the first trial is 25 MB. The search runs
 over log2(size): 1-10 MB gets the same attention as 10-100 MB, where a linear domain would spend

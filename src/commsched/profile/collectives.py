@@ -1,5 +1,5 @@
 """Each bucket's collectives timed in isolation on the real group: what the schedules' theoretical
-bests (dear.txt Eq. 7-8) and the overlap ratio are computed from."""
+bests ([DeAR] Eq. 7-8) and the overlap ratio are computed from."""
 
 from __future__ import annotations
 

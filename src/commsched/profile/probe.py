@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from commsched.links import Link
-from commsched.profile.collectives import COLLECTIVES, time_collective
+from commsched.profile.collectives import COLLECTIVES, median_seconds, time_collective
 from commsched.sim.network import Fitted, Line
 
-from commsched.profile.probe_cli import DEFAULT_SIZES  # noqa: E402
+from commsched.profile import DEFAULT_SIZES
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> Line:
@@ -55,3 +55,19 @@ def probe_link(link: Link, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int 
     lines = {c: Line(*fits[row].tolist()) for row, c in enumerate(collectives)}
     medians = {c: measured[row].tolist() for row, c in enumerate(collectives)}
     return Fitted(link.world_size, lines), {"bytes": [float(s) for s in sizes], **medians}
+
+
+def probe_concurrent(links: list[Link], nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """All-gathers of `nbytes` on every link at once (each link its own process group, so its own TCP
+    flows): the median time until all are done, and the bus bandwidth they reach together."""
+    world = links[0].world_size
+    numel = -(-max(1, nbytes // 4) // world) * world
+    buffers = [(torch.zeros(numel, device=link.device), torch.zeros(numel // world, device=link.device)) for link in links]
+
+    def once() -> None:
+        for pending in [link.all_gather(full, shard, "probe") for link, (full, shard) in zip(links, buffers)]:
+            pending.wait()
+
+    seconds = median_seconds(once, repeats)
+    moved = len(links) * (world - 1) / world * numel * 4  # bytes each rank sends over its link
+    return {"groups": len(links), "bytes": numel * 4, "seconds": seconds, "bus_gbit_s": moved * 8 / seconds / 1e9}

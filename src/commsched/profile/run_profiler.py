@@ -28,7 +28,7 @@ from commsched.trace import Span, write_chrome_trace
 
 
 def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> dict[str, float]:
-    """Each registered schedule's best step for the measured times (dear.txt Eq. 7-8 for wfbp and dear)."""
+    """Each registered schedule's best step for the measured times ([DeAR] Eq. 7-8 for wfbp and dear)."""
     from commsched.schedules import SCHEDULES
 
     return {name: schedule.theoretical_best(t_ff, t_bp, totals) for name, schedule in SCHEDULES.items()}

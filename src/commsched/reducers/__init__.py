@@ -2,7 +2,7 @@
 
 `AllReduce` (wfbp, DeFT) sums a bucket in one collective; `ShardedReduce` (DeAR) splits it into a
 reduce-scatter and an all-gather the schedule starts at different times. Sparse top-k and
-hierarchical exchanges (DESIGN.md §9) are further reducers with the same shape: they keep their
+hierarchical exchanges are further reducers with the same shape: they keep their
 per-rank state (error-feedback residuals) by parameter name, see `commsched.state`.
 """
 

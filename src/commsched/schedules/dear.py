@@ -1,6 +1,6 @@
 """DeAR: reduce-scatter in backward (BackPipe), all-gather overlapped with the next forward (FeedPipe).
 
-Update arrangement (DESIGN.md §4 option a): after backward each rank holds its shard of every
+Update arrangement (option a of the two the paper allows): after backward each rank holds its shard of every
 bucket's averaged gradient. Clipping is done on the shards (one scalar all-reduce gives the global
 norm). The all-gathers of the *gradients* start right away, one after another in the order the next
 forward needs them (`InOrder`: on a saturated link the first one needed is not slowed down by the
@@ -240,5 +240,5 @@ class DeARSchedule(Schedule):
 
     @staticmethod
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
-        """dear.txt Eq. 8."""
+        """[DeAR] Eq. 8."""
         return max(t_ff, totals["all_gather"]) + max(t_bp, totals["reduce_scatter"])

@@ -40,5 +40,5 @@ class WFBPSchedule(Schedule):
 
     @staticmethod
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
-        """dear.txt Eq. 7."""
+        """[DeAR] Eq. 7."""
         return t_ff + max(t_bp, totals["all_reduce"])

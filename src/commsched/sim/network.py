@@ -1,8 +1,8 @@
 """Communication cost models the simulator and the planners share.
 
 Two kinds: `AlphaBeta` scales a point-to-point link (latency `alpha` seconds, `beta` seconds per
-byte) to any worker count with the textbook cost of an algorithm (dear.txt Eq. 3-5 for the ring,
-mg-wfbp.txt Table II for double binary trees); `Fitted` is what the link probe measured on a real
+byte) to any worker count with the textbook cost of an algorithm ([DeAR] Eq. 3-5 for the ring,
+[MG-WFBP] Table II for double binary trees); `Fitted` is what the link probe measured on a real
 group: one straight line `a + b * bytes` per collective, valid only at the world size it was
 measured on.
 """
@@ -28,7 +28,7 @@ class CostModel(Protocol):
 class AlphaBeta:
     """Ring: reduce-scatter = all-gather = (P-1)(alpha + m/P beta), all-reduce their sum.
     Tree (NCCL's double binary trees, pipelined): reduce = broadcast = log2(P) alpha + m beta,
-    all-reduce their sum; DeAR's decoupling is then reduce + broadcast (dear.txt §VII)."""
+    all-reduce their sum; DeAR's decoupling is then reduce + broadcast ([DeAR] §VII)."""
 
     alpha: float
     beta: float

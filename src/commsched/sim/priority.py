@@ -1,4 +1,4 @@
-"""ByteScheduler-like priority scheduling with tensor partitioning (dear.txt §II-C, [Peng et al. 2019]).
+"""ByteScheduler-like priority scheduling with tensor partitioning ([DeAR] §II-C, [Peng et al. 2019]).
 
 Gradients are cut into partitions of at most `partition_bytes`; whenever the link is free it sends
 the ready partition of the layer nearest the input (forward needs it first), so the next forward

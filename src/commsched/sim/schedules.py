@@ -97,7 +97,7 @@ def _chain(workload: Workload, network: CostModel, workers: int, buckets: Bucket
 
 
 def wfbp(workload: Workload, network: CostModel, workers: int, buckets: Buckets | None = None) -> Result:
-    """mg-wfbp.txt Eq. 6-8: all-reduce each bucket when ready; the step waits for the last one."""
+    """[MG-WFBP] Eq. 6-8: all-reduce each bucket when ready; the step waits for the last one."""
     buckets = per_layer(workload) if buckets is None else buckets
     forward, t_ff = _compute_spans(workload, 0.0, "forward")
     backward, t_end = _compute_spans(workload, t_ff, "backward")
@@ -106,7 +106,7 @@ def wfbp(workload: Workload, network: CostModel, workers: int, buckets: Buckets 
 
 
 def sync_easgd(workload: Workload, network: CostModel, workers: int) -> Result:
-    """mg-wfbp.txt Eq. 9: one all-reduce of everything after backward."""
+    """[MG-WFBP] Eq. 9: one all-reduce of everything after backward."""
     forward, t_ff = _compute_spans(workload, 0.0, "forward")
     backward, t_end = _compute_spans(workload, t_ff, "backward")
     t_ar = network.time("all_reduce", workload.nbytes, workers)
@@ -120,7 +120,7 @@ def mgwfbp(workload: Workload, network: CostModel, workers: int, exact: bool = T
 
 
 def dear(workload: Workload, network: CostModel, workers: int, buckets: Buckets | None = None) -> Result:
-    """Steady state of DeAR (dear.txt §III): the iteration starts once every reduce-scatter is done;
+    """Steady state of DeAR ([DeAR] §III): the iteration starts once every reduce-scatter is done;
     all-gathers are issued at once, first-needed first, each layer's forward waits for its bucket's;
     then backward with reduce-scatters FIFO as buckets fill."""
     buckets = per_layer(workload) if buckets is None else buckets

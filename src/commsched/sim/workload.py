@@ -3,7 +3,7 @@ forward/backward seconds, from a profile JSON (`commsched.profile`) or built in 
 
 The built-in tables count each layer's forward FLOPs with torch's `FlopCounterMode` on the meta
 device (exact for the zoo's definitions, no compute) and turn them into seconds at an assumed
-effective device speed; backward is taken as twice forward (dear.txt §VI-B). FLOPs that belong to
+effective device speed; backward is taken as twice forward ([DeAR] §VI-B). FLOPs that belong to
 no parameter-owning layer (attention products, residual adds) are spread over the layers in
 proportion to their own FLOPs.
 """

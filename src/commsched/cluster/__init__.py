@@ -1,0 +1,3 @@
+"""An emulated cluster on one machine: nodes as network namespaces, one or two links per node with
+their own rates (each direction limited separately), an optional per-flow cap, and a launcher that
+gives each node Lightning's multi-node environment (`commsched-cluster`)."""

@@ -1,0 +1,119 @@
+"""Run one command on every node of an emulated cluster, the way a cluster's launcher would.
+
+Each node's command gets the environment Lightning's own multi-node launch reads (`MASTER_ADDR`
+= node 0's primary address, `MASTER_PORT`, `NODE_RANK`), so a plain script with
+``Trainer(num_nodes=N, devices=G)`` runs unchanged; Lightning then starts the node's G processes.
+The primary interface is what gloo and NCCL use by default (`GLOO_SOCKET_IFNAME`,
+`NCCL_SOCKET_IFNAME`); `COMMSCHED_PRIMARY_IFNAME` / `COMMSCHED_SECONDARY_IFNAME` name the links for
+strategies that open a group on a given interface. Every line a node prints is prefixed with its
+rank; the exit status is the worst of the nodes'; a node that fails ends the others after
+`grace_s` (they would otherwise wait for it until the process-group timeout). The network is
+removed on success, on error, on Ctrl-C and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Optional, Sequence
+
+from commsched.cluster.network import Network
+from commsched.cluster.spec import PRIMARY_IFNAME, SECONDARY_IFNAME, ClusterSpec
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def node_environment(spec: ClusterSpec, node: int) -> dict[str, str]:
+    env = {
+        "MASTER_ADDR": spec.address(0), "MASTER_PORT": str(spec.master_port), "NODE_RANK": str(node),
+        "COMMSCHED_NUM_NODES": str(spec.nodes), "COMMSCHED_WORKERS_PER_NODE": str(spec.workers_per_node),
+        "COMMSCHED_PRIMARY_IFNAME": PRIMARY_IFNAME, "GLOO_SOCKET_IFNAME": PRIMARY_IFNAME, "NCCL_SOCKET_IFNAME": PRIMARY_IFNAME,
+        "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10d warns on every connection that the shared hostname does not resolve
+        # all nodes share this machine's cores: each process gets its share, not a node's worth
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.world_size)),
+    }
+    if spec.secondary_rate is not None:
+        env["COMMSCHED_SECONDARY_IFNAME"] = SECONDARY_IFNAME
+    return env
+
+
+def _pump(stream: IO[str], prefix: str) -> None:
+    for line in stream:
+        sys.stdout.write(f"{prefix}{line}")
+        sys.stdout.flush()
+
+
+def _exit_code(code: Optional[int]) -> int:
+    if code is None:
+        return 1
+    return 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
+
+
+def run(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) -> int:
+    """Build the cluster, run `argv` on every node, remove the cluster; the worst exit status."""
+    spec.check()
+    network = Network(spec)
+    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
+    processes: list[subprocess.Popen] = []
+    try:
+        network.create()
+        for node in range(spec.nodes):
+            env = {**os.environ, **node_environment(spec, node)}
+            process = subprocess.Popen(network.command_in(node, argv), env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            processes.append(process)
+            threading.Thread(target=_pump, args=(process.stdout, f"[node {node}] "), daemon=True).start()
+        return _wait(processes, grace_s)
+    except Interrupted as interrupted:
+        _stop(processes, interrupted.signum)
+        return 128 + interrupted.signum
+    except BaseException:
+        _stop(processes, signal.SIGTERM)
+        raise
+    finally:
+        network.remove()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _raise(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def _wait(processes: list[subprocess.Popen], grace_s: float) -> int:
+    """The worst exit status of the nodes that ended by themselves (not of those ended after a failure)."""
+    failed_at: Optional[float] = None
+    ended_by_us: set[int] = set()
+    while any(p.poll() is None for p in processes):
+        if failed_at is None and any(p.poll() not in (None, 0) for p in processes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            ended_by_us = {i for i, p in enumerate(processes) if p.poll() is None}
+            _stop(processes, signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    for p in processes:
+        p.wait()
+    return max(_exit_code(p.returncode) for i, p in enumerate(processes) if i not in ended_by_us)
+
+
+def _stop(processes: list[subprocess.Popen], signum: int) -> None:
+    """Signal every node's whole process group (Lightning's workers too), then kill what is left."""
+    for p in processes:
+        if p.poll() is None:
+            os.killpg(p.pid, signum)
+    deadline = time.monotonic() + 15
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

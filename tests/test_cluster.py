@@ -1,0 +1,101 @@
+"""commsched-cluster: a plain Lightning script run as an N-node cluster through Lightning's own
+multi-node path ends with the weights of a 1-node run of the same world size; the emulated network
+is removed after a normal run, a failing command and SIGTERM; bad flags are refused before
+anything is created. CI runs as root; without root these tests are skipped, saying why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from commsched import netns
+from commsched.cluster.network import leftovers
+from conftest import WORKERS, max_abs_diff
+
+BIN = Path(sys.executable).parent
+CAN_EMULATE = netns.unavailable_reason() is None
+needs_root = pytest.mark.skipif(not CAN_EMULATE, reason=f"no emulated cluster here: {netns.unavailable_reason()}")
+SCHEDULES = ["ddp", "wfbp", "dear"]
+
+
+def cluster(*flags: str, command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "commsched-cluster"), *flags, "--", *command], capture_output=True, text=True,
+                          timeout=timeout, cwd=WORKERS)
+
+
+def train_script(out: Path, nodes: int, devices: int) -> list[str]:
+    return [sys.executable, str(WORKERS / "cluster_train.py"), str(out), str(nodes), str(devices), *SCHEDULES]
+
+
+@needs_root
+@pytest.mark.parametrize("nodes, per_node", [(2, 1), (2, 2)])
+def test_a_multi_node_run_equals_a_one_node_run_of_the_same_world_size(tmp_path, nodes, per_node):
+    proc = cluster("--nodes", str(nodes), "--workers-per-node", str(per_node), "--rate", "1gbit",
+                   command=train_script(tmp_path / "cluster", nodes, per_node))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "[node 0] cluster_train: dear done" in proc.stdout and f"world size {nodes * per_node}" in proc.stdout
+    local = subprocess.run(train_script(tmp_path / "local", 1, nodes * per_node), capture_output=True, text=True,
+                           timeout=600, cwd=WORKERS)
+    assert local.returncode == 0, local.stderr[-3000:]
+    for schedule in SCHEDULES:
+        diff, key = max_abs_diff(torch.load(tmp_path / "cluster" / f"{schedule}.pt"), torch.load(tmp_path / "local" / f"{schedule}.pt"))
+        assert diff <= 1e-5, f"{schedule}: {key} differs by {diff:.3g}"
+    assert leftovers() == []
+
+
+@needs_root
+def test_the_nodes_get_lightnings_multi_node_environment_and_their_links(tmp_path):
+    show = "import os; print(*(f'{k}={os.environ.get(k)}' for k in ('NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'COMMSCHED_PRIMARY_IFNAME', 'COMMSCHED_SECONDARY_IFNAME')))"
+    proc = cluster("--nodes", "3", "--rate", "100mbit", "--secondary-rate", "50mbit",
+                   command=["sh", "-c", f"ip -o -4 addr show; {sys.executable} -c \"{show}\""])
+    assert proc.returncode == 0, proc.stderr
+    for node in range(3):
+        assert f"[node {node}] NODE_RANK={node} MASTER_ADDR=10.123.0.1 MASTER_PORT=29500 " \
+               "COMMSCHED_PRIMARY_IFNAME=eth0 COMMSCHED_SECONDARY_IFNAME=eth1" in proc.stdout
+        assert f"10.123.0.{node + 1}/24" in proc.stdout and f"10.124.0.{node + 1}/24" in proc.stdout
+    assert leftovers() == []
+
+
+@needs_root
+def test_the_worst_exit_status_wins_and_a_failing_node_ends_the_others(tmp_path):
+    start = time.monotonic()
+    proc = cluster("--nodes", "2", "--grace", "2",
+                   command=["sh", "-c", 'if [ "$NODE_RANK" = 1 ]; then exit 7; fi; sleep 60'])
+    assert proc.returncode == 7
+    assert time.monotonic() - start < 40  # node 0 was ended after the grace period, not after its sleep
+    assert leftovers() == []
+
+
+@needs_root
+def test_sigterm_removes_everything(tmp_path):
+    process = subprocess.Popen([str(BIN / "commsched-cluster"), "--nodes", "2", "--", "sleep", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(leftovers()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(leftovers()) == 3  # the switch and two nodes
+    time.sleep(1)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert leftovers() == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nodes", "0"], "--nodes=0"),
+    (["--nodes", "2", "--rate", "fast"], "--rate='fast'"),
+    (["--nodes", "2", "--rate", "100mbit", "--flow-rate", "1gbit"], "--flow-rate='1gbit'; allowed: a rate at most --rate"),
+    (["--nodes", "2", "--workers-per-node", "0"], "--workers-per-node=0"),
+])
+def test_bad_flags_are_refused_before_anything_is_created(flags, message):
+    before = leftovers() if CAN_EMULATE else []
+    proc = cluster(*flags, command=["true"], timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert (leftovers() if CAN_EMULATE else []) == before
