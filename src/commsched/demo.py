@@ -13,6 +13,7 @@ ddp's: the schedules change when bytes move, not what is computed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def main() -> None:
     if args.rate != "none":
         parse_rate(args.rate)
     console = Console(width=160)
-    spec = {**vars(BenchConfig()), "link": {"rate": args.rate}, "steps": args.steps, "rounds": args.rounds}
+    spec = {**dataclasses.asdict(BenchConfig()), "link": {"rate": args.rate}, "steps": args.steps, "rounds": args.rounds}
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         results, rate = report.run(spec, out, console)
