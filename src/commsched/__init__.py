@@ -1,7 +1,7 @@
 """commsched: Lightning strategies that schedule gradient communication.
 
 ``import commsched`` registers the strategies with Lightning, so ``Trainer(strategy="dear")`` and
-``Trainer(strategy="wfbp")`` work; the classes and options are exported for explicit configuration,
+``Trainer(strategy="wfbp")`` and ``Trainer(strategy="deft")`` work; the classes and options are exported for explicit configuration,
 e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``.
 
 The command lines (`commsched_cli`) import the package without torch and Lightning, so that
@@ -15,12 +15,13 @@ import sys
 from typing import Any
 
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
-from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 
 __version__ = "0.2.0"
 
 _NEEDS_LIGHTNING = {
     "CommSchedStrategy": "commsched.strategy", "DeARStrategy": "commsched.registry", "WFBPStrategy": "commsched.registry",
+    "DeFTStrategy": "commsched.registry", "Preserver": "commsched.deft.preserver",
     "STRATEGIES": "commsched.registry", "SCHEDULES": "commsched.schedules", "reads_no_weights": "commsched.observers",
 }
 
@@ -40,6 +41,6 @@ if "commsched_cli" not in sys.modules:
     _register()
 
 __all__ = [
-    "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "FusionOptions", "LinkOptions", "PeerFailureError",
-    "ProfileOptions", "SCHEDULES", "STRATEGIES", "ScheduleError", "TuningOptions", "WFBPStrategy", "reads_no_weights",
+    "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "LinkOptions", "PeerFailureError",
+    "Preserver", "ProfileOptions", "SCHEDULES", "STRATEGIES", "ScheduleError", "TuningOptions", "WFBPStrategy", "reads_no_weights",
 ]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from commsched import state
@@ -27,6 +29,8 @@ from commsched.schedules import Observed, Schedule
 
 log = logging.getLogger(__name__)
 
+SECONDARY_IFNAME_ENV = "COMMSCHED_SECONDARY_IFNAME"  # set on each node by commsched-cluster
+
 
 class Engine:
     def __init__(self, schedule_class: type[Schedule], options: StrategyOptions, trace_collectives: bool) -> None:
@@ -34,6 +38,7 @@ class Engine:
         self.policy = PlanPolicy(options.fusion, options.tuning)
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.schedule: Optional[Schedule] = None
+        self.finished: Optional[Schedule] = None  # the last fit's schedule, kept for its reports
         self.links: Optional[Links] = None
         self.observed = Observed()
         self.profiler: Optional[RunProfiler] = None
@@ -41,6 +46,7 @@ class Engine:
         self._profile = options.profile
         self._link_options = options.links
         self._trainable: tuple[int, ...] = ()
+        self.settings: Any = None  # schedule-specific, from `Schedule.settings_for`
 
     def start(self, module: nn.Module, world_size: int, timeout: Optional[timedelta], default_backend: Optional[str],
               observed: Observed, restored: Optional[state.Restored]) -> None:
@@ -63,15 +69,19 @@ class Engine:
 
     def _link_specs(self, default_backend: Optional[str]) -> list[LinkSpec]:
         o = self._link_options
+        secondary_ifname = o.secondary_ifname or os.environ.get(SECONDARY_IFNAME_ENV) or None
+        if "secondary" in self.schedule_class.links_used and secondary_ifname is None:
+            rank_zero_info("commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
+                           "the secondary link is a second gloo group on the primary's network")
         specs = {"primary": LinkSpec("primary", o.primary_backend or default_backend, o.primary_ifname),
-                 "secondary": LinkSpec("secondary", o.secondary_backend, o.secondary_ifname)}
+                 "secondary": LinkSpec("secondary", o.secondary_backend, secondary_ifname)}
         return [specs[name] for name in self.schedule_class.links_used]
 
     def build(self, module: nn.Module, world_size: int) -> None:
         assert self.links is not None
         plan = build_plan(module, world_size, self.policy.planner())
         verify_same_on_all_ranks(plan, module, self.links.control, f"{self.schedule_class.name} {self.observed}")
-        self.schedule = self.schedule_class(plan, self.links, self.observed)
+        self.schedule = self.schedule_class(plan, self.links, self.observed, self.settings)
         self.schedule.attach(module)
         self._trainable = _trainable_ids(module)
 
@@ -80,7 +90,7 @@ class Engine:
         assert self.schedule is not None
         log.debug("commsched: rebuilding buckets")
         sync_enabled = self.schedule.sync_enabled
-        self.schedule.flush()
+        self.schedule.drain()
         carried = self.schedule.state_dict()
         self.schedule.detach()
         self.build(module, world_size)
@@ -139,7 +149,7 @@ class Engine:
     def stop(self, destroy_links: bool) -> None:
         if self.schedule is not None:
             self.schedule.detach()
-            self.schedule = None
+            self.finished, self.schedule = self.schedule, None
         if self.links is not None and destroy_links:
             self.links.destroy()
 

@@ -173,6 +173,32 @@ class LinkOptions:
     without one, a second group on the primary network)."""
 
 
+def capacity_value(name: str, value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise bad_value(name, value, "a number > 0 (a multiple of the stage times), or null for no delay")
+    return float(value)
+
+
+@dataclass
+class DeFTOptions:
+    """DeFT ([DeFT] §III-IV): delayed updates over two links, solved from the run's own measurements."""
+
+    warmup_steps: int = option(5, non_negative_int)
+    """Steps run without delay and left out before measuring (a CPU run's first steps are slow)."""
+    measure_steps: int = option(5, positive_int)
+    """Steps without delay whose stage times and gradient statistics are measured before solving."""
+    cost_repeats: int = option(3, positive_int)
+    """Timed all-reduces of each bucket on each link (the median counts) when measuring ends."""
+    capacity: Optional[float] = option(1.0, capacity_value)
+    """The knapsacks' capacity as a multiple of the measured stage times; larger sends more per
+    iteration (fewer delays); null: everything fits, no delay (DDP's updates). The Preserver may raise it."""
+    timings_file: Optional[str] = option(None, optional(text))
+    """A JSON file of per-bucket times (``forward``, ``backward``, ``costs``): solve from these instead of
+    measuring (a reproducible or forced plan)."""
+
+
 def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:
     """`value` if it is a `cls`, else the error naming the argument."""
     if not isinstance(value, cls):
@@ -203,10 +229,13 @@ class StrategyOptions:
     tuning: TuningOptions
     profile: ProfileOptions
     links: LinkOptions
+    deft: DeFTOptions = field(default_factory=DeFTOptions)
 
     @classmethod
-    def from_arguments(cls, fusion: Any, bucket_cap_mb: Optional[float], tuning: Any, profile: Any, links: Any) -> "StrategyOptions":
+    def from_arguments(cls, fusion: Any, bucket_cap_mb: Optional[float], tuning: Any, profile: Any, links: Any,
+                       deft: Any = None) -> "StrategyOptions":
         return cls(fusion_from(fusion, bucket_cap_mb),
                    validated(typed("tuning", tuning or TuningOptions(), TuningOptions), "tuning."),
                    profile_from(profile),
-                   validated(typed("links", links or LinkOptions(), LinkOptions), "links."))
+                   validated(typed("links", links or LinkOptions(), LinkOptions), "links."),
+                   validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."))

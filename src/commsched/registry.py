@@ -24,7 +24,13 @@ class DeARStrategy(CommSchedStrategy):
     default_schedule = "dear"
 
 
-STRATEGIES: dict[str, type[CommSchedStrategy]] = {"wfbp": WFBPStrategy, "dear": DeARStrategy}
+class DeFTStrategy(CommSchedStrategy):
+    """DeFT: delayed updates solved by knapsacks over a primary and a secondary link (``deft=DeFTOptions``)."""
+
+    default_schedule = "deft"
+
+
+STRATEGIES: dict[str, type[CommSchedStrategy]] = {"wfbp": WFBPStrategy, "dear": DeARStrategy, "deft": DeFTStrategy}
 
 
 def register_with_lightning() -> None:

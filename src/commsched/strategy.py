@@ -35,7 +35,8 @@ from commsched.buffer_sync import BufferSync
 from commsched.errors import PeerFailureError
 from commsched.engine import Engine
 from commsched.links import CollectiveRecord, Link, Links
-from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched.lr_follow import FollowOptimizerSteps
+from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from commsched.planning.plan_file import SavedPlan
 from commsched.schedules import SCHEDULES, Schedule
 
@@ -56,6 +57,7 @@ class CommSchedStrategy(DDPStrategy):
         tuning: Optional[TuningOptions] = None,
         profile: Union[int, ProfileOptions] = 0,
         links: Optional[LinkOptions] = None,
+        deft: Optional[DeFTOptions] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -76,13 +78,14 @@ class CommSchedStrategy(DDPStrategy):
             tuning: `TuningOptions` for ``fusion="bayes"``.
             profile: steps to profile, or a `ProfileOptions`.
             links: `LinkOptions`: backend and network interface of each link.
+            deft: `DeFTOptions` for ``schedule="deft"``.
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
         """
         name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
         self.schedule_class: type[Schedule] = SCHEDULES[name]
-        self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links)
+        self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -91,6 +94,7 @@ class CommSchedStrategy(DDPStrategy):
         self._engine = Engine(self.schedule_class, self.options, options.flag("trace_collectives", trace_collectives))
         self._buffers = BufferSync(options.flag("broadcast_buffers", broadcast_buffers))
         self._flusher = observers.FlushBeforeObservers(self._flush)
+        self._lr_follow: Optional[FollowOptimizerSteps] = None
         self._restored: Optional[state.Restored] = None
         self._failed = False
 
@@ -122,6 +126,11 @@ class CommSchedStrategy(DDPStrategy):
     def fusion_plan(self) -> Optional[SavedPlan]:
         """The plan a planner, the tuner, a plan file or a checkpoint decided (None while still deciding)."""
         return self._engine.policy.decided
+
+    @property
+    def deft_plan(self) -> Any:
+        """DeFT's plan (`commsched.deft.plan.DeFTPlan`) of the running or last fit, None for other schedules."""
+        return getattr(self._engine.schedule or self._engine.finished, "deft_plan", None)
 
     @property
     def tuning_trials(self) -> list[dict[str, float]]:
@@ -160,8 +169,11 @@ class CommSchedStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.schedule_class.skips_steps:
+                self._lr_follow = FollowOptimizerSteps(trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration)
             checks.refuse_optimizers(self.optimizers, self.schedule_class.name)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
             self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]
@@ -241,10 +253,21 @@ class CommSchedStrategy(DDPStrategy):
         if clip_val > 0 and self._engine.schedule is not None:
             self._engine.schedule.clip_gradients(optimizer, float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value)
 
+    def _steps_this_iteration(self) -> int:
+        return self._engine.schedule.steps_this_iteration if self._engine.schedule is not None else 1
+
+    def _advance_schedulers(self) -> None:
+        if self._lr_follow is not None:
+            self._lr_follow.advance()
+
     # ------------------------------------------------------------ flush points
     def _flush(self) -> None:
         if self._engine.schedule is not None and not self._failed:
             self._engine.schedule.flush()
+
+    def _drain(self) -> None:
+        if self._engine.schedule is not None and not self._failed:
+            self._engine.schedule.drain()
 
     on_validation_start = on_test_start = on_predict_start = override(_flush)
 
@@ -291,8 +314,13 @@ class CommSchedStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         log.debug(f"{self.__class__.__name__}: tearing down schedule and links")
-        self._flush()
+        # Delayed updates land here: after on_train_end, where ModelCheckpoint saves the last
+        # checkpoint with the delayed state (resuming from it is exact), before the run returns.
+        self._drain()
         self._engine.stop(destroy_links=not self._failed)
+        if self._lr_follow is not None:
+            self._lr_follow.remove()
+            self._lr_follow = None
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             observers.FlushBeforeObservers.install(self.lightning_module.trainer, None)
         self.precision_plugin.__dict__.pop("clip_gradients", None)

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from commsched import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 import extension_schedule  # noqa: E402,F401  (registers the "localsum" schedule)
@@ -109,6 +109,8 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
 BAYES = {"fusion": "bayes", "tuning": TuningOptions(trials=3, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20,
                                                      max_mb=2000 / 2**20, first_mb=600 / 2**20)}
 
+NO_DELAY = DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1)
+
 CASES = {
     # name: (kind, kwargs)
     **{f"{kind}-{opt}": (kind, {"optimizer": opt}) for kind in ("ddp", "wfbp", "dear") for opt in ("sgd", "adamw")},
@@ -149,6 +151,10 @@ CASES = {
     "localsum-bayes-2ep": ("localsum", {"epochs": 2, **BAYES}),
     "wfbp-unfreeze": ("wfbp", {"unfreeze": True}),
     "ddp-eval": ("ddp", {}),
+    # DeFT with room for everything (K = 1..1): DDP's updates over two links
+    **{f"deft-{opt}": ("deft", {"optimizer": opt, "deft": NO_DELAY}) for opt in ("sgd", "adamw")},
+    "deft-value": ("deft", {"clip": "value", "deft": NO_DELAY}),
+    "deft-unfreeze": ("deft", {"unfreeze": True, "deft": NO_DELAY}),
 }
 
 

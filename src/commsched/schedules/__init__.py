@@ -7,8 +7,9 @@ they ask the schedule (`links_used`, `step_collectives`, `theoretical_best`, `st
 
 from commsched.schedules.base import Observed, Schedule
 from commsched.schedules.dear import DeARSchedule
+from commsched.schedules.deft import DeFTSchedule
 from commsched.schedules.wfbp import WFBPSchedule
 
-SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (WFBPSchedule, DeARSchedule)}
+SCHEDULES: dict[str, type[Schedule]] = {cls.name: cls for cls in (WFBPSchedule, DeARSchedule, DeFTSchedule)}
 
-__all__ = ["DeARSchedule", "Observed", "SCHEDULES", "Schedule", "WFBPSchedule"]
+__all__ = ["DeARSchedule", "DeFTSchedule", "Observed", "SCHEDULES", "Schedule", "WFBPSchedule"]

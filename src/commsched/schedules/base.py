@@ -50,10 +50,14 @@ class Schedule:
     """True: updates or whole gradients arrive later than under DDP (callbacks may need a flush)."""
     grads_complete_after_closure: ClassVar[bool] = True
     """False: `.grad` is not whole when Lightning would unscale it (fp16 GradScaler is refused)."""
+    skips_steps: ClassVar[bool] = False
+    """True: some iterations take no optimizer step (`steps_this_iteration` says how many were taken);
+    per-step LR schedulers then follow the optimizer steps, not the iterations."""
 
-    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed()) -> None:
+    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
         self.plan = plan
         self.links = links
+        self.steps_this_iteration = 1
         self.link = links["primary"]
         self.observed = observed
         self.capture = GradientCapture(plan, self.link, self.name, self._bucket_ready, self._backward_end)
@@ -104,6 +108,16 @@ class Schedule:
 
     def flush(self) -> None:
         """Bring every parameter up to date: nothing in flight, no update pending."""
+
+    def drain(self) -> None:
+        """End of training, or buckets about to be rebuilt: also apply whatever a schedule keeps back
+        on purpose (DeFT's delayed gradients). Called on every rank at the same point."""
+        self.flush()
+
+    @classmethod
+    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
+        """Schedule-specific settings built from the strategy's options and the Trainer (None: none)."""
+        return None
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
         """Lightning's gradient clipping (``"norm"`` or ``"value"``), on the averaged gradients wherever they are."""

@@ -51,8 +51,8 @@ class DeARSchedule(Schedule):
     grads_complete_after_closure = False
     applies_late = True
 
-    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed()) -> None:
-        super().__init__(plan, links, observed)
+    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
+        super().__init__(plan, links, observed, settings)
         self._reducers = [ShardedReduce(b.buffer, self.link) for b in plan.buckets]
         self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
         self._pending: Optional[_PendingUpdate] = None

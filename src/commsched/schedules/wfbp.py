@@ -8,7 +8,7 @@ would see under DDP.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from commsched.buckets import BucketPlan
 from commsched.links import Links, Pending
@@ -21,8 +21,8 @@ class WFBPSchedule(Schedule):
     description = "commsched WFBP: bucketed all-reduce launched during backward"
     step_collectives = ("all_reduce",)
 
-    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed()) -> None:
-        super().__init__(plan, links, observed)
+    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
+        super().__init__(plan, links, observed, settings)
         self._reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
         self._works: list[Optional[Pending]] = [None] * len(plan.buckets)
 

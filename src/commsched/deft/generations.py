@@ -1,0 +1,95 @@
+"""DeFT's generations: the gradients of one or more iterations, summed in buffers of their own.
+
+A generation owns one flat buffer per bucket (never the capture's buffers, which the next
+backward overwrites), the number k of iterations summed into it, which items of it were sent and
+the collectives still in flight. Buffers of finished generations are reused by later ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from commsched.buckets import BucketPlan
+from commsched.links import Pending
+
+
+class Generation:
+    def __init__(self, number: int, buffers: list[torch.Tensor], plan: BucketPlan) -> None:
+        self.number = number
+        self.buffers = buffers
+        self.k = 0
+        self.sent: set[int] = set()
+        self.works: list[Pending] = []
+        self.used: list[list[bool]] = [[False] * len(b.params) for b in plan.buckets]
+
+    def merge(self, bucket: int, gradient: torch.Tensor, first: bool) -> None:
+        """Add this iteration's (already 1/P-scaled) gradient of `bucket`; the first iteration copies."""
+        if first:
+            self.buffers[bucket].copy_(gradient)
+        else:
+            self.buffers[bucket].add_(gradient)
+
+    def drain(self) -> None:
+        """Wait for every collective in flight (a flush point: nothing else changes)."""
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+
+    def views(self, plan: BucketPlan, bucket: int) -> list[torch.Tensor]:
+        b = plan.buckets[bucket]
+        return [self.buffers[bucket].narrow(0, start, p.numel()).view_as(p) for p, start in zip(b.params, b.offsets())]
+
+    def hand_to_optimizer(self, plan: BucketPlan) -> None:
+        """Every item is reduced: average over the k iterations and make `.grad` a view of the result
+        (None where no rank produced a gradient in any of them), as DDP would for one step of batch kB."""
+        self.drain()
+        if self.k > 1:
+            for buffer in self.buffers:
+                buffer.div_(self.k)
+        for b, bucket in enumerate(plan.buckets):
+            for param, view, used in zip(bucket.params, self.views(plan, b), self.used[b]):
+                param.grad = view if used else None
+
+    # ------------------------------------------------------------ checkpoints
+    def state(self, plan: BucketPlan) -> dict[str, Any]:
+        names = [n for b in plan.buckets for n in b.names]
+        grads = [v for b in range(len(plan.buckets)) for v in self.views(plan, b)]
+        used = [u for per_bucket in self.used for u in per_bucket]
+        return {"number": self.number, "k": self.k, "sent": sorted(self.sent),
+                "grads": {n: g.clone() for n, g in zip(names, grads)}, "used": dict(zip(names, used))}
+
+    @classmethod
+    def restore(cls, saved: dict[str, Any], buffers: list[torch.Tensor], plan: BucketPlan) -> "Generation":
+        generation = cls(saved["number"], buffers, plan)
+        generation.k = saved["k"]
+        generation.sent = set(saved["sent"])
+        for b, bucket in enumerate(plan.buckets):
+            for slot, (name, view) in enumerate(zip(bucket.names, generation.views(plan, b))):
+                view.copy_(saved["grads"][name])
+                generation.used[b][slot] = bool(saved["used"][name])
+        return generation
+
+
+class BufferPool:
+    """Flat buffers shaped like the buckets', handed out per generation and returned when it steps."""
+
+    def __init__(self, plan: BucketPlan) -> None:
+        self._plan = plan
+        self._free: list[list[torch.Tensor]] = []
+
+    def take(self) -> list[torch.Tensor]:
+        if self._free:
+            return self._free.pop()
+        return [torch.zeros_like(b.buffer) for b in self._plan.buckets]
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        self._free.append(buffers)
+
+
+def clear_grads(params: list[nn.Parameter], keep: Optional[set[int]] = None) -> None:
+    for p in params:
+        if keep is None or id(p) not in keep:
+            p.grad = None

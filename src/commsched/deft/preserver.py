@@ -1,0 +1,101 @@
+"""The Preserver ([DeFT] §IV-C): a plan is used only if the Gaussian walk says it converges as
+synchronous training would; otherwise the knapsacks are enlarged and the plan solved again.
+
+Add it to the Trainer's callbacks: ``Trainer(strategy="deft", callbacks=[commsched.Preserver()])``.
+It watches the training loss, the learning rate and the batch size; DeFT hands it the gradient
+statistics measured on its synchronous probe steps (`commsched.deft.walk.gradient_statistics`) and
+asks it to choose among plans of growing capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from commsched.deft.plan import DeFTPlan
+from commsched.deft.walk import WalkState, plan_ratio
+from commsched.errors import bad_value
+from commsched.observers import reads_no_weights
+from commsched.options import positive_int, positive_number
+
+log = logging.getLogger(__name__)
+
+
+class Preserver(pl.Callback):
+    def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 2.0, optimum: float = 0.0,
+                 batch_size: Optional[int] = None) -> None:
+        """
+        Args:
+            eps: accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps].
+            max_tries: plans solved at most (capacity x growth each time); after them, no delay.
+            growth: how much each retry enlarges the knapsacks' capacity (> 1).
+            optimum: S*, the lowest loss the walk can reach.
+            batch_size: samples per rank and step (default: the first dimension of the batch's first tensor).
+        """
+        self.eps = positive_number("Preserver.eps", eps)
+        self.max_tries = positive_int("Preserver.max_tries", max_tries)
+        if positive_number("Preserver.growth", growth) <= 1:
+            raise bad_value("Preserver.growth", growth, "a number > 1")
+        self.growth = float(growth)
+        self.optimum = float(optimum)
+        self.local_batch: Optional[int] = positive_int("Preserver.batch_size", batch_size) if batch_size is not None else None
+        self.last_loss: Optional[float] = None
+        self.last_lr = 0.0
+        self.decisions: list[dict[str, Any]] = []
+
+    @reads_no_weights
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.last_loss = float(loss.detach())
+        if trainer.optimizers:
+            self.last_lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+        if self.local_batch is None:
+            self.local_batch = _batch_size(batch)
+
+    def choose(self, solve: Callable[[Optional[float]], DeFTPlan], capacity: Optional[float],
+               stats: dict[str, float]) -> tuple[DeFTPlan, list[dict[str, Any]]]:
+        """The first plan whose ratio is within [1-eps, 1+eps], enlarging the capacity up to `max_tries`
+        times, else the plan without delay. Every decision is logged and returned."""
+        state = WalkState(loss=stats["loss"], lr=stats["lr"], mu=stats["mu"], sigma=stats["sigma"],
+                          batch=max(1, int(stats["batch"])), optimum=self.optimum)
+        decisions = []
+        for attempt in range(self.max_tries):
+            plan = solve(capacity)
+            ratio = plan_ratio(state, plan.k)
+            accepted = abs(ratio - 1) <= self.eps
+            decisions.append(self._say(attempt, plan, capacity, ratio, accepted))
+            if accepted or capacity is None:
+                return plan, decisions
+            capacity *= self.growth
+        plan = solve(None)
+        decisions.append(self._say(self.max_tries, plan, None, 1.0, True))
+        return plan, decisions
+
+    def _say(self, attempt: int, plan: DeFTPlan, capacity: Optional[float], ratio: float, accepted: bool) -> dict[str, Any]:
+        decision = {"attempt": attempt, "capacity": capacity, "k": list(plan.k), "n": plan.n, "ratio": ratio,
+                    "accepted": accepted}
+        self.decisions.append(decision)
+        cap = "unlimited (no delay)" if capacity is None or math.isinf(capacity) else f"{capacity:.3g}x"
+        rank_zero_info(f"commsched Preserver: capacity {cap}, N={plan.n}, K={list(plan.k)}: ratio {ratio:.4f} -> "
+                       f"{'accepted' if accepted else 'rejected'}")
+        return decision
+
+
+def _batch_size(batch: Any) -> Optional[int]:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for part in batch:
+            size = _batch_size(part)
+            if size:
+                return size
+    return None

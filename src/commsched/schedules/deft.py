@@ -1,0 +1,333 @@
+"""DeFT: delayed updates whose communication a knapsack fits under compute, over two links ([DeFT]).
+
+Lifecycle: `warmup_steps + measure_steps` synchronous steps (every bucket all-reduced in its own
+backward on the primary link: DDP's updates) while stage times and gradient statistics are
+measured; then each bucket's all-reduce is timed on both links, rank 0 solves the periodic plan
+(`commsched.deft.plan`; the Preserver may enlarge the capacity), broadcasts it, and every rank
+checks its hash and replays it from the next iteration on.
+
+Per iteration the plan says which generation this iteration's gradients join (they are summed
+into that generation's own buffers as each bucket fills), which items of which generation go on
+which link in the forward stage (at the start of forward) and in the backward stage (old ones at
+the start of backward, this iteration's as their bucket fills), and which generations step at the
+end of backward: their items are waited for, averaged over their k iterations and handed to the
+user's optimizer as `.grad`. An iteration with nothing to step runs the closure (forward,
+backward, hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer
+steps actually taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from commsched.buckets import BucketPlan
+from commsched.deft.generations import BufferPool, Generation
+from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, load_timings
+from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan, plan_for
+from commsched.deft.walk import gradient_statistics
+from commsched.errors import ScheduleError
+from commsched.links import Links
+from commsched.options import DeFTOptions
+from commsched.schedules.base import Observed, Schedule, params_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeFTSettings:
+    """What the strategy hands DeFT besides buckets and links."""
+
+    options: DeFTOptions = field(default_factory=DeFTOptions)
+    preserver: Any = None
+    """A `commsched.Preserver` among the Trainer's callbacks, if any."""
+    advance_schedulers: Callable[[], None] = lambda: None
+    """Steps the per-step LR schedulers once (before a second optimizer step in one iteration)."""
+
+
+class DeFTSchedule(Schedule):
+    name = "deft"
+    description = "commsched DeFT: delayed updates solved by knapsacks over a primary and a secondary link"
+    links_used = ("primary", "secondary")
+    step_collectives = ("all_reduce",)
+    grads_complete_after_closure = False  # iterations without a step: an fp16 GradScaler would see no gradients
+    skips_steps = True
+
+    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
+        super().__init__(plan, links, observed, settings)
+        self.settings: DeFTSettings = settings if isinstance(settings, DeFTSettings) else DeFTSettings()
+        self.options = self.settings.options
+        self._links = [links[name] for name in LINK_NAMES]
+        self.deft_plan: DeFTPlan = no_delay_plan(self._whole_buckets())
+        self.decided = False
+        self.iteration = 0  # into the replay of `deft_plan`
+        self.seen = 0  # synchronised iterations before the plan was decided
+        self.timings: Optional[Timings] = None
+        self.decisions: list[dict[str, Any]] = []
+        self._generations: dict[int, Generation] = {}
+        self._pool = BufferPool(plan)
+        self._now: Optional[Iteration] = None
+        self._due: list[int] = []
+        self._clip: Optional[tuple[float, str]] = None
+        self._meter = StageMeter()
+        self._projections: list[list[float]] = []
+        self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
+        self.steps_this_iteration = 0
+
+    @classmethod
+    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
+        from commsched.deft.preserver import Preserver
+
+        preserver = next((c for c in trainer.callbacks if isinstance(c, Preserver)), None)
+        return DeFTSettings(options.deft, preserver, advance_schedulers)
+
+    def _whole_buckets(self) -> list[Item]:
+        return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
+
+    @property
+    def _measuring(self) -> bool:
+        return not self.decided and self.seen >= self.options.warmup_steps
+
+    # ---------------------------------------------------------------- iteration
+    def before_forward(self) -> None:
+        if self._now is not None or not self.sync_enabled:
+            return  # a later micro-batch of the same step, or an accumulation micro-batch
+        if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
+            self._decide()
+        self._now = self.deft_plan.at(self.iteration)
+        self.steps_this_iteration = 0
+        self._clip = None
+        self._launch(FORWARD, lambda launch: True)
+        if self._measuring:
+            self._meter.forward_started()
+
+    def after_forward(self) -> None:
+        if self._now is None or not self.sync_enabled:
+            return
+        if self._measuring:
+            self._meter.forward_done()
+        joins = self._now.joins
+        self._launch(BACKWARD, lambda launch: launch.generation != joins)
+
+    def _bucket_ready(self, b: int) -> None:
+        if self._now is None:  # a step whose forward ran outside training_step (e.g. manual backward)
+            self._now = self.deft_plan.at(self.iteration)
+        generation = self._generation(self._now.joins)
+        generation.merge(b, self.plan.buckets[b].buffer, first=generation.k == 0)
+        if self._measuring:
+            self._meter.bucket_ready()
+        joins = self._now.joins
+        items = self.deft_plan.items
+        self._launch(BACKWARD, lambda launch: launch.generation == joins and items[launch.item].bucket == b)
+
+    def _backward_end(self) -> None:
+        self.capture.read_mask()
+        generation = self._generation(self._now.joins)
+        generation.k += 1
+        for b, flags in enumerate(self.capture.globally_used):
+            generation.used[b] = [u or f for u, f in zip(generation.used[b], flags)]
+        self._due = list(self._now.steps)
+        if self._due:
+            self._generations[self._due[0]].hand_to_optimizer(self.plan)
+            if self._measuring and self.link.world_size > 1:
+                self._project(self._generations[self._due[0]])
+
+    def _generation(self, number: int) -> Generation:
+        if number not in self._generations:
+            self._generations[number] = Generation(number, self._pool.take(), self.plan)
+        return self._generations[number]
+
+    def _launch(self, stage: str, which: Callable[[Launch], bool]) -> None:
+        assert self._now is not None
+        for launch in self._now.launches:
+            if launch.stage == stage and which(launch):
+                self._send(self._generations.get(launch.generation) or self._missing(launch), launch.item, launch.link)
+
+    def _missing(self, launch: Launch) -> Generation:
+        raise ScheduleError(f"commsched deft: the plan sends generation {launch.generation} before any iteration joined it "
+                            f"(iteration {self.iteration}); the plan is inconsistent: {self.deft_plan.describe()}")
+
+    def _send(self, generation: Generation, index: int, link: int) -> None:
+        item = self.deft_plan.items[index]
+        if index in generation.sent:
+            raise ScheduleError(f"commsched deft: item {index} of generation {generation.number} planned twice")
+        generation.sent.add(index)
+        piece = generation.buffers[item.bucket].narrow(0, item.start, item.numel)
+        generation.works.append(self._links[link].all_reduce(piece, f"g{generation.number}.b{item.bucket}.{item.start}"))
+
+    # ------------------------------------------------------------------- update
+    def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
+        real_step = optimizer.step
+        had_instance_step = "step" in optimizer.__dict__
+
+        def delayed_step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            loss = closure() if closure is not None else None
+            self._step_due(optimizer, lambda: real_step(**kwargs))
+            return loss
+
+        optimizer.step = delayed_step  # type: ignore[method-assign]
+        try:
+            return run_step()
+        finally:
+            if had_instance_step:
+                optimizer.step = real_step  # type: ignore[method-assign]
+            else:
+                del optimizer.step
+            self._end_iteration()
+
+    def _step_due(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
+        self._stepper = (optimizer, real_step)
+        for position, number in enumerate(self._due):
+            if position > 0:  # a second generation completes in this iteration
+                self._generations[number].hand_to_optimizer(self.plan)
+                if self._clip is not None:
+                    super().clip_gradients(optimizer, *self._clip)
+                self.settings.advance_schedulers()
+            real_step()
+            self._release(number)
+            self.steps_this_iteration += 1
+        self._due = []
+        # Lightning's loop called step(); torch's schedulers must not warn that they stepped first.
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _release(self, number: int) -> None:
+        generation = self._generations.pop(number)
+        self._pool.give_back(generation.buffers)
+
+    def _end_iteration(self) -> None:
+        if self._now is None:
+            return
+        self._now = None
+        if self.decided:
+            self.iteration += 1
+        else:
+            self.seen += 1
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
+        self._clip = (clip_val, algorithm)
+        super().clip_gradients(optimizer, clip_val, algorithm)
+
+    # -------------------------------------------------------------- deciding
+    def _decide(self) -> None:
+        """Every rank: agree on the measurements; rank 0 solves; everyone adopts the same plan."""
+        forward, backward = self._meter.per_bucket_backward(len(self.plan.buckets))
+        control = self.links.control
+        forward, backward = agreed_stage_times(forward, backward, control)
+        if self.options.timings_file is not None:
+            timings = load_timings(self.options.timings_file, len(self.plan.buckets))
+        else:
+            timings = Timings(forward, backward, all_reduce_seconds(self.plan, self._links, control, self.options.cost_repeats))
+        stats = self._walk_statistics()
+        decided = None
+        if control.rank == 0:
+            decided = self._solve(timings, stats)
+        decided = control.broadcast_object(decided, src=0, tag="deft-plan")
+        self.deft_plan = DeFTPlan.from_json(decided["plan"])
+        self.timings, self.decisions = timings, decided["decisions"]
+        self._check_same_plan()
+        self.decided, self.iteration = True, 0
+        self._projections.clear()
+        mu = timings.mu
+        log.info(f"commsched deft: {self.deft_plan.describe()}; mu = c_secondary/c_primary = {mu:.2f}; "
+                 f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, "
+                 f"all-reduce {sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary")
+
+    def _solve(self, timings: Timings, stats: dict[str, float]) -> dict[str, Any]:
+        numels = [b.buffer.numel() for b in self.plan.buckets]
+
+        def solve(capacity: Optional[float]) -> DeFTPlan:
+            return plan_for(numels, timings, math.inf if capacity is None else capacity)
+
+        if self.settings.preserver is not None:
+            plan, decisions = self.settings.preserver.choose(solve, self.options.capacity, stats)
+        else:
+            plan, decisions = solve(self.options.capacity), []
+        return {"plan": plan.to_json(), "decisions": decisions}
+
+    def _check_same_plan(self) -> None:
+        digest = int(self.deft_plan.digest(), 16) % (2**62)
+        digests = self.links.control.all_gather_int(digest, "deft-plan-hash")
+        if len(set(digests)) != 1:
+            raise ScheduleError(f"commsched deft: ranks replay different plans (hashes {digests})")
+
+    def _project(self, generation: Generation) -> None:
+        """A probe: this rank's gradient projected on the mean gradient's direction, gathered from every rank."""
+        P = self.link.world_size
+        dot = torch.zeros((), dtype=torch.float64)
+        norm2 = torch.zeros((), dtype=torch.float64)
+        for b, bucket in enumerate(self.plan.buckets):
+            mean = generation.buffers[b].double().cpu()
+            dot += (bucket.buffer.double().cpu() * P * mean).sum()
+            norm2 += (mean * mean).sum()
+        x = (dot / norm2.sqrt()).item() if norm2 > 0 else 0.0
+        everyone = self.links.control.tensor([0.0] * P, torch.float64)
+        everyone[self.link.rank] = x
+        self.links.control.all_reduce(everyone, "deft-probe").wait()
+        self._projections.append(everyone.tolist())
+
+    def _walk_statistics(self) -> dict[str, float]:
+        preserver = self.settings.preserver
+        local_batch = preserver.local_batch if preserver is not None and preserver.local_batch else 1
+        mu, sigma = gradient_statistics(self._projections, local_batch)
+        loss = preserver.last_loss if preserver is not None and preserver.last_loss is not None else 0.0
+        agreed = self.links.control.tensor([loss], torch.float64)
+        self.links.control.all_reduce(agreed, "deft-loss").wait()
+        return {"mu": mu, "sigma": sigma, "loss": agreed.item() / self.link.world_size,
+                "batch": local_batch * self.link.world_size, "lr": preserver.last_lr if preserver is not None else 0.0}
+
+    # ---------------------------------------------------------- flush points
+    def flush(self) -> None:
+        """Checkpoints, validation, callbacks: wait for what is in flight; delayed gradients stay delayed."""
+        for generation in self._generations.values():
+            generation.drain()
+
+    def drain(self) -> None:
+        """End of training, or buckets about to change: send what is left (primary link, generation
+        order, item order: the same on every rank) and step with every generation in order."""
+        if self._stepper is None or not self._generations:
+            self.flush()
+            return
+        optimizer, real_step = self._stepper
+        for number in sorted(self._generations):
+            generation = self._generations[number]
+            for index in range(len(self.deft_plan.items)):
+                if index not in generation.sent:
+                    self._send(generation, index, 0)
+            generation.hand_to_optimizer(self.plan)
+            real_step()
+            self._release(number)
+        for p in params_of(optimizer):
+            p.grad = None
+        log.info("commsched deft: delayed gradients applied at the end of training")
+
+    # ---------------------------------------------------- communication state
+    def state_dict(self) -> dict[str, Any]:
+        return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided, "iteration": self.iteration,
+                           "seen": self.seen, "decisions": self.decisions,
+                           "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
+                "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
+                             "meter": self._meter.state(), "projections": [list(p) for p in self._projections]}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "deft_plan" not in state:
+            return
+        if state.get("bucket_numels") != [b.buffer.numel() for b in self.plan.buckets]:
+            log.info("commsched deft: the buckets changed; measuring and solving again for the new ones")
+            return  # drained before any rebuild: nothing delayed is lost
+        self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
+        self.iteration, self.seen = state["iteration"], state["seen"]
+        self.decisions = list(state.get("decisions", []))
+        for saved in state.get("generations", []):
+            self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
+        self._meter.load(state["meter"])
+        self._projections = [list(p) for p in state.get("projections", [])]
+
+    @staticmethod
+    def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
+        """Communication entirely under compute ([DeFT]'s aim): forward plus backward."""
+        return t_ff + t_bp

@@ -1,0 +1,310 @@
+"""DeFT: solvers against brute force, the plan's invariants, the Gaussian walk against Monte Carlo,
+and real 2-process Lightning runs: no delay == ddp, a forced delayed plan == a single-process
+replay of the same merges and staleness, resume == uninterrupted, the Preserver's decisions."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, plan_for, solve_plan
+from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
+                                    recursive_knapsack)
+from commsched.deft.walk import WalkState, expected_next, gradient_statistics, plan_ratio
+from conftest import WORKERS, max_abs_diff, per_link, run_worker
+
+# ----------------------------------------------------------------------------- solvers
+
+
+def brute_knapsack(weights, capacity):
+    best = 0.0
+    for r in range(len(weights) + 1):
+        for subset in itertools.combinations(range(len(weights)), r):
+            load = sum(weights[i] for i in subset)
+            if load <= capacity + 1e-12:
+                best = max(best, load)
+    return best
+
+
+def brute_multi(weights, capacities, values):
+    best = 0.0
+    for links in itertools.product([NONE, *range(len(capacities))], repeat=len(values)):
+        load = [sum(weights[l][i] for i, li in enumerate(links) if li == l) for l in range(len(capacities))]
+        if all(x <= c + 1e-12 for x, c in zip(load, capacities)):
+            best = max(best, sum(values[i] for i, l in enumerate(links) if l != NONE))
+    return best
+
+
+def random_instance(rng, n, mu=None):
+    primary = [rng.uniform(0.1, 2.0) for _ in range(n)]
+    mu = mu or rng.uniform(1.0, 2.5)
+    return [primary, [c * mu for c in primary]], primary
+
+
+def test_knapsack_exact_equals_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        weights = [rng.uniform(0.1, 3.0) for _ in range(rng.randint(1, 10))]
+        capacity = rng.uniform(0.5, 8.0)
+        chosen = knapsack_exact(weights, capacity)
+        assert sum(weights[i] for i in chosen) <= capacity + 1e-12
+        assert sum(weights[i] for i in chosen) == pytest.approx(brute_knapsack(weights, capacity), abs=1e-9)
+
+
+def test_multi_knapsack_exact_equals_brute_force_and_greedy_is_within_half():
+    rng = random.Random(1)
+    strictly_worse = 0
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        weights, values = random_instance(rng, n)
+        # the greedy's bound holds when every item fits every knapsack: at least half the optimum
+        capacities = [rng.uniform(max(weights[0]), 6.0), 0.0]
+        capacities[1] = rng.uniform(max(weights[1]), 8.0)
+        best = brute_multi(weights, capacities, values)
+        exact = multi_knapsack_exact(weights, capacities, values)
+        greedy = multi_knapsack_greedy(weights, capacities, values)
+        assert exact.value == pytest.approx(best, abs=1e-9)
+        for assignment in (exact, greedy):
+            for link, capacity in enumerate(capacities):
+                assert sum(weights[link][i] for i in assignment.chosen(link)) <= capacity + 1e-12
+        assert greedy.value >= 0.5 * best - 1e-9
+        strictly_worse += greedy.value < best - 1e-9
+    assert strictly_worse > 0  # the instances are hard enough to tell the two apart
+
+
+def test_recursive_knapsack_is_the_best_suffix_and_never_worse_than_its_inner_solver():
+    rng = random.Random(2)
+    for _ in range(100):
+        n = rng.randint(1, 6)
+        weights, values = random_instance(rng, n)
+        backward = [rng.uniform(0.05, 0.8) for _ in range(n)]
+        capacities = [rng.uniform(0.5, 4.0)] * 2
+        result = recursive_knapsack(weights, capacities, values, backward, solve=multi_knapsack_exact)
+        lost, best = 0.0, 0.0
+        for start in range(n):  # brute force over every suffix and every assignment of it
+            lost += backward[start] if start else 0.0
+            room = [c - lost for c in capacities]
+            if max(room) > 0:
+                best = max(best, brute_multi([w[start:] for w in weights], room, values[start:]))
+        assert result.value == pytest.approx(best, abs=1e-9)
+        greedy_rk = recursive_knapsack(weights, capacities, values, backward, solve=multi_knapsack_greedy)
+        assert greedy_rk.value >= multi_knapsack_greedy(weights, capacities, values).value - 1e-9
+
+
+# ------------------------------------------------------------------------------- plan
+
+
+def check_plan(plan: DeFTPlan, timings: Timings, repeats: int = 3) -> None:
+    """Each item of each generation sent exactly once, never before the generation exists (its last
+    iteration's own items only in that iteration's backward), every stage within capacity, each
+    generation stepped once, in order, after its last item; sum(K) = N."""
+    assert sum(plan.k) == plan.n
+    total = len(plan.prefix) + repeats * plan.n
+    joined: dict[int, list[int]] = {}
+    sent: dict[int, set] = {}
+    stepped: list[int] = []
+    for t in range(total):
+        it = plan.at(t)
+        joined.setdefault(it.joins, []).append(t)
+        for stage, cap in ((FORWARD, timings.forward), (BACKWARD, sum(timings.backward))):
+            for link in range(2):
+                load = sum(timings.costs[link][l.item] for l in it.launches if l.stage == stage and l.link == link)
+                assert load <= plan.capacity * cap + 1e-9
+        for launch in it.launches:
+            assert launch.generation in joined, "sent before any iteration joined it"
+            assert launch.generation not in stepped
+            last = joined[launch.generation][-1]
+            assert t >= last and not (t == last and launch.stage == FORWARD and launch.generation == it.joins)
+            assert launch.item not in sent.setdefault(launch.generation, set()), "sent twice"
+            sent[launch.generation].add(launch.item)
+        for g in it.steps:
+            assert sent.get(g) == set(range(len(plan.items))), "stepped before every item was reduced"
+            assert not stepped or g > stepped[-1]
+            stepped.append(g)
+        assert all(g not in joined or t2 <= t for g in it.steps for t2 in joined[g])
+
+
+def test_plans_hold_their_invariants_and_use_both_links():
+    rng = random.Random(3)
+    both = delayed = 0
+    for _ in range(60):
+        n = rng.randint(1, 8)
+        primary = [rng.uniform(0.1, 3.0) for _ in range(n)]
+        mu = rng.uniform(1.1, 2.5)
+        bucket_timings = Timings(rng.uniform(0.5, 3.0), [rng.uniform(0.1, 0.8) for _ in range(n)], [primary, [c * mu for c in primary]])
+        numels = [rng.randint(10, 1000) for _ in range(n)]
+        capacity = rng.choice([0.5, 1.0, 2.0])
+        plan = plan_for(numels, bucket_timings, capacity)
+        # the items' own timings (pieces of buckets) are what the capacities hold for
+        share = [i.numel / numels[i.bucket] for i in plan.items]
+        items = Timings(bucket_timings.forward, [bucket_timings.backward[i.bucket] if i.start == 0 else 0 for i in plan.items],
+                        [[c[i.bucket] * f for i, f in zip(plan.items, share)] for c in bucket_timings.costs])
+        check_plan(plan, items)
+        assert all(sum(i.numel for i in plan.items if i.bucket == b) == numels[b] for b in range(n))
+        assert DeFTPlan.from_json(json.loads(json.dumps(plan.to_json()))).digest() == plan.digest()
+        both += len({l.link for it in plan.period for l in it.launches}) == 2
+        delayed += plan.delayed
+    assert both > 10 and delayed > 10
+
+
+def test_enough_capacity_means_no_delay():
+    timings = Timings(1.0, [0.5, 0.5], [[0.1, 0.1], [0.2, 0.2]])
+    plan = solve_plan([Item(0, 0, 10), Item(1, 0, 10)], timings, capacity=1.0)
+    assert plan.k == (1,) and plan.n == 1 and not plan.delayed
+    assert plan_for([10, 10], timings, math.inf).k == (1,)
+
+
+def test_a_bucket_larger_than_the_smallest_knapsack_is_cut():
+    plan = plan_for([1000], Timings(0.3, [0.5], [[1.0], [1.5]]), 1.0)
+    assert len(plan.items) == 4 and sum(i.numel for i in plan.items) == 1000
+    with pytest.raises(ValueError, match="smallest knapsack"):
+        solve_plan([Item(0, 0, 1000)], Timings(0.3, [0.5], [[1.0], [1.5]]), 1.0)
+
+
+# ------------------------------------------------------------------------------- walk
+
+
+def test_walk_closed_form_matches_monte_carlo():
+    g = torch.Generator().manual_seed(0)
+    for s, eta, mu, sigma, batch in [(2.0, 0.1, 3.0, 4.0, 8), (0.3, 0.5, 0.4, 6.0, 16), (1.0, 0.01, 1.0, 0.5, 32)]:
+        draws = mu + sigma / math.sqrt(batch) * torch.randn(400_000, generator=g, dtype=torch.float64)
+        monte_carlo = (0.1 + (s - 0.1 - eta * draws).abs()).mean().item()
+        assert expected_next(s, 0.1, eta, mu, sigma, batch) == pytest.approx(monte_carlo, rel=2e-3)
+
+
+def test_plan_ratio_is_one_without_delay_and_grows_with_it():
+    state = WalkState(loss=2.0, lr=0.1, mu=1.0, sigma=3.0, batch=16)
+    assert plan_ratio(state, [1, 1, 1, 1]) == pytest.approx(1.0)
+    assert plan_ratio(state, [4]) > plan_ratio(state, [2, 2]) > 1.0
+
+
+def test_gradient_statistics_are_unbiased():
+    rng = torch.Generator().manual_seed(1)
+    # per-rank means of 8 samples with per-sample sd 2 along the direction, true |g| = 1.5
+    probes = [(1.5 + 2.0 / math.sqrt(8) * torch.randn(4, generator=rng, dtype=torch.float64)).tolist() for _ in range(4000)]
+    mu, sigma = gradient_statistics(probes, local_batch=8)
+    assert sigma == pytest.approx(2.0, rel=0.03)
+    assert mu == pytest.approx(1.5**2 + 2.0**2 / 8 / 4, rel=0.03)  # |mean|^2 carries the noise of the mean
+
+
+# ---------------------------------------------------------------- real runs
+
+
+def test_deft_without_delay_equals_ddp(cases):
+    results = cases(2)
+    for case, reference in (("deft-sgd", "ddp-sgd"), ("deft-adamw", "ddp-adamw"), ("deft-value", "ddp-value")):
+        diff, key = max_abs_diff(results.load(reference)["state"], results.load(case)["state"])
+        assert diff <= 1e-5, f"{case} vs {reference}: {diff} at {key}"
+        ranks = results.all_ranks(case)
+        assert per_link(ranks[0]["trace"]) == per_link(ranks[1]["trace"])
+        assert {"primary", "secondary"} <= set(per_link(ranks[0]["trace"]))
+
+
+def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
+    results = cases(3)
+    ranks = results.all_ranks("deft-unfreeze")
+    for other in ranks[1:]:
+        assert max_abs_diff(ranks[0]["state"], other["state"])[0] == 0.0
+    assert max_abs_diff(ranks[0]["state"], results.load("wfbp-unfreeze")["state"])[0] <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def deft_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deft")
+    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved")
+    if proc.returncode != 0:
+        pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+
+
+def replay(result: dict) -> dict:
+    """One process, every rank's gradient recomputed: the plan's merges, staleness and steps."""
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import BATCH, MLP, data, make_optimizer
+
+    world, model = result["world"], MLP(result["optimizer"])
+    model.load_state_dict(result["initial"])
+    configured = make_optimizer(result["optimizer"], model.parameters())
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    x, y = data().tensors
+    params = list(model.parameters())
+    plan = DeFTPlan.from_json(result["plan"])
+
+    # Lightning's DistributedSampler for training: shuffled, seeded by seed_everything, epoch 0
+    shares = []
+    for r in range(world):
+        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
+        sampler.set_epoch(0)
+        shares.append(list(sampler))
+
+    def averaged_gradient(t: int) -> list[torch.Tensor]:
+        total = [torch.zeros_like(p) for p in params]
+        for r in range(world):
+            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), params)
+            total = [a + g / world for a, g in zip(total, grads)]
+        return total
+
+    def step(gradient: list[torch.Tensor]) -> None:
+        for p, g in zip(params, gradient):
+            p.grad = g.clone()
+        optimizer.step()
+
+    generations: dict[int, list] = {}
+    for t in range(result["steps"]):
+        gradient = averaged_gradient(t)
+        if t < result["sync_steps"]:
+            step(gradient)
+            scheduler.step()
+            continue
+        it = plan.at(t - result["sync_steps"])
+        summed, k = generations.get(it.joins, ([torch.zeros_like(p) for p in params], 0))
+        generations[it.joins] = ([a + g for a, g in zip(summed, gradient)], k + 1)
+        for number in it.steps:
+            summed, k = generations.pop(number)
+            step([g / k for g in summed])
+            scheduler.step()
+    for number in sorted(generations):  # the end of training applies what is left
+        summed, k = generations.pop(number)
+        step([g / k for g in summed])
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("case", ["forced-sgd", "forced-adamw"])
+def test_forced_delays_equal_a_single_process_replay(deft_runs, case):
+    result = deft_runs(case)
+    plan = DeFTPlan.from_json(result["plan"])
+    assert plan.delayed and max(plan.k) > 1, plan.describe()
+    expected = replay(result)
+    diff, key = max_abs_diff(expected, result["state"])
+    assert diff <= 1e-5, f"{case}: {diff} at {key}"
+    other = deft_runs(case, 1)
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert per_link(result["trace"]) == per_link(other["trace"])
+    assert {"primary", "secondary"} <= set(per_link(result["trace"]))
+
+
+def test_resumed_with_delayed_gradients_equals_uninterrupted(deft_runs):
+    for rank in (0, 1):
+        whole, resumed = deft_runs("forced-sgd", rank), deft_runs("forced-sgd-resumed", rank)
+        assert max_abs_diff(whole["state"], resumed["state"])[0] <= 1e-6
+
+
+def test_preserver_decides_and_logs_every_decision(deft_runs):
+    decisions = deft_runs("preserved")["decisions"]
+    assert decisions and decisions[-1]["accepted"]
+    for d in decisions:
+        assert set(d) >= {"ratio", "k", "capacity", "accepted"}
+    for earlier, later in zip(decisions, decisions[1:]):
+        assert not earlier["accepted"]
+        assert later["capacity"] is None or later["capacity"] > earlier["capacity"]
+    accepted = decisions[-1]
+    assert accepted["capacity"] is None or abs(accepted["ratio"] - 1) <= 0.01

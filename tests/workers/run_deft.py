@@ -1,0 +1,143 @@
+"""DeFT runs whose plan is forced by a timings file, for the single-process replay in test_deft.py.
+
+Usage: python run_deft.py OUT_DIR WORLD_SIZE CASE [CASE ...]
+
+Each rank writes OUT_DIR/<case>.rank<r>.pt: the initial and final weights, the plan replayed, the
+collective trace and the Preserver's decisions. The model is a small MLP on fixed data without
+shuffling, so the test can recompute every rank's gradient of every iteration in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import commsched
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from commsched.data.base import ResumableLoader
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*Checkpoint directory.*exists.*")
+
+BATCH = 4
+SEED = 99
+SAMPLES = 256
+BUCKET_MB = 300 / 2**20  # the MLP's ~1.8 KB of gradients in 4 buckets
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 6, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    return TensorDataset(x, y)
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.optimizer_name, self.parameters())
+
+    def train_dataloader(self):
+        # one epoch covers every run here: a resumed run starts at the batch the checkpoint had reached
+        return ResumableLoader(data(), batch_size=BATCH, shuffle=False, skip_batches=self.trainer.global_step)
+
+
+def make_optimizer(name: str, params) -> dict:
+    if name == "sgd":
+        opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# forward 1 s, backward 0.3 s per bucket, all-reduce 1 s (primary) and 1.2 s (secondary) per bucket:
+# communication is three times what compute can hide, so the plan must delay and use both links
+def timings(buckets: int) -> dict:
+    return {"forward": 1.0, "backward": [0.3] * buckets, "costs": [[1.0] * buckets, [1.2] * buckets]}
+
+
+CASES = {
+    # name: (optimizer, steps, resume_from, preserver, capacity)
+    "forced-sgd": ("sgd", 17, None, False, 1.0),
+    "forced-adamw": ("adamw", 17, None, False, 1.0),
+    "forced-sgd-part": ("sgd", 9, None, False, 1.0),
+    "forced-sgd-resumed": ("sgd", 17, "forced-sgd-part", False, 1.0),
+    "preserved": ("sgd", 12, None, True, 1.0),
+}
+
+
+def fit(out: Path, name: str, world: int) -> None:
+    optimizer, steps, resume_from, preserve, capacity = CASES[name]
+    pl.seed_everything(SEED, verbose=False)
+    model = MLP(optimizer)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    buckets = commsched_bucket_count(model)
+    timings_file = out / "timings.json"
+    timings_file.write_text(json.dumps(timings(buckets)))
+    options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
+                                    timings_file=str(timings_file))
+    strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True)
+    callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
+    preserver = commsched.Preserver() if preserve else None
+    if preserver is not None:
+        callbacks.append(preserver)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         default_root_dir=out / name, num_sanity_val_steps=0)
+    ckpt = str(out / f"{resume_from}-ckpt" / f"epoch=0-step={CASES[resume_from][1]}.ckpt") if resume_from else None
+    trainer.fit(model, ckpt_path=ckpt)
+    result = {
+        "initial": initial,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
+        "plan": trainer.strategy.deft_plan.to_json(),
+        "sync_steps": 3,
+        "steps": steps,
+        "world": world,
+        "seed": SEED,
+        "decisions": preserver.decisions if preserver is not None else [],
+        "optimizer": optimizer,
+    }
+    torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
+
+
+def commsched_bucket_count(model: nn.Module) -> int:
+    """Buckets the strategy will build: every parameter in backward order, closed at BUCKET_MB (first at 1 MiB as DDP)."""
+    from commsched.buckets import build_plan
+    from commsched.planning.policy import PlanPolicy
+    from commsched.options import FusionOptions
+
+    planner = PlanPolicy(FusionOptions(bucket_cap_mb=BUCKET_MB), commsched.TuningOptions()).planner()
+    return len(build_plan(model, 1, planner).buckets)
+
+
+def main() -> None:
+    out, world, names = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        fit(out, name, world)
+
+
+if __name__ == "__main__":
+    main()
