@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
-from commsched.options import FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
@@ -25,6 +25,7 @@ class Schedule(str, enum.Enum):
     ddp = "ddp"  # Lightning's own DistributedDataParallel, the reference
     wfbp = "wfbp"
     dear = "dear"
+    deft = "deft"
 
     def __str__(self) -> str:
         return self.value
@@ -106,6 +107,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     link: LinkOptions = field(default_factory=LinkOptions)
+    deft: DeFTOptions = field(default_factory=DeFTOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     seed: int = 0
@@ -126,7 +128,8 @@ def register_configs() -> None:
 
 def validate(cfg: Any) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
-    for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions)):
+    for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions),
+                         ("deft", DeFTOptions)):
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     if cfg.fusion.plan_file is not None:
         check_plan_file(cfg)
@@ -157,6 +160,8 @@ def validate(cfg: Any) -> None:
     options.non_negative_int("checkpoint.top_k", cfg.checkpoint.top_k)
     if cfg.resume is not None:
         resume_path(cfg.resume)
+    if cfg.deft.timings_file is not None and not Path(cfg.deft.timings_file).expanduser().is_file():
+        raise bad_value("deft.timings_file", cfg.deft.timings_file, "an existing JSON file of per-bucket times (not found)")
     if cfg.data.name == "text" and cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists():
         raise bad_value("data.path", cfg.data.path, "an existing text file or directory (not found)")
     if cfg.data.name == "cifar10":

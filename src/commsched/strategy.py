@@ -128,9 +128,14 @@ class CommSchedStrategy(DDPStrategy):
         return self._engine.policy.decided
 
     @property
+    def last_schedule(self) -> Optional[Schedule]:
+        """The running schedule, or the last fit's once it ended (what it measured and decided)."""
+        return self._engine.schedule or self._engine.finished
+
+    @property
     def deft_plan(self) -> Any:
         """DeFT's plan (`commsched.deft.plan.DeFTPlan`) of the running or last fit, None for other schedules."""
-        return getattr(self._engine.schedule or self._engine.finished, "deft_plan", None)
+        return getattr(self.last_schedule, "deft_plan", None)
 
     @property
     def tuning_trials(self) -> list[dict[str, float]]:

@@ -63,7 +63,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [row["run"] for row in rows]
-    colours = {"ddp": "tab:gray", "wfbp": "tab:blue", "dear": "tab:orange"}
+    colours = {"ddp": "tab:gray", "wfbp": "tab:blue", "dear": "tab:orange", "deft": "tab:green"}
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
     ax.bar(range(len(rows)), [row["samples_per_s"] for row in rows], color=[colours.get(r["schedule"], "tab:green") for r in rows])
     ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)

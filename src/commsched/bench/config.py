@@ -11,8 +11,9 @@ from commsched import options
 from commsched.errors import bad_value
 from commsched.sim.network import parse_rate
 
-BENCH_SCHEDULES = ("ddp", "wfbp", "dear")
-BENCH_MODEL_NAMES = ("small_cnn", "resnet18", "vgg11", "gpt2_tiny")  # built by bench/models.py
+BENCH_SCHEDULES = ("ddp", "wfbp", "dear", "deft")
+DEFAULT_SCHEDULES = ("ddp", "wfbp", "dear")
+BENCH_MODEL_NAMES = ("small_cnn", "resnet18", "vgg11", "resnet50", "vgg16", "gpt2_tiny")  # built by bench/models.py
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ClusterConfig:
 @dataclass
 class BenchConfig:
     models: list[str] = field(default_factory=lambda: ["small_cnn"])
-    schedules: list[str] = field(default_factory=lambda: list(BENCH_SCHEDULES))
+    schedules: list[str] = field(default_factory=lambda: list(DEFAULT_SCHEDULES))
     devices: int = 2
     link: LinkConfig = field(default_factory=LinkConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -44,6 +45,8 @@ class BenchConfig:
     warmup: int = 3
     steps: int = 20
     rounds: int = 3  # the schedules run interleaved this many times; the best median counts
+    deft_measure_steps: int = 3  # deft: synchronous steps measured after warmup before it solves (not timed)
+    preserver: bool = True  # deft: with the Preserver (False: the knapsack's plan as solved)
     timeout_s: int = 600
 
 

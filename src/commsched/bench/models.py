@@ -31,5 +31,7 @@ BENCH_MODELS: dict[str, Factory] = {
     "small_cnn": _image("small_cnn"),
     "resnet18": _image("resnet18"),
     "vgg11": _image("vgg11"),
+    "resnet50": _image("resnet50"),
+    "vgg16": _image("vgg16"),
     "gpt2_tiny": _gpt2,
 }

@@ -77,9 +77,13 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
         for row in result["rows"]:
             table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}",
                           _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row["theoretical_ms"], ".1f"),
-                          _fmt(row["measured_over_theoretical"], ".2f"), f"{row['predicted_ms']:.1f}",
-                          f"{row['prediction_error']:+.1%}", _fmt(row.get("weights_vs_ddp"), ".1e"))
+                          _fmt(row["measured_over_theoretical"], ".2f"), _fmt(row["predicted_ms"], ".1f"),
+                          _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
         console.print(table)
+        for decided in result.get("deft", {}).get("rounds", [])[:1]:
+            ratios = ", ".join(f"{d['ratio']:.3f} ({'accepted' if d['accepted'] else 'rejected'})" for d in decided["preserver"])
+            console.print(f"deft: {decided['plan']}; mu (secondary / primary all-reduce time) {decided['mu']:.2f}"
+                          + (f"; Preserver ratios {ratios}" if ratios else "; no Preserver"))
         if any(row["schedule"] == "ddp" for row in result["rows"]):
             console.print("ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
                           "is wfbp's (the same bound and simulation).")

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import commsched
-from commsched.options import ProfileOptions
+from commsched.options import DeFTOptions, ProfileOptions
 from commsched.quiet import quiet_lightning
 import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
@@ -38,7 +38,14 @@ def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) 
 def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
     if schedule == "ddp":
         return DDPStrategy(bucket_cap_mb=spec["bucket_cap_mb"])
+    if schedule == "deft":
+        extra["deft"] = DeFTOptions(warmup_steps=spec["warmup"], measure_steps=spec["deft_measure_steps"])
     return commsched.STRATEGIES[schedule](bucket_cap_mb=spec["bucket_cap_mb"], **extra)
+
+
+def _untimed(schedule: str, spec: dict) -> int:
+    """Steps left out of the timing: the warm-up, and deft's synchronous measured steps and first planned one."""
+    return spec["warmup"] + (spec["deft_measure_steps"] + 1 if schedule == "deft" else 0)
 
 
 def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
@@ -46,17 +53,30 @@ def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
     return DataLoader(make_data(spec["batch_size"] * world * (steps + 2)), batch_size=spec["batch_size"])
 
 
-def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tuple[float, float, int, dict]:
-    """Median wall and CPU seconds per step (after warm-up) of one run, this process's rank and the
-    final weights (every schedule starts from the same seed and sees the same batches)."""
+def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tuple[float, float, int, dict, dict]:
+    """Median wall and CPU seconds per step (after warm-up) of one run, this process's rank, the
+    final weights (every schedule starts from the same seed and sees the same batches) and, for
+    deft, what it decided."""
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
-    steps = spec["warmup"] + spec["steps"] + 1
-    timer = StepTimer(warmup=spec["warmup"])
-    trainer = _trainer(_strategy(schedule, spec), spec, steps, [timer], out)
+    untimed = _untimed(schedule, spec)
+    steps = untimed + spec["steps"] + 1
+    timer = StepTimer(warmup=untimed)
+    preserver = commsched.Preserver() if schedule == "deft" and spec["preserver"] else None
+    strategy = _strategy(schedule, spec)
+    trainer = _trainer(strategy, spec, steps, [timer] + ([preserver] if preserver else []), out)
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
-    return timer.median, timer.median_cpu, trainer.global_rank, state
+    return timer.median, timer.median_cpu, trainer.global_rank, state, _deft_report(strategy, preserver)
+
+
+def _deft_report(strategy: Any, preserver: Any) -> dict:
+    plan = getattr(strategy, "deft_plan", None)
+    schedule = getattr(strategy, "last_schedule", None)
+    if plan is None or schedule is None or schedule.timings is None:
+        return {}
+    return {"plan": plan.describe(), "n": plan.n, "k": list(plan.k), "mu": schedule.timings.mu,
+            "preserver": [{k: d[k] for k in ("capacity", "k", "ratio", "accepted")} for d in schedule.decisions]}
 
 
 def profile_components(model_name: str, spec: dict, out: Path) -> dict:
@@ -104,11 +124,14 @@ def main() -> None:
     for model_name in spec["models"]:
         rounds: dict[str, list[tuple[float, float]]] = {s: [] for s in spec["schedules"]}
         final: dict[str, dict] = {}
+        deft: dict[str, Any] = {}
         for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
-                step, cpu, rank, state = time_schedule(model_name, schedule, spec, out / model_name)
+                step, cpu, rank, state, decided = time_schedule(model_name, schedule, spec, out / model_name)
                 rounds[schedule].append((step, cpu))
                 final.setdefault(schedule, state)
+                if decided:
+                    deft.setdefault("rounds", []).append(decided)
         measured = {s: min(step for step, _ in r) for s, r in rounds.items()}
         cpu = {s: min(r)[1] for s, r in rounds.items()}  # CPU time of the best round
         profile = profile_components(model_name, spec, out / model_name)
@@ -119,15 +142,18 @@ def main() -> None:
         results.append({
             "model": model_name, "gradient_mb": nbytes / 2**20, "buckets": len(profile["buckets"]),
             "components_ms": {k: v * 1e3 for k, v in summary.items() if k.startswith("t_")},
+            "deft": deft,
             "rows": [{
                 "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": cpu[s] * 1e3,
                 "rounds_ms": [step * 1e3 for step, _ in rounds[s]],
-                "weights_vs_ddp": _max_difference(final[s], final["ddp"]) if "ddp" in final else None,
+                # deft's delayed updates are another trajectory by design: not compared
+                "weights_vs_ddp": _max_difference(final[s], final["ddp"]) if "ddp" in final and s != "deft" else None,
                 "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
                 "speedup_vs_ddp": measured["ddp"] / measured[s] if "ddp" in measured else None,
                 "theoretical_ms": theory[s] * 1e3 if s in theory else None,  # ddp: not ours to bound
                 "measured_over_theoretical": measured[s] / theory[s] if s in theory else None,
-                "predicted_ms": predicted[s] * 1e3, "prediction_error": predicted[s] / measured[s] - 1.0,
+                "predicted_ms": predicted[s] * 1e3 if s in predicted else None,
+                "prediction_error": predicted[s] / measured[s] - 1.0 if s in predicted else None,
             } for s in spec["schedules"]],
         })
     if rank == 0:

@@ -68,8 +68,8 @@ class Preserver(pl.Callback):
         decisions = []
         for attempt in range(self.max_tries):
             plan = solve(capacity)
-            ratio = plan_ratio(state, plan.k)
-            accepted = abs(ratio - 1) <= self.eps
+            ratio = float(plan_ratio(state, plan.k))
+            accepted = bool(abs(ratio - 1) <= self.eps)
             decisions.append(self._say(attempt, plan, capacity, ratio, accepted))
             if accepted or capacity is None:
                 return plan, decisions

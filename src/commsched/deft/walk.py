@@ -41,7 +41,7 @@ def expected_next(s: float, optimum: float, lr: float, mu: float, sigma: float, 
     if sd <= 0:
         return abs(m) + optimum
     a = m / sd
-    return m * (norm.cdf(a) - norm.cdf(-a)) + sd * math.sqrt(2 / math.pi) * math.exp(-a * a / 2) + optimum
+    return float(m * (norm.cdf(a) - norm.cdf(-a)) + sd * math.sqrt(2 / math.pi) * math.exp(-a * a / 2) + optimum)
 
 
 def expected_after(state: WalkState, batch_multiples: Sequence[int]) -> float:

@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth", default="10gbit", help="link rate, e.g. 10gbit, 200mbit")
     parser.add_argument("--alpha", type=float, default=50e-6, help="link latency in seconds")
     parser.add_argument("--link", default=None, help="a profile/probe JSON: use its fitted costs instead")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="dear_fused bucket size")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="dear_fused and deft bucket size")
+    parser.add_argument("--mu", type=float, default=1.65,
+                        help="deft: the secondary link's all-reduce time over the primary's (a run measures it)")
     parser.add_argument("--partition-mb", type=float, default=4.0, help="bytescheduler partition size")
     parser.add_argument("--out", type=Path, default=None, help="directory for simulate.csv, speedup.png, traces")
     args = parser.parse_args(argv)
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for p in workers:
         for name in names:
-            result = simulate(name, workload, network, p, args.bucket_mb * 2**20, args.partition_mb * 2**20)
+            result = simulate(name, workload, network, p, args.bucket_mb * 2**20, args.partition_mb * 2**20, args.mu)
             rows.append({"workers": p, "schedule": name, "iteration_ms": result.iteration_s * 1e3,
                          "speedup": result.speedup(workload, p), "messages": result.buckets, "result": result})
 
@@ -131,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         cells = [f"{r['iteration_ms']:.1f} ({r['speedup']:.1f})" for r in rows if r["workers"] == p]
         table.add_row(str(p), *cells)
     console.print(table)
+    for row in rows:
+        if row["schedule"] == "deft":  # its iterations are not all updates: say how many are
+            plan = row["result"].plan
+            console.print(f"deft at {row['workers']} workers: {plan.describe()}: {len(plan.k)} update(s) per {plan.n} iteration(s)")
 
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

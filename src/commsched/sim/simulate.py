@@ -9,12 +9,13 @@ from commsched.sim.priority import bytescheduler
 from commsched.sim.schedules import Result
 from commsched.sim.workload import Workload
 
-SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp_greedy", "mgwfbp", "dear", "dear_fused", "dear_model", "bytescheduler")
+SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp_greedy", "mgwfbp", "dear", "dear_fused", "dear_model", "bytescheduler", "deft")
 
 
 def simulate(name: str, workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20,
-             partition_bytes: float = 4 * 2**20) -> Result:
-    """`bucket_bytes` sizes dear_fused's buckets; `partition_bytes` ByteScheduler's partitions."""
+             partition_bytes: float = 4 * 2**20, mu: float = 1.65) -> Result:
+    """`bucket_bytes` sizes dear_fused's and deft's buckets; `partition_bytes` ByteScheduler's partitions;
+    `mu` is deft's secondary link's all-reduce time over the primary's."""
     if workers < 1:
         raise bad_value("workers", workers, "an integer >= 1")
     if name == "syncea":
@@ -35,6 +36,10 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
         result = schedules.dear(workload, network, workers, schedules.dear_model_buckets(workload, network, workers)[0])
         result.schedule = name
         return result
+    if name == "deft":
+        from commsched.sim.deft import deft
+
+        return deft(workload, network, workers, bucket_bytes, mu)
     if name == "bytescheduler":
         return bytescheduler(workload, network, workers, partition_bytes)
     raise bad_value("schedule", name, SIM_SCHEDULES)

@@ -1,0 +1,64 @@
+"""DeFT in the simulator: the plan solved from the workload's times, replayed on a compute lane and
+one lane per link until it repeats; the iteration time is the mean over one period in steady state.
+
+Buckets are fixed-size (backward order); the primary link's costs come from the network model and
+the secondary's are `mu` times them (in a run, mu is measured).
+"""
+
+from __future__ import annotations
+
+from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Timings, plan_for
+from commsched.sim.network import CostModel
+from commsched.sim.schedules import Result, _bucket_bytes, _compute_spans, fixed_size, grad_ready
+from commsched.sim.workload import Workload
+from commsched.trace import Span
+
+
+def deft_plan(workload: Workload, network: CostModel, workers: int, buckets: list[list[int]], mu: float,
+              capacity: float = 1.0) -> DeFTPlan:
+    ready = grad_ready(workload)
+    ready_at = [max(ready[i] for i in bucket) for bucket in buckets]
+    backward = [ready_at[0]] + [max(0.0, b - a) for a, b in zip(ready_at, ready_at[1:])]
+    primary = [network.time("all_reduce", _bucket_bytes(workload, bucket), workers) for bucket in buckets]
+    timings = Timings(workload.forward_s, backward, [primary, [c * mu for c in primary]])
+    return plan_for([max(1, _bucket_bytes(workload, bucket) // 4) for bucket in buckets], timings, capacity)
+
+
+def deft(workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20, mu: float = 1.65,
+         capacity: float = 1.0) -> Result:
+    buckets = fixed_size(workload, bucket_bytes)
+    plan = deft_plan(workload, network, workers, buckets, mu, capacity)
+    ready = grad_ready(workload)
+    bucket_ready = [max(ready[i] for i in bucket) for bucket in buckets]
+    item_bytes = [_bucket_bytes(workload, buckets[item.bucket]) * item.numel /
+                  sum(i.numel for i in plan.items if i.bucket == item.bucket) for item in plan.items]
+    link_free = [0.0, 0.0]
+    done: dict[int, float] = {}  # generation -> when its last launched item completes
+    spans: list[Span] = []
+    clock, starts = 0.0, []
+    iterations = len(plan.prefix) + 2 * plan.n
+    for t in range(iterations):
+        it = plan.at(t)
+        starts.append(clock)
+        forward, t_ff = _compute_spans(workload, clock, "forward")
+        backward, t_end = _compute_spans(workload, t_ff, "backward")
+        if t >= len(plan.prefix) + plan.n:  # the trace shows one period in steady state
+            spans += forward + backward
+        for launch in it.launches:
+            if launch.stage == FORWARD:
+                earliest = clock
+            elif launch.generation != it.joins:
+                earliest = t_ff
+            else:
+                earliest = t_ff + bucket_ready[plan.items[launch.item].bucket]
+            cost = network.time("all_reduce", item_bytes[launch.item], workers) * (mu if launch.link else 1.0)
+            start = max(link_free[launch.link], earliest)
+            link_free[launch.link] = start + cost
+            done[launch.generation] = max(done.get(launch.generation, 0.0), start + cost)
+            if t >= len(plan.prefix) + plan.n:
+                spans.append(Span(f"link {LINK_NAMES[launch.link]}", f"all_reduce g{launch.generation} i{launch.item}", start, start + cost))
+        clock = max([t_end] + [done[g] for g in it.steps])
+    period_start = starts[len(plan.prefix) + plan.n]
+    result = Result("deft", (clock - period_start) / plan.n, spans, len(plan.items))
+    result.plan = plan  # type: ignore[attr-defined]
+    return result
