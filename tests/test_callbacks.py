@@ -14,8 +14,10 @@ from conftest import max_abs_diff, run_worker
 TOLERANCE = 1e-5
 CALLBACKS = ["ema", "swa", "pruning", "reader", "ckpt1", "ckpt2", "ckpt3"]
 OWN_MODEL_CALLBACKS = ["ema", "swa", "pruning", "reader"]
+DEFT_CALLBACKS = ["ema", "swa", "pruning", "reader", "ckpt2"]  # deft with room for everything: DDP's updates
 CASES = [
     *(f"regnet-{cb}-{s}" for cb in [*CALLBACKS, "finetune"] for s in ("ddp", "wfbp", "dear")),
+    *(f"regnet-{cb}-deft" for cb in [*DEFT_CALLBACKS, "finetune"]),
     *(f"resnet-{cb}-{s}" for cb in [*OWN_MODEL_CALLBACKS, "finetune"] for s in ("ddp", "wfbp", "dear")),
 ]
 
@@ -42,8 +44,11 @@ def _weights(state: dict) -> dict:
     return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
 
 
-@pytest.mark.parametrize("schedule", ["wfbp", "dear"])
-@pytest.mark.parametrize("case", [f"regnet-{cb}" for cb in CALLBACKS] + [f"resnet-{cb}" for cb in OWN_MODEL_CALLBACKS])
+@pytest.mark.parametrize("case, schedule", [
+    *((f"{arch}-{cb}", s) for s in ("wfbp", "dear")
+      for arch, cbs in (("regnet", CALLBACKS), ("resnet", OWN_MODEL_CALLBACKS)) for cb in cbs),
+    *((f"regnet-{cb}", "deft") for cb in DEFT_CALLBACKS),
+])
 def test_callback_sees_and_produces_what_it_would_under_ddp(results, case, schedule):
     reference = results.load(f"{case}-ddp")
     for rank in (0, 1):
@@ -67,12 +72,15 @@ def test_callback_sees_and_produces_what_it_would_under_ddp(results, case, sched
 def test_unfrozen_backbone_is_synchronised_on_every_rank(results, arch):
     """BackboneFinetuning unfreezes the backbone at epoch 1: every schedule rebuilds its buckets and
     keeps the replicas identical; dear equals the synchronous wfbp run."""
-    for schedule in ("wfbp", "dear"):
+    for schedule in ("wfbp", "dear", "deft") if arch == "regnet" else ("wfbp", "dear"):
         ranks = [results.load(f"{arch}-finetune-{schedule}", r) for r in (0, 1)]
         diff, key = max_abs_diff(_weights(ranks[0]["state"]), _weights(ranks[1]["state"]))
         assert diff == 0.0, f"{schedule}: replicas differ at {key} by {diff:.3g}"
     diff, key = max_abs_diff(results.load(f"{arch}-finetune-dear")["state"], results.load(f"{arch}-finetune-wfbp")["state"])
     assert diff <= TOLERANCE, f"dear differs from wfbp at {key} by {diff:.3g}"
+    if arch == "regnet":
+        diff, key = max_abs_diff(results.load("regnet-finetune-deft")["state"], results.load("regnet-finetune-wfbp")["state"])
+        assert diff <= TOLERANCE, f"deft differs from wfbp at {key} by {diff:.3g}"
     dear = results.load(f"{arch}-finetune-dear")  # the backbone did train once unfrozen
     backbone = [k for k in dear["initial"] if k.startswith("backbone.") and k.endswith("weight")]
     assert any(not torch.equal(dear["state"][k], dear["initial"][k]) for k in backbone)

@@ -77,6 +77,11 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("fusion.policy=greedy", "fusion.policy='greedy'; allowed: one of 'fixed', 'layers'"),
         ("schedule=ddp profile.steps=5", "profile.steps=5; allowed: 0 with schedule=ddp"),
         ("profile.steps=-1", "profile.steps=-1; allowed: an integer >= 0"),
+        ("schedule=deft deft.capacity=-1", "deft.capacity=-1.0; allowed: a number > 0"),
+        ("schedule=deft deft.measure_steps=0", "deft.measure_steps=0; allowed: an integer >= 1"),
+        ("schedule=deft preserver.eps=2", "preserver.eps=2.0; allowed: a number in (0, 1)"),
+        ("schedule=deft preserver.growth=1", "preserver.growth=1.0; allowed: a number > 1"),
+        ("schedule=deft link.secondary_backend=mpi", "link.secondary_backend='mpi'; allowed: one of 'gloo', 'nccl'"),
     ],
 )
 def test_bad_values_are_refused_with_allowed_values(override, message):
@@ -89,8 +94,9 @@ def test_bad_values_are_refused_with_allowed_values(override, message):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("schedule=fancy", "invalid schedule='fancy'; allowed: ddp, dear, wfbp"),
-        ("schedule.name=fancy", "Invalid value 'fancy', expected one of [ddp, wfbp, dear]"),
+        ("schedule=fancy", "invalid schedule='fancy'; allowed: ddp, dear, deft, wfbp"),
+        ("schedule.name=fancy", "Invalid value 'fancy', expected one of [ddp, wfbp, dear, deft]"),
+        ("schedule=deft deft.timings_file=/nonexistent.json", "deft.timings_file='/nonexistent.json'; allowed: an existing JSON file"),
         ("model.arch=resnet51", "allowed: one of 'resnet18', 'resnet34'"),
         ("data=cifar10 data.dir=/nonexistent", "does not hold CIFAR-10"),
     ],
@@ -151,3 +157,25 @@ def test_digits_with_dear_learns_and_matches_ddp(tmp_path):
     assert results["dear"]["val_acc"] > 0.6  # ten classes: chance is 0.1
     assert results["dear"]["train_loss"] == pytest.approx(results["ddp"]["train_loss"], rel=1e-3, abs=1e-4)
     assert results["dear"]["val_acc"] == pytest.approx(results["ddp"]["val_acc"], abs=0.01)
+
+
+def test_digits_with_deft_learns_like_ddp_under_the_preserver(tmp_path):
+    """Communication three times compute (a forced timings file): the Preserver enlarges the knapsacks
+    until the walk says the plan converges like ddp; without it the plan delays far more."""
+    timings = tmp_path / "timings.json"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    timings.write_text(json.dumps({"forward": 1.0, "backward": [1.0], "costs": [[3.0], [4.0]]}))  # one bucket
+    common = ["+recipe=digits", "model.width=4", "trainer.max_epochs=3", f"deft.timings_file={timings}",
+              "deft.warmup_steps=2", "deft.measure_steps=4"]
+    runs = {"ddp": ["schedule=ddp"], "deft": ["schedule=deft"],
+            "unguarded": ["schedule=deft", "preserver.enabled=false", "deft.capacity=0.25"]}
+    results = {}
+    for name, overrides in runs.items():
+        proc = train(tmp_path / name, *common, *overrides)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[name] = json.loads((tmp_path / name / "run" / "metrics.json").read_text())
+    guarded, unguarded = results["deft"]["deft"], results["unguarded"]["deft"]
+    assert guarded["preserver"] and guarded["preserver"][-1]["accepted"]
+    assert max(unguarded["k"]) > max(guarded["k"]) or unguarded["n"] > guarded["n"]
+    assert results["deft"]["val_acc"] > 0.6
+    assert results["deft"]["val_acc"] == pytest.approx(results["ddp"]["val_acc"], abs=0.01)

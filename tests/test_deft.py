@@ -219,10 +219,13 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 @pytest.fixture(scope="module")
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
-    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved")
+    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved",
+                      "rechecked", "profiled")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+    load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
+    load.out = out
+    return load
 
 
 def replay(result: dict) -> dict:
@@ -308,3 +311,29 @@ def test_preserver_decides_and_logs_every_decision(deft_runs):
         assert later["capacity"] is None or later["capacity"] > earlier["capacity"]
     accepted = decisions[-1]
     assert accepted["capacity"] is None or abs(accepted["ratio"] - 1) <= 0.01
+
+
+def test_preserver_rechecks_and_the_engine_solves_again(deft_runs):
+    ranks = [deft_runs("rechecked", r) for r in (0, 1)]
+    decisions = ranks[0]["decisions"]
+    assert sum(d["accepted"] for d in decisions) == 2  # at the start, and again at step 8
+    assert max_abs_diff(ranks[0]["state"], ranks[1]["state"])[0] == 0.0
+    assert per_link(ranks[0]["trace"]) == per_link(ranks[1]["trace"])
+
+
+def test_profiled_run_traces_one_lane_per_link(deft_runs):
+    trace = json.loads((deft_runs.out / "profiled-profile" / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    lanes = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"link: primary", "link: secondary"} <= lanes
+    busy = {e["tid"] for e in events if e.get("ph") == "X" and e["name"].startswith("all_reduce g")}
+    assert len(busy) >= 2  # delayed generations went over both links while profiled
+
+
+def test_when_everything_fits_both_links_share_the_work():
+    """The paper's smallest-knapsack-first rule would put every item on the slower link here."""
+    primary = [1.0] * 8
+    weights, capacities = [primary, [1.6] * 8], [20.0, 20.0]
+    for assignment in (multi_knapsack_greedy(weights, capacities, primary), multi_knapsack_exact(weights[:], capacities, primary)):
+        assert len(assignment.chosen()) == 8
+        assert assignment.chosen(0) and assignment.chosen(1)

@@ -9,7 +9,7 @@ import pytest
 
 import commsched
 import lightning.pytorch as pl
-from commsched import CommSchedConfigError, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched import CommSchedConfigError, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from lightning.pytorch.strategies import StrategyRegistry
 
 from conftest import run_worker
@@ -24,7 +24,7 @@ def test_import_registers_strategies_with_descriptions():
 
 
 def test_every_argument_has_a_default():
-    for cls in (commsched.DeARStrategy, commsched.WFBPStrategy):
+    for cls in (commsched.DeARStrategy, commsched.WFBPStrategy, commsched.DeFTStrategy):
         cls()
 
 
@@ -56,9 +56,13 @@ def test_every_argument_has_a_default():
         ({"timeout": 30}, "timeout", 30, "timedelta"),
         ({"timeout": timedelta(seconds=0)}, "timeout", timedelta(seconds=0), "timedelta"),
         ({"start_method": "thread"}, "start_method", "thread", "'popen', 'spawn'"),
+        ({"deft": DeFTOptions(capacity=0)}, "deft.capacity", 0, "a number > 0"),
+        ({"deft": DeFTOptions(warmup_steps=-1)}, "deft.warmup_steps", -1, ">= 0"),
+        ({"deft": DeFTOptions(cost_repeats=0)}, "deft.cost_repeats", 0, ">= 1"),
+        ({"deft": "fast"}, "deft", "fast", "DeFTOptions"),
     ],
 )
-@pytest.mark.parametrize("cls", [commsched.DeARStrategy, commsched.WFBPStrategy])
+@pytest.mark.parametrize("cls", [commsched.DeARStrategy, commsched.WFBPStrategy, commsched.DeFTStrategy])
 def test_bad_argument_names_field_and_allowed_values(cls, kwargs, field, value, allowed):
     with pytest.raises(CommSchedConfigError) as error:
         cls(**kwargs)
@@ -91,3 +95,16 @@ def test_refused_in_workers_with_clear_error(mode, message):
     assert proc.returncode != 0
     assert "training finished" not in output
     assert message in output
+
+
+@pytest.mark.parametrize("kwargs, field, value, allowed", [
+    ({"eps": 0}, "Preserver.eps", 0, "> 0"),
+    ({"eps": 1.5}, "Preserver.eps", 1.5, "(0, 1)"),
+    ({"max_tries": 0}, "Preserver.max_tries", 0, ">= 1"),
+    ({"growth": 1.0}, "Preserver.growth", 1.0, "> 1"),
+    ({"batch_size": 0}, "Preserver.batch_size", 0, ">= 1"),
+])
+def test_preserver_refuses_bad_settings(kwargs, field, value, allowed):
+    with pytest.raises(CommSchedConfigError) as error:
+        commsched.Preserver(**kwargs)
+    assert f"{field}={value!r}" in str(error.value) and allowed in str(error.value)

@@ -98,6 +98,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class PreserverConfig:
+    """schedule=deft: the Preserver callback (commsched.Preserver) that accepts a plan only if it converges like sync SGD."""
+
+    enabled: bool = True
+    eps: float = 0.01  # accept when E(loss) after the plan / after sync steps is within [1-eps, 1+eps]
+    max_tries: int = 10  # plans solved at most (capacity x growth each time), then no delay
+    growth: float = 2.0
+
+
+@dataclass
 class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     fusion: FusionOptions = field(default_factory=FusionOptions)
@@ -108,6 +118,7 @@ class TrainConfig:
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     link: LinkOptions = field(default_factory=LinkOptions)
     deft: DeFTOptions = field(default_factory=DeFTOptions)
+    preserver: PreserverConfig = field(default_factory=PreserverConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     seed: int = 0
@@ -160,6 +171,10 @@ def validate(cfg: Any) -> None:
     options.non_negative_int("checkpoint.top_k", cfg.checkpoint.top_k)
     if cfg.resume is not None:
         resume_path(cfg.resume)
+    if cfg.preserver.enabled:
+        from commsched.deft.preserver import check_settings
+
+        check_settings(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth, prefix="preserver.")
     if cfg.deft.timings_file is not None and not Path(cfg.deft.timings_file).expanduser().is_file():
         raise bad_value("deft.timings_file", cfg.deft.timings_file, "an existing JSON file of per-bucket times (not found)")
     if cfg.data.name == "text" and cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists():

@@ -106,6 +106,12 @@ def main() -> None:
     callbacks: list[pl.Callback] = [checkpoint] if checkpoint is not None else []
     if t.enable_progress_bar:
         callbacks.append(RunProgressBar())
+    preserver = None
+    if str(cfg.schedule.name) == "deft" and cfg.preserver.enabled:
+        from commsched.deft.preserver import Preserver
+
+        preserver = Preserver(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth)
+        callbacks.append(preserver)
     trainer = pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(cfg, out),
         max_steps=t.max_steps, max_epochs=t.max_epochs, precision=t.precision,
@@ -137,6 +143,12 @@ def main() -> None:
         "step_ms_each": [s * 1e3 for s in metrics.step_seconds],  # shows when warm-up ended and when plans changed
         "checkpoints": str(out / "checkpoints") if checkpoint is not None else None,
     }
+    plan = getattr(trainer.strategy, "deft_plan", None)
+    if plan is not None:
+        schedule = trainer.strategy.last_schedule
+        result["deft"] = {"plan": plan.describe(), "n": plan.n, "k": list(plan.k),
+                          "mu": schedule.timings.mu if schedule.timings is not None else None,
+                          "preserver": schedule.decisions}
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
 
 

@@ -152,8 +152,10 @@ class CommSchedStrategy(DDPStrategy):
         return list(self._engine.trace or [])
 
     def request_replan(self) -> None:
-        """Decide the fusion plan again from the next iteration boundary on (all ranks must ask together)."""
+        """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask together)."""
         self._engine.policy.request_replan()
+        if self._engine.schedule is not None:
+            self._engine.schedule.request_replan()
 
     @override
     def _configure_launcher(self) -> None:

@@ -43,6 +43,7 @@ def summarise(cfg: Any, metrics: dict[str, Any], overrides: list[str]) -> dict[s
         "step_ms": metrics["step_ms"],
         "exposed_comm_ms": metrics["exposed_comm_ms"],
         **quality,
+        **({"deft_plan": metrics["deft"]["plan"], "deft_mu": metrics["deft"]["mu"]} if "deft" in metrics else {}),
         "overrides": " ".join(overrides),
     }
 
@@ -52,6 +53,7 @@ def summary_line(summary: dict[str, Any]) -> str:
     return (
         f"commsched: {summary['schedule']} {summary['model']} on {summary['data']}, {summary['world_size']} workers: "
         f"{summary['samples_per_s']:.1f} samples/s ({summary['step_ms']:.1f} ms/step), {quality}"
+        + (f"; deft {summary['deft_plan']}, mu {summary['deft_mu']:.2f}" if summary.get("deft_mu") is not None else "")
     )
 
 

@@ -51,6 +51,9 @@ def callbacks_for(name: str, out: Path, case: str) -> list[pl.Callback]:
 def strategy_for(kind: str):
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
+    if kind == "deft":  # room for everything: DDP's updates over two links
+        return commsched.DeFTStrategy(bucket_cap_mb=2000 / 2**20,
+                                      deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=1, cost_repeats=1))
     cls = commsched.DeARStrategy if kind == "dear" else commsched.WFBPStrategy
     return cls(bucket_cap_mb=2000 / 2**20)  # several buckets even on these tiny models
 

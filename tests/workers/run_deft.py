@@ -78,12 +78,14 @@ def timings(buckets: int) -> dict:
 
 
 CASES = {
-    # name: (optimizer, steps, resume_from, preserver, capacity)
-    "forced-sgd": ("sgd", 17, None, False, 1.0),
-    "forced-adamw": ("adamw", 17, None, False, 1.0),
-    "forced-sgd-part": ("sgd", 9, None, False, 1.0),
-    "forced-sgd-resumed": ("sgd", 17, "forced-sgd-part", False, 1.0),
-    "preserved": ("sgd", 12, None, True, 1.0),
+    # name: (optimizer, steps, resume_from, preserver (None, or steps between re-checks), capacity)
+    "forced-sgd": ("sgd", 17, None, None, 1.0),
+    "forced-adamw": ("adamw", 17, None, None, 1.0),
+    "forced-sgd-part": ("sgd", 9, None, None, 1.0),
+    "forced-sgd-resumed": ("sgd", 17, "forced-sgd-part", None, 1.0),
+    "preserved": ("sgd", 12, None, 0, 1.0),
+    "rechecked": ("sgd", 16, None, 8, 0.5),
+    "profiled": ("sgd", 12, None, None, 1.0),  # the profile covers measured and planned steps
 }
 
 
@@ -97,9 +99,10 @@ def fit(out: Path, name: str, world: int) -> None:
     timings_file.write_text(json.dumps(timings(buckets)))
     options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
                                     timings_file=str(timings_file))
-    strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True)
+    profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
+    strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile)
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
-    preserver = commsched.Preserver() if preserve else None
+    preserver = commsched.Preserver(recheck_every_n_steps=preserve) if preserve is not None else None
     if preserver is not None:
         callbacks.append(preserver)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,

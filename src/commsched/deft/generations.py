@@ -7,10 +7,9 @@ the collectives still in flight. Buffers of finished generations are reused by l
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from torch import nn
 
 from commsched.buckets import BucketPlan
 from commsched.links import Pending
@@ -87,9 +86,3 @@ class BufferPool:
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         self._free.append(buffers)
-
-
-def clear_grads(params: list[nn.Parameter], keep: Optional[set[int]] = None) -> None:
-    for p in params:
-        if keep is None or id(p) not in keep:
-            p.grad = None

@@ -7,7 +7,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -99,7 +98,3 @@ def load_timings(path: str, buckets: int) -> Timings:
         raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} must give {buckets} bucket(s) of backward "
                                    f"times and of costs on each of the 2 links (this model has {buckets} bucket(s))")
     return timings
-
-
-def mu_of(timings: Timings) -> Optional[float]:
-    return timings.mu if len(timings.costs) > 1 else None

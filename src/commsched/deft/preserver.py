@@ -21,14 +21,24 @@ from commsched.deft.plan import DeFTPlan
 from commsched.deft.walk import WalkState, plan_ratio
 from commsched.errors import bad_value
 from commsched.observers import reads_no_weights
-from commsched.options import positive_int, positive_number
+from commsched.options import non_negative_int, positive_int, positive_number
 
 log = logging.getLogger(__name__)
 
 
+def check_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:
+    eps = positive_number(f"{prefix}eps", eps)
+    if eps >= 1:
+        raise bad_value(f"{prefix}eps", eps, "a number in (0, 1)")
+    max_tries = positive_int(f"{prefix}max_tries", max_tries)
+    if positive_number(f"{prefix}growth", growth) <= 1:
+        raise bad_value(f"{prefix}growth", growth, "a number > 1")
+    return eps, max_tries, float(growth)
+
+
 class Preserver(pl.Callback):
     def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 2.0, optimum: float = 0.0,
-                 batch_size: Optional[int] = None) -> None:
+                 batch_size: Optional[int] = None, recheck_every_n_steps: int = 0) -> None:
         """
         Args:
             eps: accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps].
@@ -36,17 +46,26 @@ class Preserver(pl.Callback):
             growth: how much each retry enlarges the knapsacks' capacity (> 1).
             optimum: S*, the lowest loss the walk can reach.
             batch_size: samples per rank and step (default: the first dimension of the batch's first tensor).
+            recheck_every_n_steps: > 0: every N steps, ask DeFT to measure and solve again (the gradient
+                statistics change as training goes on); 0: decide once.
         """
-        self.eps = positive_number("Preserver.eps", eps)
-        self.max_tries = positive_int("Preserver.max_tries", max_tries)
-        if positive_number("Preserver.growth", growth) <= 1:
-            raise bad_value("Preserver.growth", growth, "a number > 1")
-        self.growth = float(growth)
+        self.eps, self.max_tries, self.growth = check_settings(eps, max_tries, growth)
         self.optimum = float(optimum)
+        self._last_recheck = -1
         self.local_batch: Optional[int] = positive_int("Preserver.batch_size", batch_size) if batch_size is not None else None
         self.last_loss: Optional[float] = None
         self.last_lr = 0.0
         self.decisions: list[dict[str, Any]] = []
+        self.recheck_every_n_steps = non_negative_int("Preserver.recheck_every_n_steps", recheck_every_n_steps)
+
+    @reads_no_weights
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        n = self.recheck_every_n_steps
+        if n and trainer.global_step and trainer.global_step % n == 0 and hasattr(trainer.strategy, "request_replan"):
+            if self._last_recheck != trainer.global_step:  # once per step (accumulation calls this per micro-batch)
+                self._last_recheck = trainer.global_step
+                rank_zero_info(f"commsched Preserver: re-checking DeFT's plan at step {trainer.global_step}")
+                trainer.strategy.request_replan()
 
     @reads_no_weights
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,

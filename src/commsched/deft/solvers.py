@@ -11,6 +11,7 @@ needs no mu (mu = c_secondary / c_primary is still measured and reported).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -60,10 +61,43 @@ def knapsack_exact(weights: Sequence[float], capacity: float, values: Optional[S
     return sorted(best[0])
 
 
+def makespan(links: Sequence[int], weights: Sequence[Sequence[float]], capacities: Sequence[float]) -> float:
+    """The fullest knapsack's load as a fraction of its capacity: when the chosen links finish."""
+    loads = [0.0] * len(capacities)
+    for i, l in enumerate(links):
+        if l != NONE:
+            loads[l] += weights[l][i]
+    return max(load / c if c > 0 else (math.inf if load else 0.0) for load, c in zip(loads, capacities))
+
+
 def multi_knapsack_greedy(weights: Sequence[Sequence[float]], capacities: Sequence[float],
                           values: Sequence[float]) -> Assignment:
     """[DeFT] §III-C: the knapsack with the smallest capacity (in value units) first, the longest
-    (most valuable) item first; `weights[link][i]` is item i's time on that link."""
+    (most valuable) item first; `weights[link][i]` is item i's time on that link.
+
+    When every item fits, that rule can put all of them on the slower link while the faster one
+    idles; a balanced assignment (longest item first, to the link where it would finish first) is
+    taken instead whenever it carries at least as much value, so the paper's bound still holds."""
+    paper = _smallest_knapsack_first(weights, capacities, values)
+    balanced = _earliest_finish(weights, capacities, values)
+    if balanced.value >= paper.value - 1e-12 and makespan(balanced.links, weights, capacities) <= makespan(paper.links, weights, capacities):
+        return balanced
+    return paper
+
+
+def _earliest_finish(weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]) -> Assignment:
+    links = [NONE] * len(values)
+    loads = [0.0] * len(capacities)
+    for i in sorted(range(len(values)), key=lambda i: -values[i]):
+        fits = [l for l in range(len(capacities)) if loads[l] + weights[l][i] <= capacities[l] + 1e-12]
+        if fits:
+            link = min(fits, key=lambda l: ((loads[l] + weights[l][i]) / max(capacities[l], 1e-12), l))
+            links[i], loads[link] = link, loads[link] + weights[link][i]
+    return Assignment(tuple(links), sum(values[i] for i, l in enumerate(links) if l != NONE))
+
+
+def _smallest_knapsack_first(weights: Sequence[Sequence[float]], capacities: Sequence[float],
+                             values: Sequence[float]) -> Assignment:
     links = [NONE] * len(values)
     # a link's capacity in primary time: how much value it can carry at this stage
     reach = [capacities[l] * (sum(values) / max(sum(weights[l]), 1e-12)) for l in range(len(capacities))]
@@ -78,8 +112,9 @@ def multi_knapsack_greedy(weights: Sequence[Sequence[float]], capacities: Sequen
 def multi_knapsack_exact(weights: Sequence[Sequence[float]], capacities: Sequence[float],
                          values: Sequence[float]) -> Assignment:
     """Every assignment of every item to a link or to none: for small instances (tests, and the
-    strategy when there are at most `EXACT_ITEMS` buckets)."""
+    strategy when there are at most `EXACT_ITEMS` buckets). Among the best, the one whose links finish first."""
     best = Assignment(tuple([NONE] * len(values)), 0.0)
+    best_makespan = 0.0
     for links in itertools.product([NONE, *range(len(capacities))], repeat=len(values)):
         load = [0.0] * len(capacities)
         for i, l in enumerate(links):
@@ -87,8 +122,9 @@ def multi_knapsack_exact(weights: Sequence[Sequence[float]], capacities: Sequenc
                 load[l] += weights[l][i]
         if all(load[l] <= capacities[l] + 1e-12 for l in range(len(capacities))):
             value = sum(values[i] for i, l in enumerate(links) if l != NONE)
-            if value > best.value + 1e-12:
-                best = Assignment(tuple(links), value)
+            if value > best.value + 1e-12 or (value > best.value - 1e-12 and
+                                              makespan(links, weights, capacities) < best_makespan - 1e-12):
+                best, best_makespan = Assignment(tuple(links), value), makespan(links, weights, capacities)
     return best
 
 

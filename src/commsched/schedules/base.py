@@ -109,6 +109,9 @@ class Schedule:
     def flush(self) -> None:
         """Bring every parameter up to date: nothing in flight, no update pending."""
 
+    def request_replan(self) -> None:
+        """The user asked for a new plan (`strategy.request_replan()`); schedules with plans of their own redo them."""
+
     def drain(self) -> None:
         """End of training, or buckets about to be rebuilt: also apply whatever a schedule keeps back
         on purpose (DeFT's delayed gradients). Called on every rank at the same point."""

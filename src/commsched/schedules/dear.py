@@ -29,6 +29,7 @@ from commsched.links import InOrder, Links, Pending
 from commsched.reducers import ShardedReduce
 from commsched.schedules.base import Observed, Schedule
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
+from commsched.schedules.step_control import run_with_step_replaced
 
 
 class _PendingUpdate:
@@ -164,22 +165,7 @@ class DeARSchedule(Schedule):
         """Let Lightning run closure, hooks and clipping, but defer the actual update to the next forward."""
         if self.observed.gradients:
             return run_step()
-        real_step = optimizer.step
-        had_instance_step = "step" in optimizer.__dict__
-
-        def deferred_step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-            loss = closure() if closure is not None else None
-            self._defer(optimizer, real_step)
-            return loss
-
-        optimizer.step = deferred_step  # type: ignore[method-assign]
-        try:
-            return run_step()
-        finally:
-            if had_instance_step:
-                optimizer.step = real_step  # type: ignore[method-assign]
-            else:
-                del optimizer.step
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self._defer(optimizer, real_step))
 
     def _defer(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         self.flush()

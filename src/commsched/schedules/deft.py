@@ -35,6 +35,7 @@ from commsched.errors import ScheduleError
 from commsched.links import Links
 from commsched.options import DeFTOptions
 from commsched.schedules.base import Observed, Schedule, params_of
+from commsched.schedules.step_control import run_with_step_replaced
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class DeFTSchedule(Schedule):
         self._projections: list[list[float]] = []
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
+        self._replan = False
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -93,10 +95,24 @@ class DeFTSchedule(Schedule):
     def _measuring(self) -> bool:
         return not self.decided and self.seen >= self.options.warmup_steps
 
+    def request_replan(self) -> None:
+        """Measure and solve again (every rank at the same step): delayed gradients are applied first."""
+        self._replan = True
+
+    def _restart_measuring(self) -> None:
+        self.drain()
+        self._replan = False
+        self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
+        self.seen = self.options.warmup_steps
+        self._meter = StageMeter()
+        self._projections.clear()
+
     # ---------------------------------------------------------------- iteration
     def before_forward(self) -> None:
         if self._now is not None or not self.sync_enabled:
             return  # a later micro-batch of the same step, or an accumulation micro-batch
+        if self._replan:
+            self._restart_measuring()
         if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
             self._decide()
         self._now = self.deft_plan.at(self.iteration)
@@ -162,22 +178,10 @@ class DeFTSchedule(Schedule):
 
     # ------------------------------------------------------------------- update
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
-        real_step = optimizer.step
-        had_instance_step = "step" in optimizer.__dict__
-
-        def delayed_step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-            loss = closure() if closure is not None else None
-            self._step_due(optimizer, lambda: real_step(**kwargs))
-            return loss
-
-        optimizer.step = delayed_step  # type: ignore[method-assign]
         try:
-            return run_step()
+            return run_with_step_replaced(
+                optimizer, run_step, lambda real_step, kwargs: self._step_due(optimizer, lambda: real_step(**kwargs)))
         finally:
-            if had_instance_step:
-                optimizer.step = real_step  # type: ignore[method-assign]
-            else:
-                del optimizer.step
             self._end_iteration()
 
     def _step_due(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
@@ -307,6 +311,8 @@ class DeFTSchedule(Schedule):
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
+        if self._replan:  # asked to solve again: the buckets being rebuilt start measuring
+            self._restart_measuring()
         return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided, "iteration": self.iteration,
                            "seen": self.seen, "decisions": self.decisions,
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},

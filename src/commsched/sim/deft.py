@@ -7,7 +7,7 @@ the secondary's are `mu` times them (in a run, mu is measured).
 
 from __future__ import annotations
 
-from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Timings, plan_for
+from commsched.deft.plan import FORWARD, LINK_NAMES, DeFTPlan, Timings, plan_for
 from commsched.sim.network import CostModel
 from commsched.sim.schedules import Result, _bucket_bytes, _compute_spans, fixed_size, grad_ready
 from commsched.sim.workload import Workload
@@ -56,7 +56,7 @@ def deft(workload: Workload, network: CostModel, workers: int, bucket_bytes: flo
             link_free[launch.link] = start + cost
             done[launch.generation] = max(done.get(launch.generation, 0.0), start + cost)
             if t >= len(plan.prefix) + plan.n:
-                spans.append(Span(f"link {LINK_NAMES[launch.link]}", f"all_reduce g{launch.generation} i{launch.item}", start, start + cost))
+                spans.append(Span(f"link: {LINK_NAMES[launch.link]}", f"all_reduce g{launch.generation} i{launch.item}", start, start + cost))
         clock = max([t_end] + [done[g] for g in it.steps])
     period_start = starts[len(plan.prefix) + plan.n]
     result = Result("deft", (clock - period_start) / plan.n, spans, len(plan.items))
