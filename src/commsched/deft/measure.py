@@ -4,6 +4,7 @@ all-reduce time on each link, agreed by every rank (the slowest rank's figure co
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -54,27 +55,50 @@ class StageMeter:
         self.forward, self.ready = list(saved["forward"]), [list(r) for r in saved["ready"]]
 
 
-def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repeats: int) -> list[list[float]]:
-    """costs[link][bucket]: the median of `repeats` blocking all-reduces of the bucket's size, the
-    slowest rank's (every rank runs the same sequence)."""
-    costs = []
-    for link in links:
-        per_bucket = []
-        for bucket in plan.buckets:
-            scratch = torch.zeros_like(bucket.buffer, device=link.device)
-            link.all_reduce(scratch, "deft-cost-warmup").wait()
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                link.all_reduce(scratch, "deft-cost").wait()
-                times.append(time.perf_counter() - started)
-            per_bucket.append(statistics.median(times))
-        costs.append(per_bucket)
-    agreed = control.tensor([c for per_link in costs for c in per_link], torch.float64)
+SHARED = 1.5  # loaded / alone above this on every link: the links share one network
+
+
+def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repeats: int) -> tuple[list[list[float]], bool]:
+    """costs[link][bucket] and whether the links share one network. Each bucket's all-reduce is timed
+    on each link alone and **under load** (every link running the same all-reduce at the same time,
+    each timed to its own completion); the medians of `repeats`, the slowest rank's figures. Links on
+    separate networks show the same times both ways and the loaded ones are used. Two groups on one
+    network slow each other down (about twice the time each): a second group adds no bandwidth there,
+    so the secondary is left out (its cost infinite) and the primary's times alone are used."""
+    alone = [[_median_seconds([link], [bucket], repeats)[0] for bucket in plan.buckets] for link in links]
+    loaded_by_bucket = [_median_seconds(links, [bucket] * len(links), repeats) for bucket in plan.buckets]
+    loaded = [[per_bucket[i] for per_bucket in loaded_by_bucket] for i in range(len(links))]
+    n = len(plan.buckets)
+    agreed = control.tensor([c for costs in (*alone, *loaded) for c in costs], torch.float64)
     control.all_reduce(agreed, "deft-cost-max", op=dist.ReduceOp.MAX).wait()
     flat = agreed.tolist()
-    n = len(plan.buckets)
-    return [flat[i * n:(i + 1) * n] for i in range(len(links))]
+    alone = [flat[i * n:(i + 1) * n] for i in range(len(links))]
+    loaded = [flat[(len(links) + i) * n:(len(links) + i + 1) * n] for i in range(len(links))]
+    shared = all(sum(l) > SHARED * sum(a) for l, a in zip(loaded, alone))
+    if shared:
+        return [alone[0], *([math.inf] * n for _ in links[1:])], True
+    return loaded, False
+
+
+def _median_seconds(links: list[Link], buckets: list, repeats: int) -> list[float]:
+    """Per link, the median time from starting the same all-reduce on all of them to its completion."""
+    scratch = [torch.zeros_like(bucket.buffer, device=link.device) for link, bucket in zip(links, buckets)]
+    for link, tensor in zip(links, scratch):
+        link.all_reduce(tensor, "deft-cost-warmup").wait()
+    times: list[list[float]] = [[] for _ in links]
+    for _ in range(repeats):
+        started = time.perf_counter()
+        finished = [0.0] * len(links)
+        works = []
+        for index, (link, tensor) in enumerate(zip(links, scratch)):
+            def mark(index: int = index) -> None:
+                finished[index] = time.perf_counter()
+            works.append(link.all_reduce(tensor, "deft-cost").then(mark))
+        for work in works:
+            work.wait()
+        for index in range(len(links)):
+            times[index].append(finished[index] - started)
+    return [statistics.median(t) for t in times]
 
 
 def agreed_stage_times(forward: float, backward: list[float], control: Link) -> tuple[float, list[float]]:

@@ -50,6 +50,9 @@ class Schedule:
     """True: updates or whole gradients arrive later than under DDP (callbacks may need a flush)."""
     grads_complete_after_closure: ClassVar[bool] = True
     """False: `.grad` is not whole when Lightning would unscale it (fp16 GradScaler is refused)."""
+    mask_link: ClassVar[str] = "primary"
+    """The link of the per-step used-mask all-reduce ("control": the default group, when the primary
+    carries traffic that must not be waited for at the end of backward)."""
     skips_steps: ClassVar[bool] = False
     """True: some iterations take no optimizer step (`steps_this_iteration` says how many were taken);
     per-step LR schedulers then follow the optimizer steps, not the iterations."""
@@ -60,7 +63,8 @@ class Schedule:
         self.steps_this_iteration = 1
         self.link = links["primary"]
         self.observed = observed
-        self.capture = GradientCapture(plan, self.link, self.name, self._bucket_ready, self._backward_end)
+        mask_link = links.control if self.mask_link == "control" else links[self.mask_link]
+        self.capture = GradientCapture(plan, mask_link, self.name, self._bucket_ready, self._backward_end)
         self._handles: list[RemovableHandle] = []
 
     @property

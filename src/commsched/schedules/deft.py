@@ -58,6 +58,7 @@ class DeFTSchedule(Schedule):
     step_collectives = ("all_reduce",)
     grads_complete_after_closure = False  # iterations without a step: an fp16 GradScaler would see no gradients
     skips_steps = True
+    mask_link = "control"  # the primary may still carry older generations into the next forward
 
     def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
         super().__init__(plan, links, observed, settings)
@@ -225,7 +226,11 @@ class DeFTSchedule(Schedule):
         if self.options.timings_file is not None:
             timings = load_timings(self.options.timings_file, len(self.plan.buckets))
         else:
-            timings = Timings(forward, backward, all_reduce_seconds(self.plan, self._links, control, self.options.cost_repeats))
+            costs, shared = all_reduce_seconds(self.plan, self._links, control, self.options.cost_repeats)
+            timings = Timings(forward, backward, costs)
+            if shared:
+                log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
+                         "down): only the primary is used")
         stats = self._walk_statistics()
         decided = None
         if control.rank == 0:
@@ -236,8 +241,7 @@ class DeFTSchedule(Schedule):
         self._check_same_plan()
         self.decided, self.iteration = True, 0
         self._projections.clear()
-        mu = timings.mu
-        log.info(f"commsched deft: {self.deft_plan.describe()}; mu = c_secondary/c_primary = {mu:.2f}; "
+        log.info(f"commsched deft: {self.deft_plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                  f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, "
                  f"all-reduce {sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary")
 
