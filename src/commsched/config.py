@@ -104,7 +104,7 @@ class PreserverConfig:
     enabled: bool = True
     eps: float = 0.01  # accept when E(loss) after the plan / after sync steps is within [1-eps, 1+eps]
     max_tries: int = 10  # plans solved at most (capacity x growth each time), then no delay
-    growth: float = 2.0
+    growth: float = 1.25  # small steps: the first plan that passes keeps as much overlap as the walk allows
 
 
 @dataclass

@@ -37,7 +37,7 @@ def check_settings(eps: float, max_tries: int, growth: float, prefix: str = "Pre
 
 
 class Preserver(pl.Callback):
-    def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 2.0, optimum: float = 0.0,
+    def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 1.25, optimum: float = 0.0,
                  batch_size: Optional[int] = None, recheck_every_n_steps: int = 0) -> None:
         """
         Args:

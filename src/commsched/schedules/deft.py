@@ -23,14 +23,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import torch
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
 from commsched.deft.generations import BufferPool, Generation
 from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, load_timings
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan, plan_for
-from commsched.deft.walk import gradient_statistics
+from commsched.deft.probes import GradientProbes
 from commsched.errors import ScheduleError
 from commsched.links import Links
 from commsched.options import DeFTOptions
@@ -77,7 +76,7 @@ class DeFTSchedule(Schedule):
         self._due: list[int] = []
         self._clip: Optional[tuple[float, str]] = None
         self._meter = StageMeter()
-        self._projections: list[list[float]] = []
+        self._probes = GradientProbes(links.control, self.link.world_size, self.link.rank)
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
         self._replan = False
@@ -106,7 +105,7 @@ class DeFTSchedule(Schedule):
         self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
         self.seen = self.options.warmup_steps
         self._meter = StageMeter()
-        self._projections.clear()
+        self._probes.projections.clear()
 
     # ---------------------------------------------------------------- iteration
     def before_forward(self) -> None:
@@ -152,7 +151,7 @@ class DeFTSchedule(Schedule):
         if self._due:
             self._generations[self._due[0]].hand_to_optimizer(self.plan)
             if self._measuring and self.link.world_size > 1:
-                self._project(self._generations[self._due[0]])
+                self._probes.record([b.buffer for b in self.plan.buckets], self._generations[self._due[0]].buffers)
 
     def _generation(self, number: int) -> Generation:
         if number not in self._generations:
@@ -231,7 +230,7 @@ class DeFTSchedule(Schedule):
             if shared:
                 log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
                          "down): only the primary is used")
-        stats = self._walk_statistics()
+        stats = self._probes.walk_statistics(self.settings.preserver)
         decided = None
         if control.rank == 0:
             decided = self._solve(timings, stats)
@@ -240,7 +239,7 @@ class DeFTSchedule(Schedule):
         self.timings, self.decisions = timings, decided["decisions"]
         self._check_same_plan()
         self.decided, self.iteration = True, 0
-        self._projections.clear()
+        self._probes.projections.clear()
         log.info(f"commsched deft: {self.deft_plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                  f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, "
                  f"all-reduce {sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary")
@@ -262,31 +261,6 @@ class DeFTSchedule(Schedule):
         digests = self.links.control.all_gather_int(digest, "deft-plan-hash")
         if len(set(digests)) != 1:
             raise ScheduleError(f"commsched deft: ranks replay different plans (hashes {digests})")
-
-    def _project(self, generation: Generation) -> None:
-        """A probe: this rank's gradient projected on the mean gradient's direction, gathered from every rank."""
-        P = self.link.world_size
-        dot = torch.zeros((), dtype=torch.float64)
-        norm2 = torch.zeros((), dtype=torch.float64)
-        for b, bucket in enumerate(self.plan.buckets):
-            mean = generation.buffers[b].double().cpu()
-            dot += (bucket.buffer.double().cpu() * P * mean).sum()
-            norm2 += (mean * mean).sum()
-        x = (dot / norm2.sqrt()).item() if norm2 > 0 else 0.0
-        everyone = self.links.control.tensor([0.0] * P, torch.float64)
-        everyone[self.link.rank] = x
-        self.links.control.all_reduce(everyone, "deft-probe").wait()
-        self._projections.append(everyone.tolist())
-
-    def _walk_statistics(self) -> dict[str, float]:
-        preserver = self.settings.preserver
-        local_batch = preserver.local_batch if preserver is not None and preserver.local_batch else 1
-        mu, sigma = gradient_statistics(self._projections, local_batch)
-        loss = preserver.last_loss if preserver is not None and preserver.last_loss is not None else 0.0
-        agreed = self.links.control.tensor([loss], torch.float64)
-        self.links.control.all_reduce(agreed, "deft-loss").wait()
-        return {"mu": mu, "sigma": sigma, "loss": agreed.item() / self.link.world_size,
-                "batch": local_batch * self.link.world_size, "lr": preserver.last_lr if preserver is not None else 0.0}
 
     # ---------------------------------------------------------- flush points
     def flush(self) -> None:
@@ -321,7 +295,7 @@ class DeFTSchedule(Schedule):
                            "seen": self.seen, "decisions": self.decisions,
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
-                             "meter": self._meter.state(), "projections": [list(p) for p in self._projections]}}
+                             "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "deft_plan" not in state:
@@ -335,7 +309,7 @@ class DeFTSchedule(Schedule):
         for saved in state.get("generations", []):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
-        self._projections = [list(p) for p in state.get("projections", [])]
+        self._probes.projections = [list(p) for p in state.get("projections", [])]
 
     @staticmethod
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
