@@ -81,6 +81,7 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("schedule=deft deft.measure_steps=0", "deft.measure_steps=0; allowed: an integer >= 1"),
         ("schedule=deft preserver.eps=2", "preserver.eps=2.0; allowed: a number in (0, 1)"),
         ("schedule=deft preserver.growth=1", "preserver.growth=1.0; allowed: a number > 1"),
+        ("schedule=deft preserver.max_staleness=-1", "preserver.max_staleness=-1; allowed: an integer >= 0"),
         ("schedule=deft link.secondary_backend=mpi", "link.secondary_backend='mpi'; allowed: one of 'gloo', 'nccl'"),
     ],
 )
@@ -175,7 +176,7 @@ def test_digits_with_deft_learns_like_ddp_under_the_preserver(tmp_path):
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[name] = json.loads((tmp_path / name / "run" / "metrics.json").read_text())
     guarded, unguarded = results["deft"]["deft"], results["unguarded"]["deft"]
-    assert guarded["preserver"] and guarded["preserver"][-1]["accepted"]
+    assert guarded["preserver"] and guarded["preserver"][-1]["accepted"] and guarded["preserver"][-1]["staleness"] == 0
     assert max(unguarded["k"]) > max(guarded["k"]) or unguarded["n"] > guarded["n"]
     assert results["deft"]["val_acc"] > 0.6
     assert results["deft"]["val_acc"] == pytest.approx(results["ddp"]["val_acc"], abs=0.01)

@@ -111,6 +111,7 @@ def check_plan(plan: DeFTPlan, timings: Timings, repeats: int = 3) -> None:
     joined: dict[int, list[int]] = {}
     sent: dict[int, set] = {}
     stepped: list[int] = []
+    staleness = 0
     for t in range(total):
         it = plan.at(t)
         joined.setdefault(it.joins, []).append(t)
@@ -129,7 +130,9 @@ def check_plan(plan: DeFTPlan, timings: Timings, repeats: int = 3) -> None:
             assert sent.get(g) == set(range(len(plan.items))), "stepped before every item was reduced"
             assert not stepped or g > stepped[-1]
             stepped.append(g)
+            staleness = max(staleness, t - joined[g][-1])
         assert all(g not in joined or t2 <= t for g in it.steps for t2 in joined[g])
+    assert plan.staleness == staleness
 
 
 def test_plans_hold_their_invariants_and_use_both_links():
@@ -311,6 +314,8 @@ def test_preserver_decides_and_logs_every_decision(deft_runs):
         assert later["capacity"] is None or later["capacity"] > earlier["capacity"]
     accepted = decisions[-1]
     assert accepted["capacity"] is None or abs(accepted["ratio"] - 1) <= 0.01
+    assert accepted["staleness"] == 0  # the default max_staleness
+    assert any(d["staleness"] > 0 for d in decisions[:-1]) or len(decisions) == 1
 
 
 def test_preserver_rechecks_and_the_engine_solves_again(deft_runs):

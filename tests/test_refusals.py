@@ -103,6 +103,7 @@ def test_refused_in_workers_with_clear_error(mode, message):
     ({"max_tries": 0}, "Preserver.max_tries", 0, ">= 1"),
     ({"growth": 1.0}, "Preserver.growth", 1.0, "> 1"),
     ({"batch_size": 0}, "Preserver.batch_size", 0, ">= 1"),
+    ({"max_staleness": -1}, "Preserver.max_staleness", -1, ">= 0"),
 ])
 def test_preserver_refuses_bad_settings(kwargs, field, value, allowed):
     with pytest.raises(CommSchedConfigError) as error:

@@ -105,6 +105,8 @@ class PreserverConfig:
     eps: float = 0.01  # accept when E(loss) after the plan / after sync steps is within [1-eps, 1+eps]
     max_tries: int = 10  # plans solved at most (capacity x growth each time), then no delay
     growth: float = 1.25  # small steps: the first plan that passes keeps as much overlap as the walk allows
+    max_staleness: int = 0  # reject plans whose generations step more iterations than this after their last gradient
+    recheck_every_n_steps: int = 0  # > 0: measure and solve again every N steps
 
 
 @dataclass
@@ -175,6 +177,8 @@ def validate(cfg: Any) -> None:
         from commsched.deft.preserver import check_settings
 
         check_settings(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth, prefix="preserver.")
+        options.non_negative_int("preserver.max_staleness", cfg.preserver.max_staleness)
+        options.non_negative_int("preserver.recheck_every_n_steps", cfg.preserver.recheck_every_n_steps)
     if cfg.deft.timings_file is not None and not Path(cfg.deft.timings_file).expanduser().is_file():
         raise bad_value("deft.timings_file", cfg.deft.timings_file, "an existing JSON file of per-bucket times (not found)")
     if cfg.data.name == "text" and cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists():

@@ -110,7 +110,8 @@ def main() -> None:
     if str(cfg.schedule.name) == "deft" and cfg.preserver.enabled:
         from commsched.deft.preserver import Preserver
 
-        preserver = Preserver(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth)
+        preserver = Preserver(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth,
+                              recheck_every_n_steps=cfg.preserver.recheck_every_n_steps, max_staleness=cfg.preserver.max_staleness)
         callbacks.append(preserver)
     trainer = pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(cfg, out),

@@ -47,6 +47,7 @@ class BenchConfig:
     rounds: int = 3  # the schedules run interleaved this many times; the best median counts
     deft_measure_steps: int = 3  # deft: synchronous steps measured after warmup before it solves (not timed)
     preserver: bool = True  # deft: with the Preserver (False: the knapsack's plan as solved)
+    max_staleness: int = 0  # deft: the Preserver's max_staleness
     timeout_s: int = 600
 
 

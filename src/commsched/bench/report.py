@@ -81,7 +81,8 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
                           _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
         console.print(table)
         for decided in result.get("deft", {}).get("rounds", [])[:1]:
-            ratios = ", ".join(f"{d['ratio']:.3f} ({'accepted' if d['accepted'] else 'rejected'})" for d in decided["preserver"])
+            ratios = ", ".join(f"{d['ratio']:.3f} staleness {d['staleness']} ({'accepted' if d['accepted'] else 'rejected'})"
+                               for d in decided["preserver"])
             console.print(f"deft: {decided['plan']}; mu (secondary / primary all-reduce time) {decided['mu']:.2f}"
                           + (f"; Preserver ratios {ratios}" if ratios else "; no Preserver"))
         if any(row["schedule"] == "ddp" for row in result["rows"]):

@@ -62,7 +62,7 @@ def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tupl
     untimed = _untimed(schedule, spec)
     steps = untimed + spec["steps"] + 1
     timer = StepTimer(warmup=untimed)
-    preserver = commsched.Preserver() if schedule == "deft" and spec["preserver"] else None
+    preserver = commsched.Preserver(max_staleness=spec["max_staleness"]) if schedule == "deft" and spec["preserver"] else None
     strategy = _strategy(schedule, spec)
     trainer = _trainer(strategy, spec, steps, [timer] + ([preserver] if preserver else []), out)
     trainer.fit(model, _loader(make_data, spec, steps))
@@ -76,7 +76,8 @@ def _deft_report(strategy: Any, preserver: Any) -> dict:
     if plan is None or schedule is None or schedule.timings is None:
         return {}
     return {"plan": plan.describe(), "n": plan.n, "k": list(plan.k), "mu": schedule.timings.mu,
-            "preserver": [{k: d[k] for k in ("capacity", "k", "ratio", "accepted")} for d in schedule.decisions]}
+            "staleness": plan.staleness,
+            "preserver": [{k: d[k] for k in ("capacity", "k", "ratio", "staleness", "accepted")} for d in schedule.decisions]}
 
 
 def profile_components(model_name: str, spec: dict, out: Path) -> dict:

@@ -104,6 +104,18 @@ class DeFTPlan:
                          tuple(g + shift for g in it.steps))
 
     @property
+    def staleness(self) -> int:
+        """The most iterations any generation waits after its last gradient before it steps (0: each
+        generation steps in the backward of its last iteration, as a synchronous step of batch kB)."""
+        last_join: dict[int, int] = {}
+        worst = 0
+        for t in range(len(self.prefix) + 2 * self.n):
+            it = self.at(t)
+            last_join[it.joins] = t
+            worst = max([worst, *(t - last_join.get(g, t) for g in it.steps)])
+        return worst
+
+    @property
     def delayed(self) -> bool:
         return any(k != 1 for k in self.k) or any(l.stage == FORWARD or l.generation != it.joins
                                                     for it in self.period for l in it.launches)
@@ -124,7 +136,7 @@ class DeFTPlan:
 
     def describe(self) -> str:
         links = sorted({LINK_NAMES[l.link] for it in self.period for l in it.launches})
-        return (f"period N={self.n}, K={list(self.k)}, {len(self.items)} item(s), capacity "
+        return (f"period N={self.n}, K={list(self.k)}, staleness {self.staleness}, {len(self.items)} item(s), capacity "
                 f"{'unlimited' if math.isinf(self.capacity) else f'{self.capacity:.3g}x'}, links {'+'.join(links)}")
 
 
