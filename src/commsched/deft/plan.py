@@ -172,7 +172,7 @@ def solve_plan(items: list[Item], timings: Timings, capacity: float = 1.0, max_i
         raise ValueError(f"items {too_big} cost more than the smallest knapsack ({smallest:.4g} s): cut them first (plan_for)")
     t_forward = [timings.forward * capacity] * links
     t_backward = [sum(timings.backward) * capacity] * links
-    values = timings.costs[0]
+    values = [c + 1e-9 for c in timings.costs[0]]  # a free item is still worth sending
     current: Optional[_Generation] = None
     future: Optional[_Generation] = None
     next_number = 0
