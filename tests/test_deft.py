@@ -15,10 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, plan_for, solve_plan
+from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
+from commsched.deft.predict import dear_is_faster, dear_seconds, plan_seconds
 from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
                                     recursive_knapsack)
 from commsched.deft.walk import WalkState, expected_next, gradient_statistics, plan_ratio
+from commsched.sim.schedules import dear as simulated_dear
+from commsched.sim.schedules import wfbp as simulated_wfbp
+from commsched.sim.workload import Layer, Workload
 from conftest import WORKERS, max_abs_diff, per_link, run_worker
 
 # ----------------------------------------------------------------------------- solvers
@@ -198,6 +202,56 @@ def test_gradient_statistics_are_unbiased():
     assert mu == pytest.approx(1.5**2 + 2.0**2 / 8 / 4, rel=0.03)  # |mean|^2 carries the noise of the mean
 
 
+# ------------------------------------------------------------- predictions
+
+
+class PerBucketCosts:
+    """A cost model that knows each bucket by its (unique) size: the simulator on measured per-bucket times."""
+
+    def __init__(self, nbytes, all_reduce, reduce_scatter, all_gather):
+        self.table = {"all_reduce": dict(zip(nbytes, all_reduce)), "reduce_scatter": dict(zip(nbytes, reduce_scatter)),
+                      "all_gather": dict(zip(nbytes, all_gather))}
+
+    def time(self, collective, nbytes, workers):
+        return self.table[collective][nbytes]
+
+
+def test_predictions_agree_with_the_simulator():
+    """plan_seconds of DDP's plan is the simulator's WFBP and dear_seconds its DeAR, on the same buckets."""
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        backward = [rng.uniform(0.0, 1.0) for _ in range(n)]
+        forward = rng.uniform(0.1, 3.0)
+        all_reduce = [rng.uniform(0.0, 2.0) for _ in range(n)]
+        halves = [[c * rng.uniform(0.3, 0.8) for c in all_reduce] for _ in range(2)]
+        numels = list(range(100, 100 + n))
+        total = sum(backward) or 1.0
+        # bucket b (backward order) is layer n-1-b (forward order); its forward is its share of the backward
+        layers = tuple(Layer(f"l{i}", numels[n - 1 - i], forward * (backward[n - 1 - i] / total if sum(backward) else 1 / n),
+                             backward[n - 1 - i]) for i in range(n))
+        workload = Workload("random", layers, 1)
+        costs = PerBucketCosts(numels, all_reduce, *halves)
+        buckets = [[n - 1 - b] for b in range(n)]
+        timings = Timings(forward, backward, [all_reduce, [math.inf] * n])
+        ddp = plan_seconds(no_delay_plan([Item(b, 0, numels[b]) for b in range(n)]), timings, numels)
+        assert ddp == pytest.approx(simulated_wfbp(workload, costs, 2, buckets).iteration_s)
+        assert dear_seconds(forward, backward, *halves) == pytest.approx(simulated_dear(workload, costs, 2, buckets).iteration_s)
+
+
+def test_dear_is_chosen_only_when_clearly_faster():
+    # one bucket: nothing for DeAR to overlap, its two halves cost more than the all-reduce
+    assert dear_seconds(1.0, [1.0], [0.6], [0.6]) == pytest.approx(3.2)
+    assert plan_seconds(no_delay_plan([Item(0, 0, 10)]), Timings(1.0, [1.0], [[1.0], [math.inf]]), [10]) == pytest.approx(3.0)
+    assert not dear_is_faster(3.0, 3.2)
+    # many buckets on a slow link: DeAR hides the all-gathers under the next forward
+    timings = Timings(1.0, [0.25] * 4, [[1.0] * 4, [math.inf] * 4])
+    plan_s = plan_seconds(no_delay_plan([Item(b, 0, 10) for b in range(4)]), timings, [10] * 4)
+    dear_s = dear_seconds(1.0, [0.25] * 4, [0.5] * 4, [0.5] * 4)
+    assert plan_s == pytest.approx(1.0 + 0.25 + 4.0) and dear_s < plan_s and dear_is_faster(plan_s, dear_s)
+    assert not dear_is_faster(1.0, 0.99)  # within the margin: keep the plan
+
+
 # ---------------------------------------------------------------- real runs
 
 
@@ -223,7 +277,7 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
     proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved",
-                      "rechecked", "profiled")
+                      "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -302,6 +356,22 @@ def test_resumed_with_delayed_gradients_equals_uninterrupted(deft_runs):
     for rank in (0, 1):
         whole, resumed = deft_runs("forced-sgd", rank), deft_runs("forced-sgd-resumed", rank)
         assert max_abs_diff(whole["state"], resumed["state"])[0] <= 1e-6
+
+
+def test_an_undelayed_plan_handed_to_dear_equals_sync_sgd_and_resumes_exactly(deft_runs):
+    """dear_fallback="when_undelayed": after the measured steps DeAR's hooks run the iterations."""
+    result, other = deft_runs("handed-sgd"), deft_runs("handed-sgd", 1)
+    assert result["report"]["runs"] == "dear" and not DeFTPlan.from_json(result["plan"]).delayed
+    assert set(result["report"]["predicted"]) == {"plan_ms", "dear_ms"}
+    collectives = {(link, collective) for link, collective, *_ in result["trace"]}
+    assert {("primary", "reduce_scatter"), ("primary", "all_gather")} <= collectives
+    assert max_abs_diff(replay(result), result["state"])[0] <= 1e-5
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert per_link(result["trace"]) == per_link(other["trace"])
+    for rank in (0, 1):
+        resumed = deft_runs("handed-sgd-resumed", rank)
+        assert resumed["report"]["runs"] == "dear"
+        assert max_abs_diff(deft_runs("handed-sgd", rank)["state"], resumed["state"])[0] <= 1e-6
 
 
 def test_preserver_decides_and_logs_every_decision(deft_runs):

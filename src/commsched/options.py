@@ -21,6 +21,7 @@ MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a pro
 FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
+DEAR_FALLBACKS = ("when_faster", "when_undelayed", "never")
 
 Check = Callable[[str, Any], Any]
 OptionsT = TypeVar("OptionsT")
@@ -197,6 +198,12 @@ class DeFTOptions:
     timings_file: Optional[str] = option(None, optional(text))
     """A JSON file of per-bucket times (``forward``, ``backward``, ``costs``): solve from these instead of
     measuring (a reproducible or forced plan)."""
+    dear_fallback: str = option("when_faster", one_of(*DEAR_FALLBACKS))
+    """When DeAR's exact decoupling runs the iterations instead of the plan: "when_faster" (DeAR's
+    reduce-scatter and all-gather of each bucket are timed too, and DeAR is predicted at least 2%
+    faster: typically a plan that delays nothing on one link, i.e. DDP's schedule), "when_undelayed"
+    (whenever the plan delays nothing), "never". Not with a timings file (the plan is forced), nor
+    when callbacks read gradients or weights every step (DeAR gives up its overlap then)."""
 
 
 def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:

@@ -144,12 +144,9 @@ def main() -> None:
         "step_ms_each": [s * 1e3 for s in metrics.step_seconds],  # shows when warm-up ended and when plans changed
         "checkpoints": str(out / "checkpoints") if checkpoint is not None else None,
     }
-    plan = getattr(trainer.strategy, "deft_plan", None)
-    if plan is not None:
-        schedule = trainer.strategy.last_schedule
-        result["deft"] = {"plan": plan.describe(), "n": plan.n, "k": list(plan.k),
-                          "mu": schedule.timings.mu if schedule.timings is not None else None,
-                          "preserver": schedule.decisions}
+    schedule = getattr(trainer.strategy, "last_schedule", None)
+    if hasattr(schedule, "report"):
+        result["deft"] = schedule.report()
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
 
 

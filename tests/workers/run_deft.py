@@ -86,6 +86,10 @@ CASES = {
     "preserved": ("sgd", 12, None, 0, 1.0),
     "rechecked": ("sgd", 16, None, 8, 0.5),
     "profiled": ("sgd", 12, None, None, 1.0),  # the profile covers measured and planned steps
+    # measured (no timings file), nothing delayed, handed to DeAR's decoupling after the measured steps
+    "handed-sgd": ("sgd", 17, None, None, None),
+    "handed-sgd-part": ("sgd", 9, None, None, None),
+    "handed-sgd-resumed": ("sgd", 17, "handed-sgd-part", None, None),
 }
 
 
@@ -97,8 +101,12 @@ def fit(out: Path, name: str, world: int) -> None:
     buckets = commsched_bucket_count(model)
     timings_file = out / "timings.json"
     timings_file.write_text(json.dumps(timings(buckets)))
-    options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
-                                    timings_file=str(timings_file))
+    if name.startswith("handed"):
+        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
+                                        dear_fallback="when_undelayed")
+    else:
+        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
+                                        timings_file=str(timings_file))
     profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
     strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile)
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
@@ -121,6 +129,7 @@ def fit(out: Path, name: str, world: int) -> None:
         "seed": SEED,
         "decisions": preserver.decisions if preserver is not None else [],
         "optimizer": optimizer,
+        "report": trainer.strategy.last_schedule.report(),
     }
     torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
 

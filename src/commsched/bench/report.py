@@ -80,10 +80,10 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
                           _fmt(row["measured_over_theoretical"], ".2f"), _fmt(row["predicted_ms"], ".1f"),
                           _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
         console.print(table)
-        for decided in result.get("deft", {}).get("rounds", [])[:1]:
+        for number, decided in enumerate(result.get("deft", {}).get("rounds", []), 1):  # each round measures and decides anew
             ratios = ", ".join(f"{d['ratio']:.3f} staleness {d['staleness']} ({'accepted' if d['accepted'] else 'rejected'})"
                                for d in decided["preserver"])
-            console.print(f"deft: {decided['plan']}; mu (secondary / primary all-reduce time) {decided['mu']:.2f}"
+            console.print(f"deft, round {number}: {decided['plan']}; mu (secondary / primary all-reduce time) {decided['mu']:.2f}"
                           + (f"; Preserver ratios {ratios}" if ratios else "; no Preserver"))
         if any(row["schedule"] == "ddp" for row in result["rows"]):
             console.print("ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "

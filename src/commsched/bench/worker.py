@@ -67,17 +67,16 @@ def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tupl
     trainer = _trainer(strategy, spec, steps, [timer] + ([preserver] if preserver else []), out)
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
-    return timer.median, timer.median_cpu, trainer.global_rank, state, _deft_report(strategy, preserver)
+    return timer.median, timer.median_cpu, trainer.global_rank, state, _deft_report(strategy)
 
 
-def _deft_report(strategy: Any, preserver: Any) -> dict:
-    plan = getattr(strategy, "deft_plan", None)
+def _deft_report(strategy: Any) -> dict:
     schedule = getattr(strategy, "last_schedule", None)
-    if plan is None or schedule is None or schedule.timings is None:
+    if not hasattr(schedule, "report") or schedule.timings is None:
         return {}
-    return {"plan": plan.describe(), "n": plan.n, "k": list(plan.k), "mu": schedule.timings.mu,
-            "staleness": plan.staleness,
-            "preserver": [{k: d[k] for k in ("capacity", "k", "ratio", "staleness", "accepted")} for d in schedule.decisions]}
+    report = schedule.report()
+    report["preserver"] = [{k: d[k] for k in ("capacity", "k", "ratio", "staleness", "accepted")} for d in report["preserver"]]
+    return report
 
 
 def profile_components(model_name: str, spec: dict, out: Path) -> dict:

@@ -1,5 +1,6 @@
 """What DeFT solves from, measured in the run: stage times of synchronous steps and each bucket's
-all-reduce time on each link, agreed by every rank (the slowest rank's figure counts)."""
+all-reduce time on each link (and, to compare with DeAR, its reduce-scatter and all-gather on the
+primary), agreed by every rank (the slowest rank's figure counts)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from commsched.buckets import BucketPlan
 from commsched.deft.plan import Timings
 from commsched.errors import CommSchedConfigError
 from commsched.links import Link
+from commsched.reducers import ShardedReduce
 
 
 class StageMeter:
@@ -99,6 +101,28 @@ def _median_seconds(links: list[Link], buckets: list, repeats: int) -> list[floa
         for index in range(len(links)):
             times[index].append(finished[index] - started)
     return [statistics.median(t) for t in times]
+
+
+def halves_seconds(plan: BucketPlan, link: Link, control: Link, repeats: int) -> tuple[list[float], list[float]]:
+    """Per bucket, DeAR's two halves on `link` alone (reduce-scatter, all-gather; the medians of
+    `repeats`, the slowest rank's): on gloo they are point-to-point exchanges whose cost is not half
+    an all-reduce's, so they are timed, not derived."""
+    halves: list[list[float]] = [[], []]
+    for bucket in plan.buckets:
+        reducer = ShardedReduce(torch.zeros_like(bucket.buffer, device=link.device), link)
+        for half, launch in zip(halves, (reducer.scatter, reducer.gather)):
+            launch("deft-halves-warmup").wait()
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                launch("deft-halves").wait()
+                times.append(time.perf_counter() - started)
+            half.append(statistics.median(times))
+    agreed = control.tensor(halves[0] + halves[1], torch.float64)
+    control.all_reduce(agreed, "deft-halves-max", op=dist.ReduceOp.MAX).wait()
+    flat = agreed.tolist()
+    n = len(plan.buckets)
+    return flat[:n], flat[n:]
 
 
 def agreed_stage_times(forward: float, backward: list[float], control: Link) -> tuple[float, list[float]]:

@@ -165,9 +165,10 @@ class DeARSchedule(Schedule):
         """Let Lightning run closure, hooks and clipping, but defer the actual update to the next forward."""
         if self.observed.gradients:
             return run_step()
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self._defer(optimizer, real_step))
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.defer_step(optimizer, real_step))
 
-    def _defer(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
+    def defer_step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
+        """Take the step `real_step` would take bucket by bucket in the next forward (the closure has run)."""
         self.flush()
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])

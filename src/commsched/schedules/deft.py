@@ -14,6 +14,11 @@ end of backward: their items are waited for, averaged over their k iterations an
 user's optimizer as `.grad`. An iteration with nothing to step runs the closure (forward,
 backward, hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer
 steps actually taken.
+
+When the plan delays nothing on one link (DDP's schedule) and DeAR is predicted clearly faster from
+the same measurements (`commsched.deft.predict`), the iterations are handed to a `DeARSchedule` on
+the same buckets: exact as well, and it hides the all-gathers under the next forward, which an
+undelayed all-reduce cannot. A re-plan takes them back.
 """
 
 from __future__ import annotations
@@ -21,19 +26,23 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional
 
+from torch import nn
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
 from commsched.deft.generations import BufferPool, Generation
-from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, load_timings
+from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_timings
+from commsched.deft.predict import dear_is_faster, dear_seconds, plan_seconds
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan, plan_for
 from commsched.deft.probes import GradientProbes
 from commsched.errors import ScheduleError
 from commsched.links import Links
 from commsched.options import DeFTOptions
 from commsched.schedules.base import Observed, Schedule, params_of
+from commsched.schedules.dear import DeARSchedule
 from commsched.schedules.step_control import run_with_step_replaced
 
 log = logging.getLogger(__name__)
@@ -80,6 +89,10 @@ class DeFTSchedule(Schedule):
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
         self._replan = False
+        self._module: Optional[nn.Module] = None
+        self.decoupled: Optional[DeARSchedule] = None
+        """DeAR running the iterations on the same buckets, when it was predicted faster than the plan."""
+        self.predicted: dict[str, float] = {}
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -87,6 +100,43 @@ class DeFTSchedule(Schedule):
 
         preserver = next((c for c in trainer.callbacks if isinstance(c, Preserver)), None)
         return DeFTSettings(options.deft, preserver, advance_schedulers)
+
+    # ----------------------------------------------------------------- lifecycle
+    def attach(self, module: nn.Module) -> None:
+        self._module = module
+        super().attach(module)
+
+    def detach(self) -> None:
+        super().detach()
+        if self.decoupled is not None:
+            self.decoupled.detach()
+
+    @property
+    def sync_enabled(self) -> bool:
+        return self.capture.sync_enabled
+
+    @sync_enabled.setter
+    def sync_enabled(self, value: bool) -> None:
+        self.capture.sync_enabled = value
+        if self.decoupled is not None:
+            self.decoupled.sync_enabled = value
+
+    def _hand_over_to_dear(self) -> None:
+        """DeAR's hooks replace DeFT's on the same buckets (at an iteration boundary: nothing is delayed)."""
+        assert self._module is not None and not self._generations
+        self.capture.detach()
+        self.decoupled = DeARSchedule(self.plan, self.links, self.observed)
+        self.decoupled.attach(self._module)
+        self.decoupled.sync_enabled = self.capture.sync_enabled
+        self.steps_this_iteration = 1
+
+    def _take_back(self) -> None:
+        """DeFT's hooks again (a re-plan): DeAR's pending update is applied first."""
+        assert self.decoupled is not None
+        self.decoupled.flush()
+        self.decoupled.detach()
+        self.decoupled = None
+        self.capture.attach()
 
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
@@ -109,12 +159,16 @@ class DeFTSchedule(Schedule):
 
     # ---------------------------------------------------------------- iteration
     def before_forward(self) -> None:
+        if self.decoupled is not None:
+            return self.decoupled.before_forward()
         if self._now is not None or not self.sync_enabled:
             return  # a later micro-batch of the same step, or an accumulation micro-batch
         if self._replan:
             self._restart_measuring()
         if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
             self._decide()
+            if self.decoupled is not None:
+                return self.decoupled.before_forward()
         self._now = self.deft_plan.at(self.iteration)
         self.steps_this_iteration = 0
         self._clip = None
@@ -123,6 +177,8 @@ class DeFTSchedule(Schedule):
             self._meter.forward_started()
 
     def after_forward(self) -> None:
+        if self.decoupled is not None:
+            return self.decoupled.after_forward()
         if self._now is None or not self.sync_enabled:
             return
         if self._measuring:
@@ -177,12 +233,27 @@ class DeFTSchedule(Schedule):
         generation.works.append(self._links[link].all_reduce(piece, f"g{generation.number}.b{item.bucket}.{item.start}"))
 
     # ------------------------------------------------------------------- update
+    def finish_backward(self) -> None:
+        if self.decoupled is not None:
+            return self.decoupled.finish_backward()
+        super().finish_backward()
+
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
+        if self.decoupled is not None:
+            result = self.decoupled.optimizer_step(optimizer, run_step)
+            if self._replan:  # measured again from the next step, by DeFT's own hooks
+                self._take_back()
+            return result
         try:
-            return run_with_step_replaced(
-                optimizer, run_step, lambda real_step, kwargs: self._step_due(optimizer, lambda: real_step(**kwargs)))
+            return run_with_step_replaced(optimizer, run_step, partial(self._step_or_defer, optimizer))
         finally:
             self._end_iteration()
+
+    def _step_or_defer(self, optimizer: Optimizer, real_step: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        if self.decoupled is not None:  # handed over in this very closure's forward: DeAR takes the step
+            self.decoupled.defer_step(optimizer, lambda: real_step(**kwargs))
+        else:
+            self._step_due(optimizer, lambda: real_step(**kwargs))
 
     def _step_due(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         self._stepper = (optimizer, real_step)
@@ -213,6 +284,8 @@ class DeFTSchedule(Schedule):
             self.seen += 1
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
+        if self.decoupled is not None:
+            return self.decoupled.clip_gradients(optimizer, clip_val, algorithm)
         self._clip = (clip_val, algorithm)
         super().clip_gradients(optimizer, clip_val, algorithm)
 
@@ -231,20 +304,32 @@ class DeFTSchedule(Schedule):
                 log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
                          "down): only the primary is used")
         stats = self._probes.walk_statistics(self.settings.preserver)
+        halves = halves_seconds(self.plan, self._links[0], control, self.options.cost_repeats) if self._may_hand_over() else None
         decided = None
         if control.rank == 0:
-            decided = self._solve(timings, stats)
+            decided = self._solve(timings, stats, halves)
         decided = control.broadcast_object(decided, src=0, tag="deft-plan")
         self.deft_plan = DeFTPlan.from_json(decided["plan"])
-        self.timings, self.decisions = timings, decided["decisions"]
+        self.timings, self.decisions, self.predicted = timings, decided["decisions"], decided["predicted"]
         self._check_same_plan()
         self.decided, self.iteration = True, 0
         self._probes.projections.clear()
         log.info(f"commsched deft: {self.deft_plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                  f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, "
                  f"all-reduce {sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary")
+        if decided["dear"]:
+            log.info(f"commsched deft: predicted {self.predicted['plan_ms']:.1f} ms per step with this plan and "
+                     f"{self.predicted['dear_ms']:.1f} ms with DeAR's decoupling on the same buckets: DeAR runs the "
+                     f"iterations (exact, nothing delayed; deft.dear_fallback={self.options.dear_fallback}, \"never\" keeps the plan)")
+            self._hand_over_to_dear()
 
-    def _solve(self, timings: Timings, stats: dict[str, float]) -> dict[str, Any]:
+    def _may_hand_over(self) -> bool:
+        """DeAR is worth predicting: not forced to a plan, not observed every step, more than one rank."""
+        return (self.options.dear_fallback != "never" and self.options.timings_file is None and self.link.world_size > 1
+                and not self.observed.gradients and not self.observed.weights_every_step and self._module is not None)
+
+    def _solve(self, timings: Timings, stats: dict[str, float],
+               halves: Optional[tuple[list[float], list[float]]]) -> dict[str, Any]:
         numels = [b.buffer.numel() for b in self.plan.buckets]
 
         def solve(capacity: Optional[float]) -> DeFTPlan:
@@ -254,7 +339,25 @@ class DeFTSchedule(Schedule):
             plan, decisions = self.settings.preserver.choose(solve, self.options.capacity, stats)
         else:
             plan, decisions = solve(self.options.capacity), []
-        return {"plan": plan.to_json(), "decisions": decisions}
+        decided: dict[str, Any] = {"plan": plan.to_json(), "decisions": decisions, "dear": False, "predicted": {}}
+        if halves is not None:
+            plan_s = plan_seconds(plan, timings, numels)
+            dear_s = dear_seconds(timings.forward, timings.backward, *halves)
+            decided["predicted"] = {"plan_ms": plan_s * 1e3, "dear_ms": dear_s * 1e3}
+            decided["dear"] = (not plan.delayed if self.options.dear_fallback == "when_undelayed"
+                               else dear_is_faster(plan_s, dear_s))
+        return decided
+
+    def report(self) -> dict[str, Any]:
+        """What was decided, for metrics files and benchmark tables."""
+        described = self.deft_plan.describe()
+        if self.decoupled is not None:
+            described += (f"; run by DeAR (predicted {self.predicted['dear_ms']:.0f} ms/step vs "
+                          f"{self.predicted['plan_ms']:.0f} ms with the plan)")
+        return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
+                "staleness": self.deft_plan.staleness, "runs": "dear" if self.decoupled is not None else "plan",
+                "predicted": self.predicted, "mu": self.timings.mu if self.timings is not None else None,
+                "preserver": self.decisions}
 
     def _check_same_plan(self) -> None:
         digest = int(self.deft_plan.digest(), 16) % (2**62)
@@ -265,12 +368,16 @@ class DeFTSchedule(Schedule):
     # ---------------------------------------------------------- flush points
     def flush(self) -> None:
         """Checkpoints, validation, callbacks: wait for what is in flight; delayed gradients stay delayed."""
+        if self.decoupled is not None:
+            self.decoupled.flush()
         for generation in self._generations.values():
             generation.drain()
 
     def drain(self) -> None:
         """End of training, or buckets about to change: send what is left (primary link, generation
         order, item order: the same on every rank) and step with every generation in order."""
+        if self.decoupled is not None:
+            self.decoupled.drain()
         if self._stepper is None or not self._generations:
             self.flush()
             return
@@ -290,9 +397,12 @@ class DeFTSchedule(Schedule):
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
         if self._replan:  # asked to solve again: the buckets being rebuilt start measuring
+            if self.decoupled is not None:
+                self._take_back()
             self._restart_measuring()
         return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided, "iteration": self.iteration,
-                           "seen": self.seen, "decisions": self.decisions,
+                           "seen": self.seen, "decisions": self.decisions, "predicted": self.predicted,
+                           "dear": self.decoupled is not None,
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
@@ -306,6 +416,9 @@ class DeFTSchedule(Schedule):
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
         self.decisions = list(state.get("decisions", []))
+        self.predicted = dict(state.get("predicted", {}))
+        if state.get("dear") and self.decoupled is None:
+            self._hand_over_to_dear()
         for saved in state.get("generations", []):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])

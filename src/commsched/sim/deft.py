@@ -7,7 +7,8 @@ the secondary's are `mu` times them (in a run, mu is measured).
 
 from __future__ import annotations
 
-from commsched.deft.plan import FORWARD, LINK_NAMES, DeFTPlan, Timings, plan_for
+from commsched.deft.plan import LINK_NAMES, DeFTPlan, Launch, Timings, plan_for
+from commsched.deft.predict import replay
 from commsched.sim.network import CostModel
 from commsched.sim.schedules import Result, _bucket_bytes, _compute_spans, fixed_size, grad_ready
 from commsched.sim.workload import Workload
@@ -32,33 +33,17 @@ def deft(workload: Workload, network: CostModel, workers: int, bucket_bytes: flo
     bucket_ready = [max(ready[i] for i in bucket) for bucket in buckets]
     item_bytes = [_bucket_bytes(workload, buckets[item.bucket]) * item.numel /
                   sum(i.numel for i in plan.items if i.bucket == item.bucket) for item in plan.items]
-    link_free = [0.0, 0.0]
-    done: dict[int, float] = {}  # generation -> when its last launched item completes
+
+    def cost(launch: Launch) -> float:
+        return network.time("all_reduce", item_bytes[launch.item], workers) * (mu if launch.link else 1.0)
+
+    replayed = replay(plan, workload.forward_s, workload.backward_s, bucket_ready, cost)
     spans: list[Span] = []
-    clock, starts = 0.0, []
-    iterations = len(plan.prefix) + 2 * plan.n
-    for t in range(iterations):
-        it = plan.at(t)
-        starts.append(clock)
-        forward, t_ff = _compute_spans(workload, clock, "forward")
-        backward, t_end = _compute_spans(workload, t_ff, "backward")
-        if t >= len(plan.prefix) + plan.n:  # the trace shows one period in steady state
-            spans += forward + backward
-        for launch in it.launches:
-            if launch.stage == FORWARD:
-                earliest = clock
-            elif launch.generation != it.joins:
-                earliest = t_ff
-            else:
-                earliest = t_ff + bucket_ready[plan.items[launch.item].bucket]
-            cost = network.time("all_reduce", item_bytes[launch.item], workers) * (mu if launch.link else 1.0)
-            start = max(link_free[launch.link], earliest)
-            link_free[launch.link] = start + cost
-            done[launch.generation] = max(done.get(launch.generation, 0.0), start + cost)
-            if t >= len(plan.prefix) + plan.n:
-                spans.append(Span(f"link: {LINK_NAMES[launch.link]}", f"all_reduce g{launch.generation} i{launch.item}", start, start + cost))
-        clock = max([t_end] + [done[g] for g in it.steps])
-    period_start = starts[len(plan.prefix) + plan.n]
-    result = Result("deft", (clock - period_start) / plan.n, spans, len(plan.items))
+    for start in replayed.starts[len(plan.prefix) + plan.n:]:  # the trace shows one period in steady state
+        forward, t_ff = _compute_spans(workload, start, "forward")
+        spans += forward + _compute_spans(workload, t_ff, "backward")[0]
+    spans += [Span(f"link: {LINK_NAMES[s.launch.link]}", f"all_reduce g{s.launch.generation} i{s.launch.item}", s.start, s.end)
+              for s in replayed.steady]
+    result = Result("deft", replayed.iteration_s, spans, len(plan.items))
     result.plan = plan  # type: ignore[attr-defined]
     return result

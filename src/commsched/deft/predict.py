@@ -1,0 +1,109 @@
+"""Iteration times predicted from the measurements DeFT solves from: its plan replayed, and DeAR.
+
+DeFT hides communication by delaying it; when the plan it may use delays nothing (the Preserver's
+default allows no stale gradient) and one link carries everything, each bucket is all-reduced in
+its own backward, as DDP does. DeAR, exact as well, also hides its all-gathers under the next
+forward; on such a link it is faster. The strategy compares the two predictions from the same
+measured stage times and hands the iterations to DeAR's decoupling when that is clearly faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from commsched.deft.plan import FORWARD, DeFTPlan, Launch, Timings
+
+DEAR_MARGIN = 0.02
+"""DeAR must be predicted this much faster (a fraction of the plan's time) to be chosen: the model
+leaves out what the two share (optimizer, data) and a close call is not worth a different schedule."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One launch of the replay: in which iteration, and when its all-reduce ran on its link."""
+
+    iteration: int
+    launch: Launch
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Replay:
+    iteration_s: float
+    """Mean iteration time over one period in steady state."""
+    starts: list[float]
+    """When each replayed iteration started (prefix, then two periods)."""
+    steady: list[Sent]
+    """The launches of the steady period (the second one)."""
+
+
+def replay(plan: DeFTPlan, forward_s: float, backward_s: float, ready_at: Sequence[float],
+           cost: Callable[[Launch], float]) -> Replay:
+    """The plan on a compute lane and one FIFO lane per link: forward-stage launches start with the
+    forward, older generations' backward launches when backward starts, this iteration's when their
+    bucket is ready (`ready_at[bucket]`, seconds into backward); an iteration ends when backward
+    has and every generation it steps is reduced."""
+    link_free: dict[int, float] = {}
+    done: dict[int, float] = {}
+    starts: list[float] = []
+    steady: list[Sent] = []
+    first_steady = len(plan.prefix) + plan.n
+    clock = 0.0
+    for t in range(len(plan.prefix) + 2 * plan.n):
+        it = plan.at(t)
+        starts.append(clock)
+        backward_start = clock + forward_s
+        for launch in it.launches:
+            if launch.stage == FORWARD:
+                earliest = clock
+            elif launch.generation != it.joins:
+                earliest = backward_start
+            else:
+                earliest = backward_start + ready_at[plan.items[launch.item].bucket]
+            start = max(link_free.get(launch.link, 0.0), earliest)
+            end = link_free[launch.link] = start + cost(launch)
+            done[launch.generation] = max(done.get(launch.generation, 0.0), end)
+            if t >= first_steady:
+                steady.append(Sent(t, launch, start, end))
+        clock = max([backward_start + backward_s] + [done[g] for g in it.steps])
+    return Replay((clock - starts[first_steady]) / plan.n, starts, steady)
+
+
+def plan_seconds(plan: DeFTPlan, timings: Timings, bucket_numels: Sequence[int]) -> float:
+    """The plan's steady iteration from per-bucket timings (an item costs its share of its bucket)."""
+    ready_at, clock = [], 0.0
+    for seconds in timings.backward:
+        clock += seconds
+        ready_at.append(clock)
+
+    def cost(launch: Launch) -> float:
+        item = plan.items[launch.item]
+        return timings.costs[launch.link][item.bucket] * item.numel / bucket_numels[item.bucket]
+
+    return replay(plan, timings.forward, sum(timings.backward), ready_at, cost).iteration_s
+
+
+def dear_seconds(forward_s: float, backward: Sequence[float], reduce_scatter: Sequence[float],
+                 all_gather: Sequence[float]) -> float:
+    """DeAR's steady iteration ([DeAR] §III) on buckets in backward order: all-gathers chained from
+    the start of forward, last bucket first, each bucket's share of the forward (its share of the
+    backward, the only per-bucket compute measured) waiting for its own; then reduce-scatters
+    chained as buckets become ready in backward."""
+    n = len(backward)
+    total = sum(backward)
+    share = [b / total for b in backward] if total > 0 else [1.0 / n] * n
+    link = clock = 0.0
+    for b in reversed(range(n)):
+        link += all_gather[b]
+        clock = max(clock, link) + forward_s * share[b]
+    ready = link = clock
+    for b in range(n):
+        ready += backward[b]
+        link = max(link, ready) + reduce_scatter[b]
+    return max(ready, link)
+
+
+def dear_is_faster(plan_s: float, dear_s: float) -> bool:
+    return dear_s < plan_s * (1.0 - DEAR_MARGIN)
