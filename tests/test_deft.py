@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
-from commsched.deft.predict import dear_is_faster, dear_seconds, plan_seconds
+from commsched.deft.predict import balanced_links, dear_is_faster, dear_seconds, plan_seconds
 from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
                                     recursive_knapsack)
 from commsched.deft.walk import WalkState, expected_next, gradient_statistics, plan_ratio
@@ -236,20 +236,34 @@ def test_predictions_agree_with_the_simulator():
         timings = Timings(forward, backward, [all_reduce, [math.inf] * n])
         ddp = plan_seconds(no_delay_plan([Item(b, 0, numels[b]) for b in range(n)]), timings, numels)
         assert ddp == pytest.approx(simulated_wfbp(workload, costs, 2, buckets).iteration_s)
-        assert dear_seconds(forward, backward, *halves) == pytest.approx(simulated_dear(workload, costs, 2, buckets).iteration_s)
+        assert dear_seconds(forward, backward, [halves[0]], [halves[1]]) == pytest.approx(
+            simulated_dear(workload, costs, 2, buckets).iteration_s)
 
 
 def test_dear_is_chosen_only_when_clearly_faster():
     # one bucket: nothing for DeAR to overlap, its two halves cost more than the all-reduce
-    assert dear_seconds(1.0, [1.0], [0.6], [0.6]) == pytest.approx(3.2)
+    assert dear_seconds(1.0, [1.0], [[0.6]], [[0.6]]) == pytest.approx(3.2)
     assert plan_seconds(no_delay_plan([Item(0, 0, 10)]), Timings(1.0, [1.0], [[1.0], [math.inf]]), [10]) == pytest.approx(3.0)
     assert not dear_is_faster(3.0, 3.2)
     # many buckets on a slow link: DeAR hides the all-gathers under the next forward
     timings = Timings(1.0, [0.25] * 4, [[1.0] * 4, [math.inf] * 4])
     plan_s = plan_seconds(no_delay_plan([Item(b, 0, 10) for b in range(4)]), timings, [10] * 4)
-    dear_s = dear_seconds(1.0, [0.25] * 4, [0.5] * 4, [0.5] * 4)
+    dear_s = dear_seconds(1.0, [0.25] * 4, [[0.5] * 4], [[0.5] * 4])
     assert plan_s == pytest.approx(1.0 + 0.25 + 4.0) and dear_s < plan_s and dear_is_faster(plan_s, dear_s)
     assert not dear_is_faster(1.0, 0.99)  # within the margin: keep the plan
+
+
+def test_dear_over_two_links_balances_the_buckets():
+    halves = [[0.5] * 4, [0.75] * 4]  # the secondary 1.5x slower
+    link_of = balanced_links(halves, halves)
+    assert link_of == [0, 1, 0, 0]  # the slower link takes what it can finish no later than the primary
+    one = dear_seconds(1.0, [0.25] * 4, halves, halves, [0] * 4)
+    assert one == pytest.approx(dear_seconds(1.0, [0.25] * 4, halves[:1], halves[:1]))
+    two = dear_seconds(1.0, [0.25] * 4, halves, halves, link_of)
+    assert two < one
+    # by hand: forward ends at 1.75 (b3, b2, b0 gathered on the primary by 0.5, 1.0, 1.5; b1 on the
+    # secondary by 0.75); backward's reduce-scatters end at 2.5 (b0), 3.0 (b1 secondary), 3.0, 3.5
+    assert (one, two) == (pytest.approx(4.5), pytest.approx(3.5))
 
 
 # ---------------------------------------------------------------- real runs
@@ -277,7 +291,7 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
     proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved",
-                      "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed")
+                      "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -372,6 +386,17 @@ def test_an_undelayed_plan_handed_to_dear_equals_sync_sgd_and_resumes_exactly(de
         resumed = deft_runs("handed-sgd-resumed", rank)
         assert resumed["report"]["runs"] == "dear"
         assert max_abs_diff(deft_runs("handed-sgd", rank)["state"], resumed["state"])[0] <= 1e-6
+
+
+def test_dear_over_both_links_equals_sync_training(deft_runs):
+    """Halves from the timings file: DeAR over both links is predicted fastest and runs, exactly."""
+    result, other = deft_runs("handed-two-links"), deft_runs("handed-two-links", 1)
+    assert result["report"]["runs"] == "dear" and set(result["report"]["dear_links"]) == {"primary", "secondary"}
+    collectives = {(link, collective) for link, collective, *_ in result["trace"]}
+    assert {(link, op) for link in ("primary", "secondary") for op in ("reduce_scatter", "all_gather")} <= collectives
+    assert max_abs_diff(replay(result), result["state"])[0] <= 1e-5
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert per_link(result["trace"]) == per_link(other["trace"])
 
 
 def test_preserver_decides_and_logs_every_decision(deft_runs):

@@ -200,10 +200,11 @@ class DeFTOptions:
     measuring (a reproducible or forced plan)."""
     dear_fallback: str = option("when_faster", one_of(*DEAR_FALLBACKS))
     """When DeAR's exact decoupling runs the iterations instead of the plan: "when_faster" (DeAR's
-    reduce-scatter and all-gather of each bucket are timed too, and DeAR is predicted at least 2%
-    faster: typically a plan that delays nothing on one link, i.e. DDP's schedule), "when_undelayed"
-    (whenever the plan delays nothing), "never". Not with a timings file (the plan is forced), nor
-    when callbacks read gradients or weights every step (DeAR gives up its overlap then)."""
+    reduce-scatter and all-gather of each bucket are timed too, on each link with a network of its
+    own, and DeAR is predicted at least 2% faster: typically a plan that delays nothing, i.e. DDP's
+    schedule), "when_undelayed" (whenever the plan delays nothing), "never". With a timings file,
+    only if the file gives the halves too. Never when callbacks read gradients or weights every
+    step (DeAR gives up its overlap then)."""
 
 
 def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:

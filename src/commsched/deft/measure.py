@@ -9,6 +9,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -135,14 +136,45 @@ def agreed_stage_times(forward: float, backward: list[float], control: Link) -> 
 
 def load_timings(path: str, buckets: int) -> Timings:
     """Per-bucket times from a JSON file: {"forward": s, "backward": [s per bucket], "costs": [[primary], [secondary]]}."""
+    data = _read(path)
     try:
-        data = json.loads(Path(path).read_text())
         timings = Timings(float(data["forward"]), [float(x) for x in data["backward"]],
                           [[float(x) for x in per_link] for per_link in data["costs"]])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} is not a timings file ({exc}); expected "
-                                   '{"forward": s, "backward": [s per bucket], "costs": [[s per bucket], [s per bucket]]}') from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _not_timings(path, exc) from exc
     if len(timings.backward) != buckets or len(timings.costs) != 2 or any(len(c) != buckets for c in timings.costs):
         raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} must give {buckets} bucket(s) of backward "
                                    f"times and of costs on each of the 2 links (this model has {buckets} bucket(s))")
     return timings
+
+
+def load_halves(path: str, buckets: int) -> Optional[tuple[list[list[float]], list[list[float]]]]:
+    """DeAR's halves from the same file, if it gives them: "reduce_scatter" and "all_gather", each
+    [[primary], [secondary]] or [[primary]] per bucket (None: the file decides the plan alone)."""
+    data = _read(path)
+    if "reduce_scatter" not in data and "all_gather" not in data:
+        return None
+    try:
+        halves = tuple([[float(x) for x in per_link] for per_link in data[key]] for key in ("reduce_scatter", "all_gather"))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _not_timings(path, exc) from exc
+    if any(not 1 <= len(h) <= 2 or any(len(c) != buckets for c in h) for h in halves) or len(halves[0]) != len(halves[1]):
+        raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r}: reduce_scatter and all_gather must each give "
+                                   f"{buckets} time(s) per link for the same 1 or 2 links")
+    return halves[0], halves[1]
+
+
+def _read(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise _not_timings(path, exc) from exc
+    if not isinstance(data, dict):
+        raise _not_timings(path, TypeError("not a JSON object"))
+    return data
+
+
+def _not_timings(path: str, exc: BaseException) -> CommSchedConfigError:
+    return CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} is not a timings file ({exc}); expected "
+                                '{"forward": s, "backward": [s per bucket], "costs": [[s per bucket], [s per bucket]]} and '
+                                'optionally "reduce_scatter", "all_gather" ([[s per bucket] per link])')

@@ -4,13 +4,15 @@ DeFT hides communication by delaying it; when the plan it may use delays nothing
 default allows no stale gradient) and one link carries everything, each bucket is all-reduced in
 its own backward, as DDP does. DeAR, exact as well, also hides its all-gathers under the next
 forward; on such a link it is faster. The strategy compares the two predictions from the same
-measured stage times and hands the iterations to DeAR's decoupling when that is clearly faster.
+measured stage times and hands the iterations to DeAR's decoupling when that is clearly faster,
+over the primary alone or, where the secondary has a network of its own, over both (buckets
+balanced between them) if that is predicted faster still.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from commsched.deft.plan import FORWARD, DeFTPlan, Launch, Timings
 
@@ -85,24 +87,39 @@ def plan_seconds(plan: DeFTPlan, timings: Timings, bucket_numels: Sequence[int])
     return replay(plan, timings.forward, sum(timings.backward), ready_at, cost).iteration_s
 
 
-def dear_seconds(forward_s: float, backward: Sequence[float], reduce_scatter: Sequence[float],
-                 all_gather: Sequence[float]) -> float:
-    """DeAR's steady iteration ([DeAR] §III) on buckets in backward order: all-gathers chained from
-    the start of forward, last bucket first, each bucket's share of the forward (its share of the
-    backward, the only per-bucket compute measured) waiting for its own; then reduce-scatters
-    chained as buckets become ready in backward."""
+def dear_seconds(forward_s: float, backward: Sequence[float], reduce_scatter: Sequence[Sequence[float]],
+                 all_gather: Sequence[Sequence[float]], link_of: Optional[Sequence[int]] = None) -> float:
+    """DeAR's steady iteration ([DeAR] §III) on buckets in backward order, each bucket's halves on
+    link `link_of[b]` (default: all on link 0; `reduce_scatter[link][bucket]`): all-gathers chained
+    per link from the start of forward, last bucket first, each bucket's share of the forward (its
+    share of the backward, the only per-bucket compute measured) waiting for its own; then
+    reduce-scatters chained per link as buckets become ready in backward."""
     n = len(backward)
+    link_of = list(link_of) if link_of is not None else [0] * n
     total = sum(backward)
     share = [b / total for b in backward] if total > 0 else [1.0 / n] * n
-    link = clock = 0.0
+    free: dict[int, float] = {}
+    clock = 0.0
     for b in reversed(range(n)):
-        link += all_gather[b]
-        clock = max(clock, link) + forward_s * share[b]
-    ready = link = clock
+        free[link_of[b]] = free.get(link_of[b], 0.0) + all_gather[link_of[b]][b]
+        clock = max(clock, free[link_of[b]]) + forward_s * share[b]
+    ready, free = clock, {}
     for b in range(n):
         ready += backward[b]
-        link = max(link, ready) + reduce_scatter[b]
-    return max(ready, link)
+        free[link_of[b]] = max(free.get(link_of[b], clock), ready) + reduce_scatter[link_of[b]][b]
+    return max([ready, *free.values()])
+
+
+def balanced_links(reduce_scatter: Sequence[Sequence[float]], all_gather: Sequence[Sequence[float]]) -> list[int]:
+    """Each bucket (backward order) on the link where its two halves would end first, given the
+    halves already placed: the list-scheduling rule, which keeps both links equally busy."""
+    load = [0.0] * len(reduce_scatter)
+    link_of = []
+    for b in range(len(reduce_scatter[0])):
+        link = min(range(len(load)), key=lambda l: (load[l] + reduce_scatter[l][b] + all_gather[l][b], l))
+        load[link] += reduce_scatter[link][b] + all_gather[link][b]
+        link_of.append(link)
+    return link_of
 
 
 def dear_is_faster(plan_s: float, dear_s: float) -> bool:

@@ -10,6 +10,10 @@ bucket runs, with the hyper-parameters snapshotted at step time. This keeps any 
 its state and its checkpoints exactly as under DDP (a plain `ddp` run can resume from them), at
 the price of the full optimizer work on every rank -- the same work DDP does.
 
+Each bucket's two halves go over one link: the primary, or the link `DeARSettings.bucket_links`
+names (DeFT hands its iterations to DeAR over both of its links when that is faster); each link
+then has its own chain of all-gathers.
+
 When user code reads gradients after backward (`Observed.gradients`), the all-gathers run at the
 end of backward instead and the step is taken at once: the forward overlap is given up so that
 `on_after_backward` and `on_before_optimizer_step` see whole, averaged gradients as under DDP.
@@ -17,6 +21,7 @@ end of backward instead and the step is taken at once: the forward overlap is gi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -32,17 +37,32 @@ from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapsho
 from commsched.schedules.step_control import run_with_step_replaced
 
 
+@dataclass(frozen=True)
+class DeARSettings:
+    bucket_links: Optional[tuple[str, ...]] = None
+    """Per bucket, the link of its reduce-scatter and all-gather (None: the primary for every bucket)."""
+
+
 class _PendingUpdate:
     """The update of one optimizer step, waiting to be applied bucket by bucket."""
 
-    def __init__(self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: InOrder, order: list[int]) -> None:
+    def __init__(self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: dict[str, InOrder],
+                 position: dict[int, tuple[str, int]]) -> None:
         self.stepper = stepper
         self.step = step
         self.hyper = hyper
         self.gathers = gathers
-        self.position = {b: i for i, b in enumerate(order)}  # bucket -> its place in the chain of all-gathers
-        self.waiting = [True] * len(order)  # False once the bucket is applied
-        self.left = len(order)
+        self.position = position  # bucket -> its link's chain of all-gathers and its place in it
+        self.waiting = [True] * len(position)  # False once the bucket is applied
+        self.left = len(position)
+
+    def wait(self, b: int) -> None:
+        chain, i = self.position[b]
+        self.gathers[chain].wait(i)
+
+    def done(self, b: int) -> bool:
+        chain, i = self.position[b]
+        return self.gathers[chain].done(i)
 
 
 class DeARSchedule(Schedule):
@@ -54,7 +74,9 @@ class DeARSchedule(Schedule):
 
     def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
         super().__init__(plan, links, observed, settings)
-        self._reducers = [ShardedReduce(b.buffer, self.link) for b in plan.buckets]
+        names = getattr(settings, "bucket_links", None) or ("primary",) * len(plan.buckets)
+        self._bucket_links = [links[name] for name in names]
+        self._reducers = [ShardedReduce(b.buffer, link) for b, link in zip(plan.buckets, self._bucket_links)]
         self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
         self._pending: Optional[_PendingUpdate] = None
         self._stepper: Optional[SubsetStepper] = None
@@ -172,9 +194,13 @@ class DeARSchedule(Schedule):
         self.flush()
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
-        order = list(reversed(range(len(self.plan.buckets))))  # forward needs the last bucket first
-        gathers = self.link.in_order([partial(self._reducers[b].gather, f"bucket{b}") for b in order])
-        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), gathers, order)
+        chains: dict[str, list[int]] = {}
+        for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
+            chains.setdefault(self._bucket_links[b].name, []).append(b)
+        gathers = {name: self.links[name].in_order([partial(self._reducers[b].gather, f"bucket{b}") for b in order])
+                   for name, order in chains.items()}
+        position = {b: (name, i) for name, order in chains.items() for i, b in enumerate(order)}
+        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), gathers, position)
         # The update is real, only later: keep torch's scheduler from warning that it stepped first.
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -184,11 +210,10 @@ class DeARSchedule(Schedule):
         pending = self._pending
         if pending is None or not pending.waiting[b]:
             return
-        pending.gathers.wait(pending.position[b])
-        ready = [b] + [c for c, waiting in enumerate(pending.waiting)
-                       if waiting and c != b and pending.gathers.done(pending.position[c])]
+        pending.wait(b)
+        ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and pending.done(c)]
         for c in ready:
-            pending.gathers.wait(pending.position[c])  # completed: re-raises a failure, runs nothing
+            pending.wait(c)  # completed: re-raises a failure, runs nothing
             pending.waiting[c] = False
         self._hand_back_gradients(ready)
         pending.stepper.step_buckets(ready, pending.hyper, pending.step)

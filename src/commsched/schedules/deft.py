@@ -34,15 +34,15 @@ from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
 from commsched.deft.generations import BufferPool, Generation
-from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_timings
-from commsched.deft.predict import dear_is_faster, dear_seconds, plan_seconds
+from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
+from commsched.deft.predict import balanced_links, dear_is_faster, dear_seconds, plan_seconds
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan, plan_for
 from commsched.deft.probes import GradientProbes
 from commsched.errors import ScheduleError
 from commsched.links import Links
 from commsched.options import DeFTOptions
 from commsched.schedules.base import Observed, Schedule, params_of
-from commsched.schedules.dear import DeARSchedule
+from commsched.schedules.dear import DeARSchedule, DeARSettings
 from commsched.schedules.step_control import run_with_step_replaced
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ class DeFTSchedule(Schedule):
         self._module: Optional[nn.Module] = None
         self.decoupled: Optional[DeARSchedule] = None
         """DeAR running the iterations on the same buckets, when it was predicted faster than the plan."""
+        self.dear_links: list[str] = []
+        """The link of each bucket under DeAR."""
         self.predicted: dict[str, float] = {}
 
     @classmethod
@@ -121,11 +123,12 @@ class DeFTSchedule(Schedule):
         if self.decoupled is not None:
             self.decoupled.sync_enabled = value
 
-    def _hand_over_to_dear(self) -> None:
+    def _hand_over_to_dear(self, bucket_links: list[str]) -> None:
         """DeAR's hooks replace DeFT's on the same buckets (at an iteration boundary: nothing is delayed)."""
         assert self._module is not None and not self._generations
         self.capture.detach()
-        self.decoupled = DeARSchedule(self.plan, self.links, self.observed)
+        self.dear_links = list(bucket_links)
+        self.decoupled = DeARSchedule(self.plan, self.links, self.observed, DeARSettings(tuple(bucket_links)))
         self.decoupled.attach(self._module)
         self.decoupled.sync_enabled = self.capture.sync_enabled
         self.steps_this_iteration = 1
@@ -135,7 +138,7 @@ class DeFTSchedule(Schedule):
         assert self.decoupled is not None
         self.decoupled.flush()
         self.decoupled.detach()
-        self.decoupled = None
+        self.decoupled, self.dear_links = None, []
         self.capture.attach()
 
     def _whole_buckets(self) -> list[Item]:
@@ -295,6 +298,7 @@ class DeFTSchedule(Schedule):
         forward, backward = self._meter.per_bucket_backward(len(self.plan.buckets))
         control = self.links.control
         forward, backward = agreed_stage_times(forward, backward, control)
+        shared = False
         if self.options.timings_file is not None:
             timings = load_timings(self.options.timings_file, len(self.plan.buckets))
         else:
@@ -304,7 +308,13 @@ class DeFTSchedule(Schedule):
                 log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
                          "down): only the primary is used")
         stats = self._probes.walk_statistics(self.settings.preserver)
-        halves = halves_seconds(self.plan, self._links[0], control, self.options.cost_repeats) if self._may_hand_over() else None
+        halves = None
+        if self._may_hand_over() and self.options.timings_file is not None:
+            halves = load_halves(self.options.timings_file, len(self.plan.buckets))
+        elif self._may_hand_over():  # on a shared wire DeAR gains nothing from the second group either
+            measured = [halves_seconds(self.plan, link, control, self.options.cost_repeats)
+                        for link in (self._links[:1] if shared else self._links)]
+            halves = ([rs for rs, _ in measured], [ag for _, ag in measured])
         decided = None
         if control.rank == 0:
             decided = self._solve(timings, stats, halves)
@@ -319,17 +329,18 @@ class DeFTSchedule(Schedule):
                  f"all-reduce {sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary")
         if decided["dear"]:
             log.info(f"commsched deft: predicted {self.predicted['plan_ms']:.1f} ms per step with this plan and "
-                     f"{self.predicted['dear_ms']:.1f} ms with DeAR's decoupling on the same buckets: DeAR runs the "
+                     f"{self.predicted['dear_ms']:.1f} ms with DeAR's decoupling on the same buckets over "
+                     f"{'+'.join(sorted(set(decided['dear_links'])))}: DeAR runs the "
                      f"iterations (exact, nothing delayed; deft.dear_fallback={self.options.dear_fallback}, \"never\" keeps the plan)")
-            self._hand_over_to_dear()
+            self._hand_over_to_dear(decided["dear_links"])
 
     def _may_hand_over(self) -> bool:
-        """DeAR is worth predicting: not forced to a plan, not observed every step, more than one rank."""
-        return (self.options.dear_fallback != "never" and self.options.timings_file is None and self.link.world_size > 1
+        """DeAR is worth predicting: allowed, not observed every step, more than one rank."""
+        return (self.options.dear_fallback != "never" and self.link.world_size > 1
                 and not self.observed.gradients and not self.observed.weights_every_step and self._module is not None)
 
     def _solve(self, timings: Timings, stats: dict[str, float],
-               halves: Optional[tuple[list[float], list[float]]]) -> dict[str, Any]:
+               halves: Optional[tuple[list[list[float]], list[list[float]]]]) -> dict[str, Any]:
         numels = [b.buffer.numel() for b in self.plan.buckets]
 
         def solve(capacity: Optional[float]) -> DeFTPlan:
@@ -341,9 +352,13 @@ class DeFTSchedule(Schedule):
             plan, decisions = solve(self.options.capacity), []
         decided: dict[str, Any] = {"plan": plan.to_json(), "decisions": decisions, "dear": False, "predicted": {}}
         if halves is not None:
+            reduce_scatter, all_gather = halves
+            options = [[0] * len(numels)] + ([balanced_links(reduce_scatter, all_gather)] if len(reduce_scatter) > 1 else [])
+            dear_s, links = min((dear_seconds(timings.forward, timings.backward, reduce_scatter, all_gather, link_of), link_of)
+                                for link_of in options)
             plan_s = plan_seconds(plan, timings, numels)
-            dear_s = dear_seconds(timings.forward, timings.backward, *halves)
             decided["predicted"] = {"plan_ms": plan_s * 1e3, "dear_ms": dear_s * 1e3}
+            decided["dear_links"] = [LINK_NAMES[l] for l in links]
             decided["dear"] = (not plan.delayed if self.options.dear_fallback == "when_undelayed"
                                else dear_is_faster(plan_s, dear_s))
         return decided
@@ -352,10 +367,11 @@ class DeFTSchedule(Schedule):
         """What was decided, for metrics files and benchmark tables."""
         described = self.deft_plan.describe()
         if self.decoupled is not None:
-            described += (f"; run by DeAR (predicted {self.predicted['dear_ms']:.0f} ms/step vs "
+            described += (f"; run by DeAR over {'+'.join(sorted(set(self.dear_links)))} (predicted {self.predicted['dear_ms']:.0f} ms/step vs "
                           f"{self.predicted['plan_ms']:.0f} ms with the plan)")
         return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
                 "staleness": self.deft_plan.staleness, "runs": "dear" if self.decoupled is not None else "plan",
+                "dear_links": self.dear_links,
                 "predicted": self.predicted, "mu": self.timings.mu if self.timings is not None else None,
                 "preserver": self.decisions}
 
@@ -402,7 +418,7 @@ class DeFTSchedule(Schedule):
             self._restart_measuring()
         return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided, "iteration": self.iteration,
                            "seen": self.seen, "decisions": self.decisions, "predicted": self.predicted,
-                           "dear": self.decoupled is not None,
+                           "dear": self.decoupled is not None, "dear_links": self.dear_links,
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
@@ -418,7 +434,7 @@ class DeFTSchedule(Schedule):
         self.decisions = list(state.get("decisions", []))
         self.predicted = dict(state.get("predicted", {}))
         if state.get("dear") and self.decoupled is None:
-            self._hand_over_to_dear()
+            self._hand_over_to_dear(state["dear_links"])
         for saved in state.get("generations", []):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
