@@ -83,7 +83,7 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("schedule=deft preserver.growth=1", "preserver.growth=1.0; allowed: a number > 1"),
         ("schedule=deft preserver.max_staleness=-1", "preserver.max_staleness=-1; allowed: an integer >= 0"),
         ("schedule=deft link.secondary_backend=mpi", "link.secondary_backend='mpi'; allowed: one of 'gloo', 'nccl'"),
-        ("schedule=deft deft.dear_fallback=sometimes", "deft.dear_fallback='sometimes'; allowed: one of 'when_faster', 'when_undelayed', 'never'"),
+        ("schedule=deft deft.fallback=sometimes", "deft.fallback='sometimes'; allowed: one of 'when_faster', 'when_undelayed', 'never'"),
     ],
 )
 def test_bad_values_are_refused_with_allowed_values(override, message):

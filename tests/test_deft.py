@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
-from commsched.deft.predict import balanced_links, dear_is_faster, dear_seconds, plan_seconds
+from commsched.deft.predict import balanced_links, choose_schedule, dear_is_faster, dear_seconds, plan_seconds
 from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
                                     recursive_knapsack)
 from commsched.deft.walk import WalkState, expected_next, gradient_statistics, plan_ratio
@@ -253,6 +253,25 @@ def test_dear_is_chosen_only_when_clearly_faster():
     assert not dear_is_faster(1.0, 0.99)  # within the margin: keep the plan
 
 
+def test_the_choice_of_schedule():
+    items = [Item(b, 0, 10) for b in range(4)]
+    ddp, numels = no_delay_plan(items), [10] * 4
+    timings = Timings(1.0, [0.25] * 4, [[1.0] * 4, [1.0] * 4])
+    slow_halves = ([[2.0] * 4], [[2.0] * 4])
+    fast_halves = ([[0.5] * 4, [0.5] * 4], [[0.5] * 4, [0.5] * 4])
+    assert ddp.is_ddp and choose_schedule(ddp, timings, numels, "when_faster", None).runs == "wfbp"
+    assert choose_schedule(ddp, timings, numels, "when_faster", slow_halves).runs == "wfbp"
+    assert choose_schedule(ddp, timings, numels, "when_undelayed", slow_halves).runs == "dear"
+    assert choose_schedule(ddp, timings, numels, "never", fast_halves).runs == "plan"
+    fast = choose_schedule(ddp, timings, numels, "when_faster", fast_halves)
+    assert fast.runs == "dear" and set(fast.dear_links) == {"primary", "secondary"}
+    assert fast.predicted["dear_ms"] < fast.predicted["plan_ms"]
+    delayed = plan_for(numels, timings, 0.5)
+    assert delayed.delayed and not delayed.is_ddp
+    assert choose_schedule(delayed, timings, numels, "when_faster", None).runs == "plan"
+    assert choose_schedule(delayed, timings, numels, "when_undelayed", fast_halves).runs == "plan"
+
+
 def test_dear_over_two_links_balances_the_buckets():
     halves = [[0.5] * 4, [0.75] * 4]  # the secondary 1.5x slower
     link_of = balanced_links(halves, halves)
@@ -291,7 +310,8 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
     proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved",
-                      "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links")
+                      "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
+                      "handed-wfbp")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -394,6 +414,16 @@ def test_dear_over_both_links_equals_sync_training(deft_runs):
     assert result["report"]["runs"] == "dear" and set(result["report"]["dear_links"]) == {"primary", "secondary"}
     collectives = {(link, collective) for link, collective, *_ in result["trace"]}
     assert {(link, op) for link in ("primary", "secondary") for op in ("reduce_scatter", "all_gather")} <= collectives
+    assert max_abs_diff(replay(result), result["state"])[0] <= 1e-5
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert per_link(result["trace"]) == per_link(other["trace"])
+
+
+def test_ddps_schedule_is_handed_to_wfbp_when_dear_may_not_run(deft_runs):
+    result, other = deft_runs("handed-wfbp"), deft_runs("handed-wfbp", 1)
+    assert result["report"]["runs"] == "wfbp" and not result["report"]["predicted"]  # DeAR not even timed
+    after_decision = [op for link, op, tag, *_ in result["trace"] if link == "primary" and tag.startswith("bucket")]
+    assert after_decision and set(after_decision) == {"all_reduce"}
     assert max_abs_diff(replay(result), result["state"])[0] <= 1e-5
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
     assert per_link(result["trace"]) == per_link(other["trace"])

@@ -59,7 +59,7 @@ def test_every_argument_has_a_default():
         ({"deft": DeFTOptions(capacity=0)}, "deft.capacity", 0, "a number > 0"),
         ({"deft": DeFTOptions(warmup_steps=-1)}, "deft.warmup_steps", -1, ">= 0"),
         ({"deft": DeFTOptions(cost_repeats=0)}, "deft.cost_repeats", 0, ">= 1"),
-        ({"deft": DeFTOptions(dear_fallback="sometimes")}, "deft.dear_fallback", "sometimes", "'when_faster', 'when_undelayed', 'never'"),
+        ({"deft": DeFTOptions(fallback="sometimes")}, "deft.fallback", "sometimes", "'when_faster', 'when_undelayed', 'never'"),
         ({"deft": "fast"}, "deft", "fast", "DeFTOptions"),
     ],
 )

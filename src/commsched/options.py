@@ -21,7 +21,7 @@ MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a pro
 FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
-DEAR_FALLBACKS = ("when_faster", "when_undelayed", "never")
+FALLBACKS = ("when_faster", "when_undelayed", "never")
 
 Check = Callable[[str, Any], Any]
 OptionsT = TypeVar("OptionsT")
@@ -198,13 +198,14 @@ class DeFTOptions:
     timings_file: Optional[str] = option(None, optional(text))
     """A JSON file of per-bucket times (``forward``, ``backward``, ``costs``): solve from these instead of
     measuring (a reproducible or forced plan)."""
-    dear_fallback: str = option("when_faster", one_of(*DEAR_FALLBACKS))
-    """When DeAR's exact decoupling runs the iterations instead of the plan: "when_faster" (DeAR's
-    reduce-scatter and all-gather of each bucket are timed too, on each link with a network of its
-    own, and DeAR is predicted at least 2% faster: typically a plan that delays nothing, i.e. DDP's
-    schedule), "when_undelayed" (whenever the plan delays nothing), "never". With a timings file,
-    only if the file gives the halves too. Never when callbacks read gradients or weights every
-    step (DeAR gives up its overlap then)."""
+    fallback: str = option("when_faster", one_of(*FALLBACKS))
+    """Which exact schedule may run the iterations instead of the plan, on the same buckets:
+    "when_faster": DeAR when it is predicted at least 2% faster (its reduce-scatter and all-gather of
+    each bucket are timed too, on each link with a network of its own), else WFBP when the plan is
+    DDP's schedule anyway (the same collectives without generations); "when_undelayed": DeAR
+    whenever the plan delays nothing; "never": the plan. DeAR never when callbacks read gradients
+    or weights every step (it gives up its overlap then); with a timings file, only if the file
+    gives DeAR's halves too."""
 
 
 def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:

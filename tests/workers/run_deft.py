@@ -92,7 +92,19 @@ CASES = {
     "handed-sgd-resumed": ("sgd", 17, "handed-sgd-part", None, None),
     # the same from a timings file whose halves make DeAR over both links the fastest (adamw: per-bucket steps)
     "handed-two-links": ("adamw", 12, None, None, None),
+    # measured, nothing delayed, a callback reads the weights every step (DeAR may not run): WFBP runs DDP's schedule
+    "handed-wfbp": ("sgd", 12, None, None, None),
 }
+
+
+class ReadsWeights(pl.Callback):
+    """Looks at the weights after every batch (as EMA or a logger of weight norms would)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.norms.append(float(sum(p.detach().norm() for p in pl_module.parameters())))
 
 
 def halves(buckets: int) -> dict:
@@ -112,9 +124,11 @@ def fit(out: Path, name: str, world: int) -> None:
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets)}))
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
                                         timings_file=str(timings_file))
+    elif name == "handed-wfbp":
+        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None)
     elif name.startswith("handed"):
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
-                                        dear_fallback="when_undelayed")
+                                        fallback="when_undelayed")
     else:
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
                                         timings_file=str(timings_file))
@@ -124,6 +138,8 @@ def fit(out: Path, name: str, world: int) -> None:
     preserver = commsched.Preserver(recheck_every_n_steps=preserve) if preserve is not None else None
     if preserver is not None:
         callbacks.append(preserver)
+    if name == "handed-wfbp":
+        callbacks.append(ReadsWeights())
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          default_root_dir=out / name, num_sanity_val_steps=0)

@@ -120,6 +120,12 @@ class DeFTPlan:
         return any(k != 1 for k in self.k) or any(l.stage == FORWARD or l.generation != it.joins
                                                     for it in self.period for l in it.launches)
 
+    @property
+    def is_ddp(self) -> bool:
+        """Every iteration's gradients all-reduced in its own backward on the primary and stepped at its
+        end: DDP's schedule (WFBP runs it with less bookkeeping)."""
+        return not self.delayed and all(l.link == 0 for it in (*self.prefix, *self.period) for l in it.launches)
+
     def to_json(self) -> dict:
         return {"items": [asdict(i) for i in self.items], "prefix": [_iteration_json(i) for i in self.prefix],
                 "period": [_iteration_json(i) for i in self.period], "generations_per_period": self.generations_per_period,

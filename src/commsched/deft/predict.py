@@ -11,10 +11,10 @@ balanced between them) if that is predicted faster still.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from commsched.deft.plan import FORWARD, DeFTPlan, Launch, Timings
+from commsched.deft.plan import FORWARD, LINK_NAMES, DeFTPlan, Launch, Timings
 
 DEAR_MARGIN = 0.02
 """DeAR must be predicted this much faster (a fraction of the plan's time) to be chosen: the model
@@ -124,3 +124,38 @@ def balanced_links(reduce_scatter: Sequence[Sequence[float]], all_gather: Sequen
 
 def dear_is_faster(plan_s: float, dear_s: float) -> bool:
     return dear_s < plan_s * (1.0 - DEAR_MARGIN)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which schedule runs the iterations after solving, and why."""
+
+    runs: str
+    """"plan" (DeFT's own replay), "dear" or "wfbp" (exact schedules on the same buckets)."""
+    dear_links: tuple[str, ...] = ()
+    """Under DeAR, the link of each bucket's halves."""
+    predicted: dict = field(default_factory=dict)
+    """plan_ms and dear_ms: the two predicted steady iterations (empty when DeAR was not predicted)."""
+
+
+def choose_schedule(plan: DeFTPlan, timings: Timings, numels: Sequence[int], mode: str,
+                    halves: Optional[tuple[list[list[float]], list[list[float]]]]) -> Choice:
+    """`mode` "when_faster": DeAR when predicted at least `DEAR_MARGIN` faster (on the primary, or
+    balanced over both links, whichever is predicted faster); "when_undelayed": DeAR whenever the
+    plan delays nothing. Otherwise WFBP when the plan is DDP's schedule, else the plan. `halves` is
+    None where DeAR may not run (callbacks read every step) or was not measured."""
+    if mode == "never":
+        return Choice("plan")
+    predicted: dict = {}
+    if halves is not None:
+        reduce_scatter, all_gather = halves
+        candidates = [[0] * len(numels)]
+        if len(reduce_scatter) > 1:
+            candidates.append(balanced_links(reduce_scatter, all_gather))
+        dear_s, link_of = min((dear_seconds(timings.forward, timings.backward, reduce_scatter, all_gather, c), c)
+                              for c in candidates)
+        plan_s = plan_seconds(plan, timings, numels)
+        predicted = {"plan_ms": plan_s * 1e3, "dear_ms": dear_s * 1e3}
+        if (not plan.delayed) if mode == "when_undelayed" else dear_is_faster(plan_s, dear_s):
+            return Choice("dear", tuple(LINK_NAMES[l] for l in link_of), predicted)
+    return Choice("wfbp" if plan.is_ddp else "plan", (), predicted)

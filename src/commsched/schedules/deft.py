@@ -15,10 +15,11 @@ user's optimizer as `.grad`. An iteration with nothing to step runs the closure 
 backward, hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer
 steps actually taken.
 
-When the plan delays nothing on one link (DDP's schedule) and DeAR is predicted clearly faster from
-the same measurements (`commsched.deft.predict`), the iterations are handed to a `DeARSchedule` on
-the same buckets: exact as well, and it hides the all-gathers under the next forward, which an
-undelayed all-reduce cannot. A re-plan takes them back.
+After solving, the iterations may be handed to an exact schedule on the same buckets
+(`commsched.deft.predict.choose_schedule`): `DeARSchedule` when it is predicted clearly faster from
+the same measurements (it hides the all-gathers under the next forward, which an undelayed
+all-reduce cannot), else `WFBPSchedule` when the plan is DDP's schedule anyway (the same
+collectives without generations). A re-plan takes them back.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch.optim import Optimizer
 from commsched.buckets import BucketPlan
 from commsched.deft.generations import BufferPool, Generation
 from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
-from commsched.deft.predict import balanced_links, dear_is_faster, dear_seconds, plan_seconds
+from commsched.deft.predict import Choice, choose_schedule
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan, plan_for
 from commsched.deft.probes import GradientProbes
 from commsched.errors import ScheduleError
@@ -43,6 +44,7 @@ from commsched.links import Links
 from commsched.options import DeFTOptions
 from commsched.schedules.base import Observed, Schedule, params_of
 from commsched.schedules.dear import DeARSchedule, DeARSettings
+from commsched.schedules.wfbp import WFBPSchedule
 from commsched.schedules.step_control import run_with_step_replaced
 
 log = logging.getLogger(__name__)
@@ -90,11 +92,9 @@ class DeFTSchedule(Schedule):
         self.steps_this_iteration = 0
         self._replan = False
         self._module: Optional[nn.Module] = None
-        self.decoupled: Optional[DeARSchedule] = None
-        """DeAR running the iterations on the same buckets, when it was predicted faster than the plan."""
-        self.dear_links: list[str] = []
-        """The link of each bucket under DeAR."""
-        self.predicted: dict[str, float] = {}
+        self.handed: Optional[Schedule] = None
+        """DeAR or WFBP running the iterations on the same buckets instead of the plan (see `choose_schedule`)."""
+        self.choice = Choice("plan")
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -110,8 +110,8 @@ class DeFTSchedule(Schedule):
 
     def detach(self) -> None:
         super().detach()
-        if self.decoupled is not None:
-            self.decoupled.detach()
+        if self.handed is not None:
+            self.handed.detach()
 
     @property
     def sync_enabled(self) -> bool:
@@ -120,25 +120,28 @@ class DeFTSchedule(Schedule):
     @sync_enabled.setter
     def sync_enabled(self, value: bool) -> None:
         self.capture.sync_enabled = value
-        if self.decoupled is not None:
-            self.decoupled.sync_enabled = value
+        if self.handed is not None:
+            self.handed.sync_enabled = value
 
-    def _hand_over_to_dear(self, bucket_links: list[str]) -> None:
-        """DeAR's hooks replace DeFT's on the same buckets (at an iteration boundary: nothing is delayed)."""
+    def _hand_over(self, choice: Choice) -> None:
+        """The chosen schedule's hooks replace DeFT's on the same buckets (at an iteration boundary: nothing is delayed)."""
         assert self._module is not None and not self._generations
         self.capture.detach()
-        self.dear_links = list(bucket_links)
-        self.decoupled = DeARSchedule(self.plan, self.links, self.observed, DeARSettings(tuple(bucket_links)))
-        self.decoupled.attach(self._module)
-        self.decoupled.sync_enabled = self.capture.sync_enabled
+        self.choice = choice
+        if choice.runs == "dear":
+            self.handed = DeARSchedule(self.plan, self.links, self.observed, DeARSettings(tuple(choice.dear_links)))
+        else:
+            self.handed = WFBPSchedule(self.plan, self.links, self.observed)
+        self.handed.attach(self._module)
+        self.handed.sync_enabled = self.capture.sync_enabled
         self.steps_this_iteration = 1
 
     def _take_back(self) -> None:
         """DeFT's hooks again (a re-plan): DeAR's pending update is applied first."""
-        assert self.decoupled is not None
-        self.decoupled.flush()
-        self.decoupled.detach()
-        self.decoupled, self.dear_links = None, []
+        assert self.handed is not None
+        self.handed.flush()
+        self.handed.detach()
+        self.handed, self.choice = None, Choice("plan")
         self.capture.attach()
 
     def _whole_buckets(self) -> list[Item]:
@@ -162,16 +165,16 @@ class DeFTSchedule(Schedule):
 
     # ---------------------------------------------------------------- iteration
     def before_forward(self) -> None:
-        if self.decoupled is not None:
-            return self.decoupled.before_forward()
+        if self.handed is not None:
+            return self.handed.before_forward()
         if self._now is not None or not self.sync_enabled:
             return  # a later micro-batch of the same step, or an accumulation micro-batch
         if self._replan:
             self._restart_measuring()
         if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
             self._decide()
-            if self.decoupled is not None:
-                return self.decoupled.before_forward()
+            if self.handed is not None:
+                return self.handed.before_forward()
         self._now = self.deft_plan.at(self.iteration)
         self.steps_this_iteration = 0
         self._clip = None
@@ -180,8 +183,8 @@ class DeFTSchedule(Schedule):
             self._meter.forward_started()
 
     def after_forward(self) -> None:
-        if self.decoupled is not None:
-            return self.decoupled.after_forward()
+        if self.handed is not None:
+            return self.handed.after_forward()
         if self._now is None or not self.sync_enabled:
             return
         if self._measuring:
@@ -237,13 +240,13 @@ class DeFTSchedule(Schedule):
 
     # ------------------------------------------------------------------- update
     def finish_backward(self) -> None:
-        if self.decoupled is not None:
-            return self.decoupled.finish_backward()
+        if self.handed is not None:
+            return self.handed.finish_backward()
         super().finish_backward()
 
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
-        if self.decoupled is not None:
-            result = self.decoupled.optimizer_step(optimizer, run_step)
+        if self.handed is not None:
+            result = self.handed.optimizer_step(optimizer, run_step)
             if self._replan:  # measured again from the next step, by DeFT's own hooks
                 self._take_back()
             return result
@@ -253,8 +256,10 @@ class DeFTSchedule(Schedule):
             self._end_iteration()
 
     def _step_or_defer(self, optimizer: Optimizer, real_step: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        if self.decoupled is not None:  # handed over in this very closure's forward: DeAR takes the step
-            self.decoupled.defer_step(optimizer, lambda: real_step(**kwargs))
+        if isinstance(self.handed, DeARSchedule):  # handed over in this very closure's forward: DeAR takes the step
+            self.handed.defer_step(optimizer, lambda: real_step(**kwargs))
+        elif self.handed is not None:  # WFBP: `.grad` is whole since its backward ended
+            real_step(**kwargs)
         else:
             self._step_due(optimizer, lambda: real_step(**kwargs))
 
@@ -287,8 +292,8 @@ class DeFTSchedule(Schedule):
             self.seen += 1
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
-        if self.decoupled is not None:
-            return self.decoupled.clip_gradients(optimizer, clip_val, algorithm)
+        if self.handed is not None:
+            return self.handed.clip_gradients(optimizer, clip_val, algorithm)
         self._clip = (clip_val, algorithm)
         super().clip_gradients(optimizer, clip_val, algorithm)
 
@@ -309,9 +314,9 @@ class DeFTSchedule(Schedule):
                          "down): only the primary is used")
         stats = self._probes.walk_statistics(self.settings.preserver)
         halves = None
-        if self._may_hand_over() and self.options.timings_file is not None:
+        if self._dear_may_run() and self.options.timings_file is not None:
             halves = load_halves(self.options.timings_file, len(self.plan.buckets))
-        elif self._may_hand_over():  # on a shared wire DeAR gains nothing from the second group either
+        elif self._dear_may_run():  # on a shared wire DeAR gains nothing from the second group either
             measured = [halves_seconds(self.plan, link, control, self.options.cost_repeats)
                         for link in (self._links[:1] if shared else self._links)]
             halves = ([rs for rs, _ in measured], [ag for _, ag in measured])
@@ -320,24 +325,34 @@ class DeFTSchedule(Schedule):
             decided = self._solve(timings, stats, halves)
         decided = control.broadcast_object(decided, src=0, tag="deft-plan")
         self.deft_plan = DeFTPlan.from_json(decided["plan"])
-        self.timings, self.decisions, self.predicted = timings, decided["decisions"], decided["predicted"]
+        self.timings, self.decisions = timings, decided["decisions"]
         self._check_same_plan()
         self.decided, self.iteration = True, 0
         self._probes.projections.clear()
         log.info(f"commsched deft: {self.deft_plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                  f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, "
                  f"all-reduce {sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary")
-        if decided["dear"]:
-            log.info(f"commsched deft: predicted {self.predicted['plan_ms']:.1f} ms per step with this plan and "
-                     f"{self.predicted['dear_ms']:.1f} ms with DeAR's decoupling on the same buckets over "
-                     f"{'+'.join(sorted(set(decided['dear_links'])))}: DeAR runs the "
-                     f"iterations (exact, nothing delayed; deft.dear_fallback={self.options.dear_fallback}, \"never\" keeps the plan)")
-            self._hand_over_to_dear(decided["dear_links"])
+        choice = Choice(**decided["choice"])
+        if choice.runs != "plan":
+            log.info(f"commsched deft: {self._describe_choice(choice)}; deft.fallback=never keeps the plan")
+            self._hand_over(choice)
+        else:
+            self.choice = choice
 
-    def _may_hand_over(self) -> bool:
-        """DeAR is worth predicting: allowed, not observed every step, more than one rank."""
-        return (self.options.dear_fallback != "never" and self.link.world_size > 1
-                and not self.observed.gradients and not self.observed.weights_every_step and self._module is not None)
+    def _dear_may_run(self) -> bool:
+        """DeAR is worth predicting: a fallback allowed, not observed every step, more than one rank."""
+        return (self.options.fallback != "never" and self.link.world_size > 1
+                and not self.observed.gradients and not self.observed.weights_every_step)
+
+    @staticmethod
+    def _describe_choice(choice: Choice) -> str:
+        predicted = (f"predicted {choice.predicted['dear_ms']:.0f} ms/step vs {choice.predicted['plan_ms']:.0f} ms with "
+                     "the plan" if choice.predicted else "")
+        if choice.runs == "dear":
+            return f"run by DeAR over {'+'.join(sorted(set(choice.dear_links)))} ({predicted})"
+        if choice.runs == "wfbp":
+            return "run by WFBP (the plan is DDP's schedule" + (f"; DeAR {predicted}" if predicted else "") + ")"
+        return "run by the plan" + (f" (DeAR {predicted})" if predicted else "")
 
     def _solve(self, timings: Timings, stats: dict[str, float],
                halves: Optional[tuple[list[list[float]], list[list[float]]]]) -> dict[str, Any]:
@@ -350,29 +365,15 @@ class DeFTSchedule(Schedule):
             plan, decisions = self.settings.preserver.choose(solve, self.options.capacity, stats)
         else:
             plan, decisions = solve(self.options.capacity), []
-        decided: dict[str, Any] = {"plan": plan.to_json(), "decisions": decisions, "dear": False, "predicted": {}}
-        if halves is not None:
-            reduce_scatter, all_gather = halves
-            options = [[0] * len(numels)] + ([balanced_links(reduce_scatter, all_gather)] if len(reduce_scatter) > 1 else [])
-            dear_s, links = min((dear_seconds(timings.forward, timings.backward, reduce_scatter, all_gather, link_of), link_of)
-                                for link_of in options)
-            plan_s = plan_seconds(plan, timings, numels)
-            decided["predicted"] = {"plan_ms": plan_s * 1e3, "dear_ms": dear_s * 1e3}
-            decided["dear_links"] = [LINK_NAMES[l] for l in links]
-            decided["dear"] = (not plan.delayed if self.options.dear_fallback == "when_undelayed"
-                               else dear_is_faster(plan_s, dear_s))
-        return decided
+        choice = choose_schedule(plan, timings, numels, self.options.fallback, halves)
+        return {"plan": plan.to_json(), "decisions": decisions, "choice": vars(choice)}
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
-        described = self.deft_plan.describe()
-        if self.decoupled is not None:
-            described += (f"; run by DeAR over {'+'.join(sorted(set(self.dear_links)))} (predicted {self.predicted['dear_ms']:.0f} ms/step vs "
-                          f"{self.predicted['plan_ms']:.0f} ms with the plan)")
+        described = self.deft_plan.describe() + (f"; {self._describe_choice(self.choice)}" if self.decided else "")
         return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
-                "staleness": self.deft_plan.staleness, "runs": "dear" if self.decoupled is not None else "plan",
-                "dear_links": self.dear_links,
-                "predicted": self.predicted, "mu": self.timings.mu if self.timings is not None else None,
+                "staleness": self.deft_plan.staleness, "runs": self.choice.runs, "dear_links": list(self.choice.dear_links),
+                "predicted": self.choice.predicted, "mu": self.timings.mu if self.timings is not None else None,
                 "preserver": self.decisions}
 
     def _check_same_plan(self) -> None:
@@ -384,16 +385,16 @@ class DeFTSchedule(Schedule):
     # ---------------------------------------------------------- flush points
     def flush(self) -> None:
         """Checkpoints, validation, callbacks: wait for what is in flight; delayed gradients stay delayed."""
-        if self.decoupled is not None:
-            self.decoupled.flush()
+        if self.handed is not None:
+            self.handed.flush()
         for generation in self._generations.values():
             generation.drain()
 
     def drain(self) -> None:
         """End of training, or buckets about to change: send what is left (primary link, generation
         order, item order: the same on every rank) and step with every generation in order."""
-        if self.decoupled is not None:
-            self.decoupled.drain()
+        if self.handed is not None:
+            self.handed.drain()
         if self._stepper is None or not self._generations:
             self.flush()
             return
@@ -413,12 +414,11 @@ class DeFTSchedule(Schedule):
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
         if self._replan:  # asked to solve again: the buckets being rebuilt start measuring
-            if self.decoupled is not None:
+            if self.handed is not None:
                 self._take_back()
             self._restart_measuring()
         return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided, "iteration": self.iteration,
-                           "seen": self.seen, "decisions": self.decisions, "predicted": self.predicted,
-                           "dear": self.decoupled is not None, "dear_links": self.dear_links,
+                           "seen": self.seen, "decisions": self.decisions, "choice": vars(self.choice),
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
@@ -432,9 +432,9 @@ class DeFTSchedule(Schedule):
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
         self.decisions = list(state.get("decisions", []))
-        self.predicted = dict(state.get("predicted", {}))
-        if state.get("dear") and self.decoupled is None:
-            self._hand_over_to_dear(state["dear_links"])
+        self.choice = Choice(**state.get("choice", {"runs": "plan"}))
+        if self.choice.runs != "plan" and self.handed is None:
+            self._hand_over(self.choice)
         for saved in state.get("generations", []):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
