@@ -113,11 +113,7 @@ class DeFTSchedule(Schedule):
         if self.handed is not None:
             self.handed.detach()
 
-    @property
-    def sync_enabled(self) -> bool:
-        return self.capture.sync_enabled
-
-    @sync_enabled.setter
+    @Schedule.sync_enabled.setter
     def sync_enabled(self, value: bool) -> None:
         self.capture.sync_enabled = value
         if self.handed is not None:
