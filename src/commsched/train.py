@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,10 @@ def run_training(cfg: DictConfig) -> float:
     OmegaConf.save(cfg, resolved, resolve=True)
     try:
         run = subprocess.run([sys.executable, "-m", "commsched.run", str(resolved), str(out)])
+        interrupted = run.returncode in (130, -signal.SIGINT)  # the run saw Ctrl-C before this process did
     except KeyboardInterrupt:  # Ctrl-C reached the run too; it stops and says so itself
+        interrupted = True
+    if interrupted:
         print(f"commsched-train: interrupted; what the run wrote so far is in {out}", file=sys.stderr)
         sys.exit(130)
     if run.returncode != 0:
