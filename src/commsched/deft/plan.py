@@ -63,6 +63,9 @@ class Timings:
 
 @dataclass(frozen=True)
 class Launch:
+    """One all-reduce the plan issues: item `item` of generation `generation` on link `link` (0
+    primary, 1 secondary), in the `stage` (forward or backward) of the iteration that holds it."""
+
     generation: int
     item: int
     link: int
