@@ -1,6 +1,6 @@
 """What DeFT solves from, measured in the run: stage times of synchronous steps and each bucket's
-all-reduce time on each link (and, to compare with DeAR, its reduce-scatter and all-gather on the
-primary), agreed by every rank (the slowest rank's figure counts)."""
+all-reduce time on each link (and, to compare with DeAR, its reduce-scatter and all-gather),
+agreed by every rank (the slowest rank's figure counts)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,7 @@ def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repea
     loaded_by_bucket = [_median_seconds(links, [bucket] * len(links), repeats) for bucket in plan.buckets]
     loaded = [[per_bucket[i] for per_bucket in loaded_by_bucket] for i in range(len(links))]
     n = len(plan.buckets)
-    agreed = control.tensor([c for costs in (*alone, *loaded) for c in costs], torch.float64)
-    control.all_reduce(agreed, "deft-cost-max", op=dist.ReduceOp.MAX).wait()
-    flat = agreed.tolist()
+    flat = slowest_rank([c for costs in (*alone, *loaded) for c in costs], control, "deft-cost-max")
     alone = [flat[i * n:(i + 1) * n] for i in range(len(links))]
     loaded = [flat[(len(links) + i) * n:(len(links) + i + 1) * n] for i in range(len(links))]
     shared = all(sum(l) > SHARED * sum(a) for l, a in zip(loaded, alone))
@@ -119,18 +117,21 @@ def halves_seconds(plan: BucketPlan, link: Link, control: Link, repeats: int) ->
                 launch("deft-halves").wait()
                 times.append(time.perf_counter() - started)
             half.append(statistics.median(times))
-    agreed = control.tensor(halves[0] + halves[1], torch.float64)
-    control.all_reduce(agreed, "deft-halves-max", op=dist.ReduceOp.MAX).wait()
-    flat = agreed.tolist()
+    flat = slowest_rank(halves[0] + halves[1], control, "deft-halves-max")
     n = len(plan.buckets)
     return flat[:n], flat[n:]
 
 
+def slowest_rank(values: list[float], control: Link, tag: str) -> list[float]:
+    """Each value's maximum over the ranks (blocking): what every rank then solves from."""
+    agreed = control.tensor(values, torch.float64)
+    control.all_reduce(agreed, tag, op=dist.ReduceOp.MAX).wait()
+    return agreed.tolist()
+
+
 def agreed_stage_times(forward: float, backward: list[float], control: Link) -> tuple[float, list[float]]:
     """The slowest rank's stage times (the knapsacks must hold on every rank)."""
-    values = control.tensor([forward, *backward], torch.float64)
-    control.all_reduce(values, "deft-stage-max", op=dist.ReduceOp.MAX).wait()
-    flat = values.tolist()
+    flat = slowest_rank([forward, *backward], control, "deft-stage-max")
     return flat[0], flat[1:]
 
 

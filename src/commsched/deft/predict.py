@@ -23,9 +23,8 @@ leaves out what the two share (optimizer, data) and a close call is not worth a 
 
 @dataclass(frozen=True)
 class Sent:
-    """One launch of the replay: in which iteration, and when its all-reduce ran on its link."""
+    """One launch of the replay, and when its all-reduce ran on its link."""
 
-    iteration: int
     launch: Launch
     start: float
     end: float
@@ -68,7 +67,7 @@ def replay(plan: DeFTPlan, forward_s: float, backward_s: float, ready_at: Sequen
             end = link_free[launch.link] = start + cost(launch)
             done[launch.generation] = max(done.get(launch.generation, 0.0), end)
             if t >= first_steady:
-                steady.append(Sent(t, launch, start, end))
+                steady.append(Sent(launch, start, end))
         clock = max([backward_start + backward_s] + [done[g] for g in it.steps])
     return Replay((clock - starts[first_steady]) / plan.n, starts, steady)
 

@@ -309,13 +309,7 @@ class DeFTSchedule(Schedule):
                 log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
                          "down): only the primary is used")
         stats = self._probes.walk_statistics(self.settings.preserver)
-        halves = None
-        if self._dear_may_run() and self.options.timings_file is not None:
-            halves = load_halves(self.options.timings_file, len(self.plan.buckets))
-        elif self._dear_may_run():  # on a shared wire DeAR gains nothing from the second group either
-            measured = [halves_seconds(self.plan, link, control, self.options.cost_repeats)
-                        for link in (self._links[:1] if shared else self._links)]
-            halves = ([rs for rs, _ in measured], [ag for _, ag in measured])
+        halves = self._dear_halves(shared)
         decided = None
         if control.rank == 0:
             decided = self._solve(timings, stats, halves)
@@ -334,6 +328,18 @@ class DeFTSchedule(Schedule):
             self._hand_over(choice)
         else:
             self.choice = choice
+
+    def _dear_halves(self, shared: bool) -> Optional[tuple[list[list[float]], list[list[float]]]]:
+        """DeAR's reduce-scatter and all-gather times per link and bucket (None: DeAR may not run):
+        from the timings file, or timed on every link (the primary alone on a shared wire, where a
+        second group gains DeAR nothing either)."""
+        if not self._dear_may_run():
+            return None
+        if self.options.timings_file is not None:
+            return load_halves(self.options.timings_file, len(self.plan.buckets))
+        measured = [halves_seconds(self.plan, link, self.links.control, self.options.cost_repeats)
+                    for link in (self._links[:1] if shared else self._links)]
+        return [rs for rs, _ in measured], [ag for _, ag in measured]
 
     def _dear_may_run(self) -> bool:
         """DeAR is worth predicting: a fallback allowed, not observed every step, more than one rank."""
