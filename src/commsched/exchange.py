@@ -15,8 +15,10 @@ posts the exchanges of one link in the same order (that is the schedules' invari
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -57,20 +59,37 @@ class WorkSet:
 
 
 class _Completer:
+    """One daemon thread per process group. It is stopped before the group is destroyed and at
+    interpreter exit: a thread still completing a future when the interpreter finalizes is ended
+    while it waits for the GIL inside torch's C++ code, and that ends the process with SIGABRT
+    ("terminate called without an active exception"), after a run that had succeeded."""
+
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[WorkSet] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="commsched-exchange", daemon=True).start()
+        self._queue: queue.SimpleQueue[Optional[WorkSet]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="commsched-exchange", daemon=True)
+        self._thread.start()
 
     def watch(self, works: WorkSet) -> None:
         self._queue.put(works)
 
+    def stop(self) -> None:
+        """Let every watched exchange settle, then end the thread."""
+        self._queue.put(None)
+
+    def join(self, deadline: float) -> None:
+        """A thread still waiting on a hung peer at `deadline` (monotonic) is left behind (it is a
+        daemon) rather than holding up the exit."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
     def _run(self) -> None:
-        while True:
-            self._queue.get()._settle()
+        while (works := self._queue.get()) is not None:
+            works._settle()
 
 
 _completers: dict[Optional[dist.ProcessGroup], _Completer] = {}
 _completers_lock = threading.Lock()
+STOP_TIMEOUT_S = 30.0
+EXIT_TIMEOUT_S = 5.0  # after a failed run a peer may never answer
 
 
 def _completer(group: Optional[dist.ProcessGroup]) -> _Completer:
@@ -78,6 +97,22 @@ def _completer(group: Optional[dist.ProcessGroup]) -> _Completer:
         if group not in _completers:
             _completers[group] = _Completer()
         return _completers[group]
+
+
+def release(*groups: Optional[dist.ProcessGroup], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop the completion threads of `groups` (those that have one): call before a group is destroyed."""
+    with _completers_lock:
+        stopping = [_completers.pop(group) for group in groups if group in _completers]
+    for completer in stopping:
+        completer.stop()
+    deadline = time.monotonic() + timeout_s
+    for completer in stopping:
+        completer.join(deadline)
+
+
+@atexit.register
+def _release_all() -> None:
+    release(*list(_completers), timeout_s=EXIT_TIMEOUT_S)
 
 
 def _peer(group: Optional[dist.ProcessGroup], rank: int) -> int:

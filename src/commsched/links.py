@@ -345,6 +345,7 @@ class Links:
     def destroy(self) -> None:
         for link in self._links.values():
             if link.group is not None:
+                exchange.release(link.group)
                 dist.destroy_process_group(link.group)
                 link.group = None
         self._links.clear()
