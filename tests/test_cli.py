@@ -96,8 +96,8 @@ def test_bad_values_are_refused_with_allowed_values(override, message):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("schedule=fancy", "invalid schedule='fancy'; allowed: ddp, dear, deft, wfbp"),
-        ("schedule.name=fancy", "Invalid value 'fancy', expected one of [ddp, wfbp, dear, deft]"),
+        ("schedule=fancy", "invalid schedule='fancy'; allowed: ddp, wfbp, dear, deft"),
+        ("schedule.name=fancy", "invalid schedule.name='fancy'; allowed: one of 'ddp', 'wfbp', 'dear', 'deft'"),
         ("schedule=deft deft.timings_file=/nonexistent.json", "deft.timings_file='/nonexistent.json'; allowed: an existing JSON file"),
         ("model.arch=resnet51", "allowed: one of 'resnet18', 'resnet34'"),
         ("data=cifar10 data.dir=/nonexistent", "does not hold CIFAR-10"),

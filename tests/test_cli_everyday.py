@@ -45,7 +45,7 @@ def refused_early(proc: subprocess.CompletedProcess, *needles: str) -> str:
     ("+fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb", "profile_steps"]),
     ("fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb"]),
     ("+ckpt_path=/nope.ckpt", ["unknown key 'ckpt_path'", "resume", "checkpoint"]),
-    ("schedule=fancy", ["invalid schedule='fancy'", "ddp, dear, deft, wfbp"]),
+    ("schedule=fancy", ["invalid schedule='fancy'", "ddp, wfbp, dear, deft"]),
     ("fusion=greedy", ["invalid fusion='greedy'", "mgwfbp-greedy"]),
     ("+recipe=gpt2 data.path=/nonexistent", ["data.path='/nonexistent'", "not found"]),
     ("resume=/nonexistent", ["resume='/nonexistent'", "not found"]),

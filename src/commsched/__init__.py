@@ -2,7 +2,8 @@
 
 ``import commsched`` registers the strategies with Lightning, so ``Trainer(strategy="dear")`` and
 ``Trainer(strategy="wfbp")`` and ``Trainer(strategy="deft")`` work; the classes and options are exported for explicit configuration,
-e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``.
+e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``. A new schedule is a subclass of
+`commsched.Schedule` passed to `commsched.register_schedule`.
 
 The command lines (`commsched_cli`) import the package without torch and Lightning, so that
 ``--help`` and bad input answer at once; the strategies load when first used.
@@ -21,13 +22,14 @@ __version__ = "0.2.0"
 
 _NEEDS_LIGHTNING = {
     "CommSchedStrategy": "commsched.strategy", "DeARStrategy": "commsched.registry", "WFBPStrategy": "commsched.registry",
-    "DeFTStrategy": "commsched.registry", "Preserver": "commsched.deft.preserver",
-    "STRATEGIES": "commsched.registry", "SCHEDULES": "commsched.schedules", "reads_no_weights": "commsched.observers",
+    "DeFTStrategy": "commsched.registry", "Preserver": "commsched.deft.preserver", "register_schedule": "commsched.registry",
+    "STRATEGIES": "commsched.registry", "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules",
+    "Handover": "commsched.schedules", "reads_no_weights": "commsched.observers",
 }
 
 
 def _register() -> None:
-    importlib.import_module("commsched.registry").register_with_lightning()
+    importlib.import_module("commsched.registry")  # registers the built-in schedules' strategies with Lightning
 
 
 def __getattr__(name: str) -> Any:
@@ -41,6 +43,7 @@ if "commsched_cli" not in sys.modules:
     _register()
 
 __all__ = [
-    "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "LinkOptions", "PeerFailureError",
-    "Preserver", "ProfileOptions", "SCHEDULES", "STRATEGIES", "ScheduleError", "TuningOptions", "WFBPStrategy", "reads_no_weights",
+    "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
+    "LinkOptions", "PeerFailureError", "Preserver", "ProfileOptions", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
+    "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
 ]

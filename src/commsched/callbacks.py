@@ -6,10 +6,8 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-from commsched.observers import reads_no_weights
 
 
-@reads_no_weights
 class StepMetrics(pl.Callback):
     """Logs `samples_per_s` (all ranks together) and, under a commsched strategy, `exposed_comm_ms`:
     time the training loop waited on communication in that step. Keeps the series for the summary."""

@@ -7,10 +7,11 @@ process, so a typo fails before any worker starts, with the valid choices in the
 
 from __future__ import annotations
 
-import enum
+import importlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -21,19 +22,13 @@ from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOp
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
-class Schedule(str, enum.Enum):
-    ddp = "ddp"  # Lightning's own DistributedDataParallel, the reference
-    wfbp = "wfbp"
-    dear = "dear"
-    deft = "deft"
-
-    def __str__(self) -> str:
-        return self.value
+REFERENCE = "ddp"  # Lightning's own DistributedDataParallel, the reference every schedule is compared with
 
 
 @dataclass
 class ScheduleConfig:
-    name: Schedule = Schedule.dear
+    name: str = "dear"
+    """ddp (Lightning's DDP) or a registered schedule: wfbp, dear, deft and whatever `plugins` register."""
 
 
 @dataclass
@@ -123,6 +118,7 @@ class TrainConfig:
     preserver: PreserverConfig = field(default_factory=PreserverConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
+    plugins: list[str] = field(default_factory=list)  # modules imported first (and by every worker): the schedules they register
     seed: int = 0
     warmup_steps: int = 5  # steps left out of the samples/s summary
 
@@ -130,13 +126,46 @@ class TrainConfig:
 DATA_KIND = {"synthetic_images": "image", "cifar10": "image", "digits": "image", "synthetic_tokens": "language", "text": "language"}
 
 
-def register_configs() -> None:
-    """Schemas for conf/train.yaml and its groups: Hydra then type-checks every override."""
+def import_plugins(modules: Iterable[str]) -> None:
+    """Import `plugins` (the working directory first on the path, as for a script): the schedules they
+    register become available by name. A module that cannot be imported is refused by name."""
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise bad_value("plugins", module, f"an importable Python module ({error})") from None
+
+
+def plugins_in(argv: Sequence[str]) -> list[str]:
+    """The `plugins=[a,b]` (or `plugins=a`) of a command line, before Hydra has parsed it."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "plugins" and value:
+            return [m.strip().strip("'\"") for m in value.strip("[]").split(",") if m.strip()]
+    return []
+
+
+def schedule_names(with_plugins: bool) -> tuple[str, ...]:
+    """ddp and every registered schedule (the built-in ones without importing torch when no plugin was loaded)."""
+    if not with_plugins:
+        return (REFERENCE, *options.BUILTIN_SCHEDULES)
+    from commsched.schedules import SCHEDULES
+
+    return (REFERENCE, *SCHEDULES)
+
+
+def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCHEDULES)) -> None:
+    """Schemas for conf/train.yaml and its groups (Hydra then type-checks every override), and one
+    `schedule=` choice per registered schedule."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    for group, node in (("schedule", ScheduleConfig), ("fusion", FusionOptions), ("model", ModelConfig),
+    for group, node in (("fusion", FusionOptions), ("model", ModelConfig),
                         ("data", DataConfig), ("trainer", TrainerConfig), ("link", LinkOptions)):
         store.store(group=group, name=f"{group}_schema", node=node)
+    for name in schedules:
+        store.store(group="schedule", name=name, node=ScheduleConfig(name=name))
 
 
 def validate(cfg: Any) -> None:
@@ -144,6 +173,7 @@ def validate(cfg: Any) -> None:
     for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions),
                          ("deft", DeFTOptions)):
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
+    options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
     if cfg.fusion.plan_file is not None:
         check_plan_file(cfg)
     if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("fixed",) or cfg.fusion.plan_file is not None):

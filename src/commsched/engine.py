@@ -3,8 +3,11 @@
 The strategy calls the engine at Lightning's fixed points; the engine builds the links a schedule
 asks for, builds buckets with the policy's planner (the same on every rank, checked by hash),
 rebuilds them at iteration boundaries when the plan or the set of trainable parameters changes,
-moves the schedule's communication state across rebuilds by parameter name, and starts the
-profiler when asked for or when a planner needs one.
+moves the schedule's communication state across rebuilds by parameter name, starts the profiler
+when asked for or when a planner needs one, and carries out hand-overs: a schedule may give its
+iterations to another registered schedule on the same buckets (`Handover`, e.g. DeFT to DeAR)
+and take them back at a later boundary. The schedule the strategy was configured with (the
+*owner*) keeps the communication state; the one *running* receives the loop's calls.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from commsched.links import CollectiveRecord, Links, LinkSpec
 from commsched.options import StrategyOptions
 from commsched.planning.policy import PlanPolicy
 from commsched.profile.run_profiler import RunProfiler
-from commsched.schedules import Observed, Schedule
+from commsched.schedules import SCHEDULES, Handover, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +40,38 @@ class Engine:
         self.schedule_class = schedule_class
         self.policy = PlanPolicy(options.fusion, options.tuning)
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
+        self.owner: Optional[Schedule] = None
+        """The configured schedule: it decides hand-overs and keeps the communication state."""
         self.schedule: Optional[Schedule] = None
-        self.finished: Optional[Schedule] = None  # the last fit's schedule, kept for its reports
+        """The running schedule: the owner, or the one it handed its iterations to."""
+        self.finished: Optional[Schedule] = None  # the last fit's owner, kept for its reports
         self.links: Optional[Links] = None
-        self.observed = Observed()
         self.profiler: Optional[RunProfiler] = None
+        self.settings: Any = None  # schedule-specific, from `Schedule.settings_for`
         self._fusion = options.fusion
         self._profile = options.profile
         self._link_options = options.links
+        self._module: Optional[nn.Module] = None
         self._trainable: tuple[int, ...] = ()
-        self.settings: Any = None  # schedule-specific, from `Schedule.settings_for`
+        self._iteration_starts = True
 
     def start(self, module: nn.Module, world_size: int, timeout: Optional[timedelta], default_backend: Optional[str],
-              observed: Observed, restored: Optional[state.Restored]) -> None:
+              restored: Optional[state.Restored]) -> None:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only)."""
         log.debug(f"commsched: creating links {self.schedule_class.links_used}")
         if self.trace is not None:
             self.trace.clear()
         self.links = Links(self._link_specs(default_backend), timeout, self.trace)
+        self._module = module
+        self._iteration_starts = True
         if restored is not None:
             self.policy.load_state_dict(restored.plan)
-        self.observed = observed
         if self.policy.decided is not None:  # a plan file or a checkpoint's plan: made for this model?
             self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
-        log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}' ({observed})")
+        log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}'")
         self.build(module, world_size)
         if restored is not None:
-            self.schedule.load_state_dict(merged(restored.shared, restored.mine))
+            self._load(merged(restored.shared, restored.mine))
         self.links.control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self.maybe_start_profiler(module)
 
@@ -80,26 +88,32 @@ class Engine:
     def build(self, module: nn.Module, world_size: int) -> None:
         assert self.links is not None
         plan = build_plan(module, world_size, self.policy.planner())
-        verify_same_on_all_ranks(plan, module, self.links.control, f"{self.schedule_class.name} {self.observed}")
-        self.schedule = self.schedule_class(plan, self.links, self.observed, self.settings)
-        self.schedule.attach(module)
+        verify_same_on_all_ranks(plan, module, self.links.control, self.schedule_class.name)
+        self.owner = self.schedule = self.schedule_class(plan, self.links, self.settings)
+        self.owner.attach(module)
         self._trainable = _trainable_ids(module)
 
     def rebuild(self, module: nn.Module, world_size: int) -> None:
         """New buckets at an iteration boundary; communication state moves over by parameter name."""
-        assert self.schedule is not None
+        assert self.owner is not None and self.schedule is not None
         log.debug("commsched: rebuilding buckets")
         sync_enabled = self.schedule.sync_enabled
-        self.schedule.drain()
-        carried = self.schedule.state_dict()
-        self.schedule.detach()
+        self._take_back(module)
+        self.owner.drain()
+        carried = self.owner.state_dict()
+        self.owner.detach()
         self.build(module, world_size)
-        self.schedule.load_state_dict(merged(carried.get("shared", {}), carried.get("per_rank", {})))
-        self.schedule.sync_enabled = sync_enabled
+        self._load(merged(carried.get("shared", {}), carried.get("per_rank", {})))
+        self.owner.sync_enabled = sync_enabled
 
-    def at_boundary(self, strategy: Any) -> None:
-        """An iteration boundary every rank reaches at the same batch: profiling, re-planning, and a
-        rebuild when the set of trainable parameters changed (e.g. BackboneFinetuning unfreezing)."""
+    def _load(self, saved: dict[str, Any]) -> None:
+        assert self.owner is not None
+        self.owner.load_state_dict(saved)
+
+    def at_batch_start(self, strategy: Any) -> None:
+        """Every training batch start (every rank at the same batch): profiling, re-planning, a rebuild
+        when the set of trainable parameters changed (e.g. BackboneFinetuning unfreezing), and at the
+        start of an iteration the schedule's own decisions and hand-overs."""
         module = strategy.lightning_module
         if self.profiler is not None:
             self.profiler.on_batch_start(strategy)
@@ -108,7 +122,43 @@ class Engine:
             self.policy.rebuilt(strategy)
         elif _trainable_ids(module) != self._trainable:
             self.rebuild(module, strategy.world_size)
+        if self._iteration_starts and self.owner is not None:
+            self._iteration_starts = False
+            self._hand_over(self.owner.at_boundary(), module)
         self.maybe_start_profiler(module)
+
+    def iteration_done(self) -> None:
+        """After an optimizer step: the next batch starts an iteration (accumulation micro-batches do not)."""
+        self._iteration_starts = True
+
+    def _hand_over(self, handover: Optional[Handover], module: nn.Module) -> None:
+        assert self.owner is not None and self.schedule is not None
+        running = self.schedule
+        if handover is None:
+            self._take_back(module)
+            return
+        if running is not self.owner and running.name == handover.schedule:
+            return
+        self._take_back(module)
+        self.owner.detach()
+        self.schedule = SCHEDULES[handover.schedule](self.owner.plan, self.owner.links, handover.settings)
+        self.schedule.attach(module)
+        log.debug(f"commsched: '{self.owner.name}' hands its iterations to '{handover.schedule}'")
+
+    def _take_back(self, module: nn.Module) -> None:
+        """The owner's hooks again (a delegate's pending update is applied first)."""
+        assert self.owner is not None and self.schedule is not None
+        if self.schedule is self.owner:
+            return
+        self.schedule.flush()
+        self.schedule.detach()
+        self.schedule = self.owner
+        self.owner.attach(module)
+
+    def request_replan(self) -> None:
+        self.policy.request_replan()
+        if self.owner is not None:
+            self.owner.request_replan()
 
     def maybe_start_profiler(self, module: nn.Module) -> None:
         """Profile the first `profile.steps` steps, and whenever a model planner needs a profile."""
@@ -141,15 +191,17 @@ class Engine:
 
     def checkpoint_state(self, world_size: int) -> dict[str, Any]:
         """Called on every rank (after a flush); rank 0's return value goes into the checkpoint."""
-        assert self.schedule is not None
-        saved = self.schedule.state_dict()
+        assert self.owner is not None
+        saved = self.owner.state_dict()
         per_rank = state.gather_to_rank0(saved.get("per_rank", {}), world_size)
-        return state.entry(self.schedule.name, world_size, self.policy.state_dict(), saved.get("shared", {}), per_rank)
+        return state.entry(self.owner.name, world_size, self.policy.state_dict(), saved.get("shared", {}), per_rank)
 
     def stop(self, destroy_links: bool) -> None:
-        if self.schedule is not None:
+        if self.schedule is not None and self.schedule is not self.owner:
             self.schedule.detach()
-            self.finished, self.schedule = self.schedule, None
+        if self.owner is not None:
+            self.owner.detach()
+            self.finished, self.owner, self.schedule = self.owner, None, None
         if self.links is not None and destroy_links:
             self.links.destroy()
 

@@ -35,6 +35,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 log = logging.getLogger(__name__)
 
 IFNAME_ENV = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+KNOWN_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+"""What a schedule's `step_collectives` may name: the collectives a `Link` issues and the profiler times."""
 
 
 @dataclass(frozen=True)

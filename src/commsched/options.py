@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from commsched.errors import bad_value
 
+BUILTIN_SCHEDULES = ("wfbp", "dear", "deft")  # commsched.SCHEDULES before any plugin registers more (tested equal)
 MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a profile of the first steps
 FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")

@@ -1,6 +1,9 @@
-"""The strategies Lightning knows by name: one per schedule in `commsched.schedules.SCHEDULES`.
+"""The registry of schedules, and the strategy Lightning knows each by.
 
-`import commsched` registers them, so ``Trainer(strategy="dear")`` works; the named classes are
+`register_schedule(cls)` is the one step that makes a schedule usable: it goes into
+`commsched.SCHEDULES` and gets a strategy class registered with Lightning under its name, so
+``Trainer(strategy="name")`` works; Hydra's ``schedule=``, the profiler, the bench and the
+simulator read `SCHEDULES`. `import commsched` registers the built-in ones; the named classes are
 for explicit configuration, e.g. ``commsched.DeARStrategy(bucket_cap_mb=10)``.
 """
 
@@ -8,31 +11,42 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from commsched.schedules import SCHEDULES
+from commsched.errors import CommSchedConfigError
+from commsched.links import KNOWN_COLLECTIVES
+from commsched.schedules import SCHEDULES, Schedule
 from commsched.strategy import CommSchedStrategy
 
+STRATEGIES: dict[str, type[CommSchedStrategy]] = {}
+"""The strategy class of every registered schedule, by name."""
 
-class WFBPStrategy(CommSchedStrategy):
-    """Bucketed all-reduce launched during backward as buckets fill (DDP's schedule, in the open)."""
-
-    default_schedule = "wfbp"
-
-
-class DeARStrategy(CommSchedStrategy):
-    """DeAR: reduce-scatter during backward, all-gather overlapped with the next forward."""
-
-    default_schedule = "dear"
+RESERVED = ("ddp", "base")  # Lightning's own DDP keeps its name; "base" is the abstract class's
 
 
-class DeFTStrategy(CommSchedStrategy):
-    """DeFT: delayed updates solved by knapsacks over a primary and a secondary link (``deft=DeFTOptions``)."""
+def register_schedule(cls: type[Schedule]) -> type[Schedule]:
+    """Make `cls` available by its `name` everywhere (usable as a class decorator). Registering a
+    name again replaces the earlier schedule (a script re-run by Lightning's launcher registers again)."""
+    if not (isinstance(cls, type) and issubclass(cls, Schedule)):
+        raise CommSchedConfigError(f"commsched.register_schedule: {cls!r} is not a subclass of commsched.Schedule")
+    name = cls.name
+    if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
+        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.name = {name!r}: a Python identifier "
+                                   f"other than {', '.join(RESERVED)} (each schedule sets its own `name`)")
+    unknown = [c for c in cls.step_collectives if c not in KNOWN_COLLECTIVES]
+    if unknown:
+        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.step_collectives has {unknown}; "
+                                   f"allowed: {', '.join(KNOWN_COLLECTIVES)}")
+    if SCHEDULES.get(name) is not cls or name not in STRATEGIES:
+        STRATEGIES[name] = type(f"{cls.__name__.removesuffix('Schedule')}Strategy", (CommSchedStrategy,),
+                                {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__})
+    SCHEDULES[name] = cls
+    StrategyRegistry.register(name, STRATEGIES[name], description=cls.description, override=True)
+    return cls
 
-    default_schedule = "deft"
 
+for _builtin in list(SCHEDULES.values()):
+    STRATEGIES.pop(_builtin.name, None)
+    register_schedule(_builtin)
 
-STRATEGIES: dict[str, type[CommSchedStrategy]] = {"wfbp": WFBPStrategy, "dear": DeARStrategy, "deft": DeFTStrategy}
-
-
-def register_with_lightning() -> None:
-    for name, strategy in STRATEGIES.items():
-        StrategyRegistry.register(name, strategy, description=SCHEDULES[name].description, override=True)
+WFBPStrategy = STRATEGIES["wfbp"]
+DeARStrategy = STRATEGIES["dear"]
+DeFTStrategy = STRATEGIES["deft"]

@@ -27,7 +27,7 @@ import commsched  # noqa: F401  (registers the strategies)
 import lightning.pytorch as pl
 from commsched.builders import build_data, build_model, build_strategy
 from commsched.callbacks import StepMetrics
-from commsched.config import resume_path
+from commsched.config import import_plugins, resume_path
 from commsched.quiet import quiet_lightning
 
 
@@ -97,6 +97,7 @@ def interruptible(out: Path) -> Iterator[None]:
 def main() -> None:
     config_file, out = Path(sys.argv[1]), Path(sys.argv[2])
     cfg = OmegaConf.load(config_file)
+    import_plugins(cfg.get("plugins") or [])  # schedules registered from outside the package, as in the launcher
     quiet_lightning()
     pl.seed_everything(cfg.seed, verbose=False)
     model = build_model(cfg)

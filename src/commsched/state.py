@@ -9,19 +9,24 @@ Everything the engine keeps across steps goes into ``checkpoint["commsched"]``:
   to the same rank on resume.
 
 Schedule state is keyed by parameter name, never by bucket index, so it survives a different
-bucket layout (a rebuild, a re-plan, a plan file). A checkpoint resumed at another world size is
-refused when it holds per-rank state (it cannot be split or merged without changing the math);
-plan state is then dropped (a plan is planned for one world size) and planning starts again.
+bucket layout (a rebuild, a re-plan, a plan file). State that holds training signal (delayed
+gradients, residuals: tensors) is never dropped silently: a checkpoint resumed at another world
+size, by another schedule, or by a schedule that does not keep that state is refused with a
+message. Plans and decisions are dropped with a log line (a plan is planned for one world size
+and one schedule) and decided again.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import logging
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from commsched.errors import CommSchedConfigError
+
+log = logging.getLogger(__name__)
 
 KEY = "commsched"
 VERSION = 2
@@ -80,7 +85,27 @@ class Restored:
                 f"it cannot be resumed by {world_size} processes without changing the result. Resume it with "
                 f"{saved_world} processes, or load only the weights (e.g. LightningModule.load_from_checkpoint)."
             )
-        same_schedule = saved.get("schedule") == schedule
+        same_schedule = saved.get("schedule") in (None, schedule)
+        if not same_schedule and (has_tensors(saved.get("shared")) or has_tensors(per_rank)):
+            raise CommSchedConfigError(
+                f"commsched: this checkpoint holds communication state of schedule '{saved.get('schedule')}' (delayed "
+                f"gradients or residuals) that schedule '{schedule}' cannot take: resuming would drop it. Resume with "
+                f"schedule '{saved.get('schedule')}', or load only the weights (e.g. LightningModule.load_from_checkpoint).")
+        if not same_schedule and (saved.get("shared") or per_rank):
+            log.info(f"commsched: the checkpoint's decisions of schedule '{saved.get('schedule')}' are not used by '{schedule}'")
         self.plan: Any = saved.get("plan") if same_world else None
         self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
         self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}
+
+
+def refuse_unknown(schedule: str, state: dict[str, Any], known: Iterable[str]) -> None:
+    """A schedule's `load_state_dict` calls this: state it does not keep, but which holds training signal
+    (tensors, e.g. residuals of a compression this run does not use), is refused rather than dropped."""
+    unknown = {key: value for key, value in state.items() if key not in set(known)}
+    if any(has_tensors(value) for value in unknown.values()):
+        raise CommSchedConfigError(
+            f"commsched: the checkpoint holds communication state {sorted(unknown)} that schedule '{schedule}' as "
+            "configured now does not keep: resuming would drop it. Resume with the options that wrote it, or load "
+            "only the weights (e.g. LightningModule.load_from_checkpoint).")
+    if unknown:
+        log.info(f"commsched: the checkpoint's {sorted(unknown)} are not used by schedule '{schedule}'")

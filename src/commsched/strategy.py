@@ -93,7 +93,7 @@ class CommSchedStrategy(DDPStrategy):
         )
         self._engine = Engine(self.schedule_class, self.options, options.flag("trace_collectives", trace_collectives))
         self._buffers = BufferSync(options.flag("broadcast_buffers", broadcast_buffers))
-        self._flusher = observers.FlushBeforeObservers(self._flush)
+        self._flush_points = observers.FlushPoints(self._flush)
         self._lr_follow: Optional[FollowOptimizerSteps] = None
         self._restored: Optional[state.Restored] = None
         self._failed = False
@@ -129,8 +129,9 @@ class CommSchedStrategy(DDPStrategy):
 
     @property
     def last_schedule(self) -> Optional[Schedule]:
-        """The running schedule, or the last fit's once it ended (what it measured and decided)."""
-        return self._engine.schedule or self._engine.finished
+        """The configured schedule (which may hand its iterations to another), or the last fit's once it
+        ended (what it measured and decided)."""
+        return self._engine.owner or self._engine.finished
 
     @property
     def deft_plan(self) -> Any:
@@ -153,9 +154,7 @@ class CommSchedStrategy(DDPStrategy):
 
     def request_replan(self) -> None:
         """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask together)."""
-        self._engine.policy.request_replan()
-        if self._engine.schedule is not None:
-            self._engine.schedule.request_replan()
+        self._engine.request_replan()
 
     @override
     def _configure_launcher(self) -> None:
@@ -167,9 +166,7 @@ class CommSchedStrategy(DDPStrategy):
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper."""
         module = self.lightning_module
         checks.refuse_manual_optimization(module, self.schedule_class.name)
-        observed, who = observers.find_observers(module.trainer.callbacks, module)
-        observers.explain(self.schedule_class, observed, who)
-        self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, observed, self._restored)
+        self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, self._restored)
         self._restored = None
         self._buffers.needed = True
         self._failed = False
@@ -184,14 +181,13 @@ class CommSchedStrategy(DDPStrategy):
             checks.refuse_optimizers(self.optimizers, self.schedule_class.name)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
             self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]
-            self._flusher.every_step = self._engine.observed.weights_every_step
-            observers.FlushBeforeObservers.install(trainer, self._flusher)
+            observers.FlushPoints.install(trainer, self._flush_points)
 
     # --------------------------------------------------------------- training
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._engine.schedule is not None:
-            self._engine.at_boundary(self)
+            self._engine.at_batch_start(self)
 
     @contextmanager
     @override
@@ -239,7 +235,10 @@ class CommSchedStrategy(DDPStrategy):
             return output
 
         # Strategy.optimizer_step, not DDPStrategy's: DDP's only adds post-localSGD model averaging.
-        return schedule.optimizer_step(optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs))
+        try:
+            return schedule.optimizer_step(optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs))
+        finally:
+            self._engine.iteration_done()
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -329,6 +328,6 @@ class CommSchedStrategy(DDPStrategy):
             self._lr_follow.remove()
             self._lr_follow = None
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            observers.FlushBeforeObservers.install(self.lightning_module.trainer, None)
+            observers.FlushPoints.install(self.lightning_module.trainer, None)
         self.precision_plugin.__dict__.pop("clip_gradients", None)
         super().teardown()

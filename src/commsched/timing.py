@@ -7,10 +7,8 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
-from commsched.observers import reads_no_weights
 
 
-@reads_no_weights
 class StepTimer(pl.Callback):
     """Records step durations after `warmup` steps; `median` is what benchmarks report.
 

@@ -24,10 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from commsched import overrides
-from commsched.config import TrainConfig, register_configs, validate
+from commsched.config import TrainConfig, import_plugins, plugins_in, register_configs, schedule_names, validate
 from commsched.errors import CommSchedConfigError
-
-register_configs()
 
 
 def summarise(cfg: Any, metrics: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -63,9 +61,13 @@ log = logging.getLogger("commsched.train")
 
 
 def main() -> Any:
-    """Refuse unknown keys and group options first (Hydra would accept and ignore some), then run."""
+    """Import plugins, then refuse unknown keys and group options (Hydra would accept and ignore some), then run."""
     try:
-        overrides.check(sys.argv[1:], TrainConfig, overrides.group_choices(CONF), "commsched-train")
+        plugins = plugins_in(sys.argv[1:])
+        import_plugins(plugins)
+        schedules = schedule_names(bool(plugins))
+        register_configs(schedules)
+        overrides.check(sys.argv[1:], TrainConfig, {**overrides.group_choices(CONF), "schedule": schedules}, "commsched-train")
     except CommSchedConfigError as error:
         print(error, file=sys.stderr)
         sys.exit(2)

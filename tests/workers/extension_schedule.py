@@ -1,7 +1,7 @@
 """A schedule added from outside the package, as a contributor would: WFBP that also keeps, per rank,
 the running sum of this rank's own (unreduced) gradients, the shape of an error-feedback residual.
 
-It exercises the engine's extension points: the registry (`SCHEDULES`), per-rank communication
+It exercises the engine's extension points: the registry (`commsched.register_schedule`), per-rank communication
 state keyed by parameter name (saved per rank in checkpoints, carried across bucket rebuilds,
 refused at another world size).
 """
@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from commsched.schedules import SCHEDULES, WFBPSchedule
+import commsched
 
 
-class LocalSumWFBP(WFBPSchedule):
+@commsched.register_schedule
+class LocalSumWFBP(commsched.SCHEDULES["wfbp"]):
     name = "localsum"
     description = "test schedule: wfbp plus a per-rank sum of local gradients"
 
@@ -36,5 +37,3 @@ class LocalSumWFBP(WFBPSchedule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.local_sum = {name: t.clone() for name, t in state.get("local_sum", {}).items()}
 
-
-SCHEDULES[LocalSumWFBP.name] = LocalSumWFBP

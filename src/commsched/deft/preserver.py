@@ -20,7 +20,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from commsched.deft.plan import DeFTPlan
 from commsched.deft.walk import WalkState, plan_ratio
 from commsched.errors import bad_value
-from commsched.observers import reads_no_weights
 from commsched.options import non_negative_int, positive_int, positive_number
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,6 @@ class Preserver(pl.Callback):
         self.recheck_every_n_steps = non_negative_int("Preserver.recheck_every_n_steps", recheck_every_n_steps)
         self.max_staleness = non_negative_int("Preserver.max_staleness", max_staleness)
 
-    @reads_no_weights
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         n = self.recheck_every_n_steps
         if n and trainer.global_step and trainer.global_step % n == 0 and hasattr(trainer.strategy, "request_replan"):
@@ -72,7 +70,6 @@ class Preserver(pl.Callback):
                 rank_zero_info(f"commsched Preserver: re-checking DeFT's plan at step {trainer.global_step}")
                 trainer.strategy.request_replan()
 
-    @reads_no_weights
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

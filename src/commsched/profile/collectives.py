@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -13,6 +13,7 @@ from commsched.buckets import BucketPlan
 from commsched.links import Link
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+"""What every profile times (the bench's predictions and the planners read these three)."""
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -37,13 +38,14 @@ def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype
         "all_reduce": lambda: link.all_reduce(full, "profile").wait(),
         "reduce_scatter": lambda: link.reduce_scatter(shard, full, "profile", scratch).wait(),
         "all_gather": lambda: link.all_gather(full, shard, "profile").wait(),
+        "broadcast": lambda: link.broadcast(full, 0, "profile").wait(),
     }
     return median_seconds(ops[collective], repeats)
 
 
-def time_buckets(plan: BucketPlan, link: Link, repeats: int = 5) -> list[dict[str, float]]:
-    """Per bucket: seconds of all-reduce, reduce-scatter and all-gather of its buffer, run alone."""
+def time_buckets(plan: BucketPlan, link: Link, collectives: Sequence[str] = COLLECTIVES, repeats: int = 5) -> list[dict[str, float]]:
+    """Per bucket: seconds of each of `collectives` on its buffer, run alone."""
     return [
-        {c: time_collective(link, c, bucket.buffer.numel(), repeats, bucket.buffer.dtype) for c in COLLECTIVES}
+        {c: time_collective(link, c, bucket.buffer.numel(), repeats, bucket.buffer.dtype) for c in collectives}
         for bucket in plan.buckets
     ]

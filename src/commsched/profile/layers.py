@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from commsched.hooks import OwnHook
 from commsched.sim.workload import Layer, Workload
 from commsched.trace import Span
 
@@ -56,10 +57,10 @@ class LayerTimer:
 
     def attach(self) -> "LayerTimer":
         for index, owner in enumerate(self._owners):
-            self._handles.append(owner.module.register_forward_pre_hook(lambda *_, i=index: self._enter(i)))
-            self._handles.append(owner.module.register_forward_hook(lambda *_, i=index: self._leave(i), always_call=True))
+            self._handles.append(owner.module.register_forward_pre_hook(OwnHook(lambda *_, i=index: self._enter(i))))
+            self._handles.append(owner.module.register_forward_hook(OwnHook(lambda *_, i=index: self._leave(i)), always_call=True))
             for param in owner.params:
-                self._handles.append(param.register_post_accumulate_grad_hook(lambda _p, i=index: self._grad(i)))
+                self._handles.append(param.register_post_accumulate_grad_hook(OwnHook(lambda _p, i=index: self._grad(i))))
         return self
 
     def detach(self) -> None:

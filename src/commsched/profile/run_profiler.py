@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from commsched.buckets import BucketPlan
 from commsched.links import Link
-from commsched.profile.collectives import time_buckets
+from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layers import LayerTimer
 from commsched.profile.probe import probe_link
 from commsched.trace import Span, write_chrome_trace
@@ -32,6 +32,14 @@ def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> dict
     from commsched.schedules import SCHEDULES
 
     return {name: schedule.theoretical_best(t_ff, t_bp, totals) for name, schedule in SCHEDULES.items()}
+
+
+def collectives_to_time() -> list[str]:
+    """The three every profile has, and whatever else a registered schedule issues per step."""
+    from commsched.schedules import SCHEDULES
+
+    extra = {c for schedule in SCHEDULES.values() for c in schedule.step_collectives} - set(COLLECTIVES)
+    return [*COLLECTIVES, *sorted(extra)]
 
 
 class RunProfiler:
@@ -107,7 +115,7 @@ class RunProfiler:
         schedule.flush()  # DeAR's all-gathers are in flight: let them land before timing alone
         plan: BucketPlan = schedule.plan
         link: Link = schedule.link
-        bucket_times = time_buckets(plan, link, self.repeats)
+        bucket_times = time_buckets(plan, link, collectives_to_time(), self.repeats)
         fitted, probe_medians = probe_link(link) if self.probe else (None, None)
         result = self._summarise(strategy, timer, plan, bucket_times)
         if fitted is not None:
@@ -156,10 +164,10 @@ class RunProfiler:
                 "overlap_ratio": min(1.0, max(0.0, 1.0 - exposed / isolated)) if isolated > 0 else 1.0,
             })
         timed = steps[skip:]
-        comm_totals = {c: sum(t[c] for t in bucket_times) for c in ("all_reduce", "reduce_scatter", "all_gather")}
+        comm_totals = {c: sum(t[c] for t in bucket_times) for c in bucket_times[0]}
         summary = {
             "step_s": statistics.median(s["step_s"] for s in timed),
-            "t_ff": t_ff, "t_bp": t_bp, **{f"t_{_short(c)}": v for c, v in comm_totals.items()},
+            "t_ff": t_ff, "t_bp": t_bp, **{f"t_{_SHORT.get(c, c)}": v for c, v in comm_totals.items()},
             "t_other": statistics.median(s["other_s"] for s in timed),
             "exposed_comm_s": statistics.median(s["exposed_comm_s"] for s in timed),
             "overlap_ratio": statistics.median(s["overlap_ratio"] for s in timed),
@@ -199,8 +207,7 @@ class RunProfiler:
                 }, step=step["step"])
 
 
-def _short(collective: str) -> str:
-    return {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}[collective]
+_SHORT = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}
 
 
 def _batch_size(strategy: Any) -> int:

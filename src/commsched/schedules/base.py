@@ -1,4 +1,4 @@
-"""The engine every schedule shares: capture -> reduce -> route -> apply.
+"""`commsched.Schedule`, the public base class of every schedule: capture -> reduce -> route -> apply.
 
 - capture (`GradientCapture`): hooks fill the bucket buffers and hand complete buckets on in order;
 - reduce: a reducer object per bucket (`commsched.reducers`) says how its bytes are combined;
@@ -6,15 +6,18 @@
   forward, a later iteration);
 - apply: the schedule decides when the optimizer sees the result.
 
-A schedule talks to Lightning only through the strategy, which calls the methods below at fixed
-points of the loop; everything a schedule keeps across steps is its communication state
+A new schedule is one file: a subclass (of this class or of a built-in one, e.g.
+``commsched.SCHEDULES["wfbp"]``) registered with `commsched.register_schedule`. It is then
+available by name in ``Trainer(strategy=...)``, Hydra's ``schedule=``, the profiler, the bench and
+the simulator. A schedule talks to Lightning only through the strategy, which calls the methods
+below at fixed points of the loop; everything it keeps across steps is its communication state
 (`state_dict`), saved in checkpoints by parameter name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -25,29 +28,31 @@ from commsched.buckets import BucketPlan
 from commsched.links import Links
 from commsched.schedules.capture import GradientCapture
 
+if TYPE_CHECKING:
+    from commsched.sim.network import CostModel
+    from commsched.sim.schedules import Buckets, Result
+    from commsched.sim.workload import Workload
+
 
 @dataclass(frozen=True)
-class Observed:
-    """What user code (callbacks, the LightningModule) looks at, as `commsched.observers` found it.
+class Handover:
+    """A schedule asks the engine to run its iterations with another registered schedule on the same
+    buckets (DeFT, after measuring, when an exact schedule is faster); `settings` are that schedule's."""
 
-    A schedule that moves work later than DDP does must not let anyone see the difference."""
-
-    gradients: bool = False
-    """Someone reads `.grad` after backward (on_after_backward, on_before_optimizer_step, clipping hooks)."""
-    weights_every_step: bool = False
-    """Someone reads weights between steps (on_train_batch_end/start, batch-transfer hooks)."""
+    schedule: str
+    settings: Any = None
 
 
 class Schedule:
-    """Base class: subclasses implement `_bucket_ready(b)` and `_backward_end()`."""
+    """Base class: subclasses implement `_bucket_ready(b)` and `_backward_end()`; everything else has a default."""
 
     name: ClassVar[str] = "base"
+    """The name users pick it by (``Trainer(strategy=name)``, ``schedule=name``)."""
     description: ClassVar[str] = ""
     links_used: ClassVar[tuple[str, ...]] = ("primary",)
+    """The links (`commsched.links`) this schedule communicates over, created at setup on every rank."""
     step_collectives: ClassVar[tuple[str, ...]] = ()
     """The collectives one step issues per bucket (the profiler times exactly these)."""
-    applies_late: ClassVar[bool] = False
-    """True: updates or whole gradients arrive later than under DDP (callbacks may need a flush)."""
     grads_complete_after_closure: ClassVar[bool] = True
     """False: `.grad` is not whole when Lightning would unscale it (fp16 GradScaler is refused)."""
     mask_link: ClassVar[str] = "primary"
@@ -57,12 +62,12 @@ class Schedule:
     """True: some iterations take no optimizer step (`steps_this_iteration` says how many were taken);
     per-step LR schedulers then follow the optimizer steps, not the iterations."""
 
-    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
+    def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         self.plan = plan
         self.links = links
+        self.settings = settings
         self.steps_this_iteration = 1
         self.link = links["primary"]
-        self.observed = observed
         mask_link = links.control if self.mask_link == "control" else links[self.mask_link]
         self.capture = GradientCapture(plan, mask_link, self.name, self._bucket_ready, self._backward_end)
         self._handles: list[RemovableHandle] = []
@@ -77,6 +82,7 @@ class Schedule:
 
     # ----------------------------------------------------------------- lifecycle
     def attach(self, module: nn.Module) -> None:
+        """Install hooks on `module` (at setup, after a rebuild, when taking iterations back)."""
         self.capture.attach()
 
     def detach(self) -> None:
@@ -95,6 +101,11 @@ class Schedule:
         raise NotImplementedError
 
     # ------------------------------------------------- called by the strategy
+    def at_boundary(self) -> Optional[Handover]:
+        """The start of an iteration (every rank at the same batch, before `training_step`): the place
+        for decisions that issue collectives. A `Handover` gives the iterations to another schedule."""
+        return None
+
     def finish_backward(self) -> None:
         """After Lightning's closure: every collective of this step was issued on every rank."""
         self.capture.finish()
@@ -148,12 +159,27 @@ class Schedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into freshly built buckets (a resume, a rebuild, a re-plan): `state` is the shared
-        and this rank's parts of an earlier `state_dict()` merged into one dict."""
+        and this rank's parts of an earlier `state_dict()` merged into one dict. A schedule must
+        refuse (`CommSchedConfigError`) state it cannot take rather than drop it; this one keeps none."""
+        if state:
+            from commsched.state import refuse_unknown
 
-    @staticmethod
-    def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
-        """Best step (forward + backward + communication) this schedule allows for the measured times."""
-        raise NotImplementedError
+            refuse_unknown(self.name, state, ())
+
+    # ------------------------------------------------------------------ models
+    @classmethod
+    def theoretical_best(cls, t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
+        """Best step (forward + backward + communication) this schedule allows for the measured times.
+        Default: nothing overlaps, its `step_collectives` after backward."""
+        return t_ff + t_bp + sum(totals.get(c, 0.0) for c in cls.step_collectives)
+
+    @classmethod
+    def simulate(cls, workload: "Workload", network: "CostModel", workers: int, buckets: "Buckets") -> "Result":
+        """One steady iteration on the simulator's timeline. Default: forward, backward, then this
+        schedule's collectives of every bucket one after another (no overlap, the bound above)."""
+        from commsched.sim.schedules import after_backward
+
+        return after_backward(cls.name, workload, network, workers, buckets, cls.step_collectives)
 
 
 def params_of(optimizer: Optimizer) -> list[nn.Parameter]:

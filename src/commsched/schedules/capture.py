@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from commsched.buckets import BucketPlan
 from commsched.errors import ScheduleError
+from commsched.hooks import OwnHook
 from commsched.links import Link, Pending
 
 
@@ -39,7 +40,6 @@ class GradientCapture:
         self.plan = plan
         self.sync_enabled = True  # False inside Lightning's no-sync accumulation micro-batches
         self.phase = Phase.IDLE
-        self.stale = [False] * len(plan.buckets)  # set by schedules that apply updates late
         self.globally_used: list[list[bool]] = [[True] * len(b.params) for b in plan.buckets]
         self._name = schedule_name
         self._link = mask_link
@@ -57,7 +57,7 @@ class GradientCapture:
     def attach(self) -> None:
         for bucket in self.plan.buckets:
             for slot, param in enumerate(bucket.params):
-                self._handles.append(param.register_post_accumulate_grad_hook(partial(self._grad_ready, bucket.index, slot)))
+                self._handles.append(param.register_post_accumulate_grad_hook(OwnHook(partial(self._grad_ready, bucket.index, slot))))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -69,13 +69,6 @@ class GradientCapture:
 
     # ------------------------------------------------------------------ backward
     def _grad_ready(self, b: int, slot: int, param: nn.Parameter) -> None:
-        if self.stale[b]:
-            raise ScheduleError(
-                f"commsched {self._name}: parameter '{self.plan.buckets[b].names[slot]}' was read in this forward "
-                "before its pending update was applied: it is used outside the forward of the module that owns "
-                "it, and was not used that way in the first training step. Use it through its module, or use "
-                "strategy='wfbp'."
-            )
         if not self.sync_enabled:
             return
         if self.phase is not Phase.COLLECTING:

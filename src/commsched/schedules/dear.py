@@ -1,26 +1,32 @@
 """DeAR: reduce-scatter in backward (BackPipe), all-gather overlapped with the next forward (FeedPipe).
 
-Update arrangement (option a of the two the paper allows): after backward each rank holds its shard of every
-bucket's averaged gradient. Clipping is done on the shards (one scalar all-reduce gives the global
-norm). The all-gathers of the *gradients* start right away, one after another in the order the next
-forward needs them (`InOrder`: on a saturated link the first one needed is not slowed down by the
-others), and the user's own optimizer is run
-bucket by bucket in the next forward, just before the first module that owns a parameter of the
-bucket runs, with the hyper-parameters snapshotted at step time. This keeps any torch optimizer,
-its state and its checkpoints exactly as under DDP (a plain `ddp` run can resume from them), at
-the price of the full optimizer work on every rank -- the same work DDP does.
+Update arrangement (option a of the two the paper allows): at the end of backward each rank holds
+its shard of every bucket's averaged gradient, and the all-gathers of the *gradients* start right
+away, one after another in the order the next forward needs them (`InOrder`: on a saturated link
+the first one needed is not slowed down by the others). The user's own optimizer is run bucket by
+bucket in the next forward, just before the first module that owns a parameter of the bucket
+runs, with the hyper-parameters snapshotted at step time. This keeps any torch optimizer, its
+state and its checkpoints exactly as under DDP (a plain `ddp` run can resume from them), at the
+price of the full optimizer work on every rank -- the same work DDP does. Clipping takes the
+global norm from the shards (one scalar all-reduce) and scales each bucket once it is gathered
+(scaling and clamping commute with the all-gather).
+
+Nobody sees the difference (`commsched.pending`): between backward and the step the parameters'
+`.grad` is pending, and the first read or write of one waits for the all-gathers (already on
+their way: no collective is issued out of order, whichever ranks look) and takes the step at
+once; after the step, each parameter, its `.grad` and its optimizer state are pending until its
+bucket is applied, and the first touch from anywhere (a callback, `training_step`, another
+module) applies it. Code that touches neither keeps the overlap at no cost. The first step of a
+fit is taken at once, so that the optimizer's state exists from then on as under DDP.
 
 Each bucket's two halves go over one link: the primary, or the link `DeARSettings.bucket_links`
 names (DeFT hands its iterations to DeAR over both of its links when that is faster); each link
 then has its own chain of all-gathers.
-
-When user code reads gradients after backward (`Observed.gradients`), the all-gathers run at the
-end of backward instead and the step is taken at once: the forward overlap is given up so that
-`on_after_backward` and `on_before_optimizer_step` see whole, averaged gradients as under DDP.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
@@ -30,11 +36,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
+from commsched.hooks import OwnHook
 from commsched.links import InOrder, Links, Pending
+from commsched.pending import Kind, Watch, watchable
 from commsched.reducers import ShardedReduce
-from commsched.schedules.base import Observed, Schedule
+from commsched.schedules.base import Schedule
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
 from commsched.schedules.step_control import run_with_step_replaced
+from commsched.sim import schedules
+from commsched.sim.network import CostModel
+from commsched.sim.schedules import Buckets, Result
+from commsched.sim.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -43,26 +55,32 @@ class DeARSettings:
     """Per bucket, the link of its reduce-scatter and all-gather (None: the primary for every bucket)."""
 
 
+class _Gathers:
+    """One step's all-gathers: a chain per link, each in the order the next forward needs its buckets."""
+
+    def __init__(self, chains: dict[str, InOrder], position: dict[int, tuple[str, int]]) -> None:
+        self._chains = chains
+        self._position = position  # bucket -> its link's chain and its place in it
+
+    def wait(self, b: int) -> None:
+        chain, i = self._position[b]
+        self._chains[chain].wait(i)
+
+    def done(self, b: int) -> bool:
+        chain, i = self._position[b]
+        return self._chains[chain].done(i)
+
+
+@dataclass
 class _PendingUpdate:
     """The update of one optimizer step, waiting to be applied bucket by bucket."""
 
-    def __init__(self, stepper: SubsetStepper, step: Callable[[], Any], hyper: HyperParams, gathers: dict[str, InOrder],
-                 position: dict[int, tuple[str, int]]) -> None:
-        self.stepper = stepper
-        self.step = step
-        self.hyper = hyper
-        self.gathers = gathers
-        self.position = position  # bucket -> its link's chain of all-gathers and its place in it
-        self.waiting = [True] * len(position)  # False once the bucket is applied
-        self.left = len(position)
-
-    def wait(self, b: int) -> None:
-        chain, i = self.position[b]
-        self.gathers[chain].wait(i)
-
-    def done(self, b: int) -> bool:
-        chain, i = self.position[b]
-        return self.gathers[chain].done(i)
+    stepper: SubsetStepper
+    step: Callable[[], Any]
+    hyper: HyperParams
+    gathers: _Gathers
+    clip: Optional[Callable[[torch.Tensor], Any]]  # Lightning's clipping, applied to each bucket once gathered
+    waiting: list[bool]  # False once the bucket is applied
 
 
 class DeARSchedule(Schedule):
@@ -70,73 +88,87 @@ class DeARSchedule(Schedule):
     description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
     step_collectives = ("reduce_scatter", "all_gather")
     grads_complete_after_closure = False
-    applies_late = True
 
-    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
-        super().__init__(plan, links, observed, settings)
+    def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
+        super().__init__(plan, links, settings)
         names = getattr(settings, "bucket_links", None) or ("primary",) * len(plan.buckets)
         self._bucket_links = [links[name] for name in names]
         self._reducers = [ShardedReduce(b.buffer, link) for b, link in zip(plan.buckets, self._bucket_links)]
         self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
+        self._gathers: Optional[_Gathers] = None  # this step's all-gathers, started at the end of backward
+        self._clip: Optional[Callable[[torch.Tensor], Any]] = None  # clipping, applied to each bucket once gathered
         self._pending: Optional[_PendingUpdate] = None
+        self._whole = False  # this step's gradients were made whole (someone read `.grad`)
+        self._steps = 0
         self._stepper: Optional[SubsetStepper] = None
+        self._unwatched: list[int] = []  # buckets holding a tensor `pending` cannot watch: applied at the end of the step
         self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
-        self._early: list[bool] = [False] * len(plan.buckets)
-        self._learning = True  # first training step: learn which parameters are read outside their module
-        self._recording = False
-        self._modules_run: set[int] = set()
-        self._owners_of: list[list[tuple[int, ...]]] = []
+        self.watch = Watch(self._bring_up_to_date)
+        self.applied: Counter[str] = Counter()
+        """Buckets applied, by what brought them: "forward" (the module that needs them is about to run:
+        the overlap DeAR is for), "touch", "after_forward", "flush", "unwatchable"; "whole": steps whose
+        gradients were made whole at once."""
 
     # ----------------------------------------------------------------- lifecycle
     def attach(self, module: nn.Module) -> None:
         super().attach(module)
-        where = {id(p): (bucket.index, slot) for bucket in self.plan.buckets for slot, p in enumerate(bucket.params)}
-        owners: list[list[list[int]]] = [[[] for _ in b.params] for b in self.plan.buckets]
-        for p in module.parameters(recurse=False):  # the LightningModule's own: read in training_step
-            if id(p) in where:
-                self._early[where[id(p)][0]] = True
+        where = {id(p): bucket.index for bucket in self.plan.buckets for p in bucket.params}
         for sub in module.modules():
-            if sub is module:
-                continue
-            buckets = set()
-            for p in sub.parameters(recurse=False):
-                if id(p) in where:
-                    b, slot = where[id(p)]
-                    buckets.add(b)
-                    owners[b][slot].append(id(sub))
-            if buckets:
+            buckets = {where[id(p)] for p in sub.parameters(recurse=False) if id(p) in where}
+            if buckets and sub is not module:
                 self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
-                self._handles.append(sub.register_forward_pre_hook(partial(self._before_module, id(sub))))
-        self._owners_of = [[tuple(o) for o in per_bucket] for per_bucket in owners]
+                self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
+
+    def detach(self) -> None:
+        """After a flush (the engine's), or after a failure: nothing pending is applied here."""
+        self.watch.unmark_all()
+        super().detach()
 
     # ------------------------------------------------------------------ backward
     def _bucket_ready(self, b: int) -> None:
         self._scatters[b] = self._reducers[b].scatter(f"bucket{b}")
 
     def _backward_end(self) -> None:
+        """The shards are reduced: the all-gathers start now, at the same point on every rank, before
+        any user hook runs; whatever reads `.grad` later only waits for them."""
         for b, work in enumerate(self._scatters):
             assert work is not None
             work.wait()
             self._scatters[b] = None
         self.capture.read_mask()
-        if self._learning:
-            self._learn_early_buckets()
-        if self.observed.gradients:  # whole gradients before on_after_backward, as DDP
-            for work in [reducer.gather(f"bucket{b}") for b, reducer in enumerate(self._reducers)]:
-                work.wait()
-            self._hand_back_gradients(range(len(self.plan.buckets)))
-
-    def _learn_early_buckets(self) -> None:
-        """A parameter that got a gradient although none of its modules ran is read directly (e.g. a
-        parameter of the LightningModule itself); its bucket is applied before `training_step`."""
+        self._gathers = self._start_gathers()
+        self._whole, self._clip = False, None
         for b, bucket in enumerate(self.plan.buckets):
-            for slot in range(len(bucket.params)):
-                ran = any(owner in self._modules_run for owner in self._owners_of[b][slot])
-                if self.capture.filled(b, slot) and not ran:
-                    self._early[b] = True
-        self._learning = False
-        self._modules_run.clear()
+            self.watch.mark(b, bucket.params, Kind.GRADIENT)
+
+    def _bring_up_to_date(self, buckets: set[int], kind: Kind) -> None:
+        """`commsched.pending`'s callback: someone touched a pending tensor."""
+        if kind is Kind.GRADIENT:
+            self._make_whole()
+        else:
+            for b in sorted(buckets, reverse=True):
+                self._apply(b, "touch")
+
+    def _make_whole(self) -> None:
+        """Every gradient whole and in `.grad`, as DDP leaves them after backward."""
+        self.watch.unmark_all()
+        assert self._gathers is not None
+        for b in reversed(range(len(self.plan.buckets))):
+            self._gathers.wait(b)
+            if self._clip is not None:
+                self._clip(self.plan.buckets[b].buffer)
+        self._hand_back_gradients(range(len(self.plan.buckets)))
+        self._whole, self._clip = True, None
+        self.applied["whole"] += 1
+
+    def _start_gathers(self) -> _Gathers:
+        chains: dict[str, list[int]] = {}
+        for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
+            chains.setdefault(self._bucket_links[b].name, []).append(b)
+        started = {name: self.links[name].in_order([partial(self._reducers[b].gather, f"bucket{b}") for b in order])
+                   for name, order in chains.items()}
+        return _Gathers(started, {b: (name, i) for name, order in chains.items() for i, b in enumerate(order)})
 
     def _hand_back_gradients(self, buckets: Any) -> None:
         """`.grad` becomes a view of the whole averaged gradient (None where no rank produced one), as under DDP."""
@@ -147,7 +179,7 @@ class DeARSchedule(Schedule):
 
     # ------------------------------------------------------------------ clipping
     def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int]]]:
-        """Per bucket, the (start, length) ranges of this rank's shard that belong to `optimizer`'s parameters."""
+        """Per bucket, the (start, length) ranges of this rank's slice that belong to `optimizer`'s parameters."""
         key = SubsetStepper.key(optimizer)
         if key not in self._norm_segments:
             members = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -165,92 +197,106 @@ class DeARSchedule(Schedule):
         return self._norm_segments[key]
 
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
-        if self.observed.gradients:
-            return super().clip_grad_norm(optimizer, max_norm)
-        squares = torch.zeros(1, dtype=torch.float32, device=self.link.device)
-        for reducer, ranges in zip(self._reducers, self._segments(optimizer)):
+        """The global norm from this rank's slice of every bucket (its shard, or its part of the whole
+        gradient once someone read `.grad`) and one scalar all-reduce on the control link (the primary
+        is busy with the all-gathers). Scaling commutes with the all-gather: whole gradients are
+        scaled now, gathered ones when their bucket is applied."""
+        world, rank = self.plan.world_size, self.link.rank
+        slices = [b.buffer.view(world, -1)[rank] if self._whole else r.shard for b, r in zip(self.plan.buckets, self._reducers)]
+        squares = torch.zeros(1, dtype=torch.float32, device=slices[0].device)
+        for piece, ranges in zip(slices, self._segments(optimizer)):
             for start, length in ranges:
-                squares += torch.linalg.vector_norm(reducer.shard.narrow(0, start, length), dtype=torch.float32).square()
-        self.link.all_reduce(squares, "clip-norm").wait()
+                squares += torch.linalg.vector_norm(piece.narrow(0, start, length), dtype=torch.float32).square()
+        control = self.links.control
+        squares = squares.to(control.device)
+        control.all_reduce(squares, "clip-norm").wait()
         coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for reducer in self._reducers:
-            reducer.shard.mul_(coefficient.to(reducer.shard.dtype))
+        self._clip_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
 
     def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:
-        if self.observed.gradients:
-            return super().clip_grad_value(optimizer, clip_value)
-        for reducer in self._reducers:
-            reducer.shard.clamp_(min=-clip_value, max=clip_value)
+        self._clip_all(lambda t: t.clamp_(min=-clip_value, max=clip_value))
+
+    def _clip_all(self, clip: Callable[[torch.Tensor], Any]) -> None:
+        if self._whole:
+            for bucket in self.plan.buckets:
+                clip(bucket.buffer)
+        else:
+            self._clip = clip
 
     # ------------------------------------------------------------------- update
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
-        """Let Lightning run closure, hooks and clipping, but defer the actual update to the next forward."""
-        if self.observed.gradients:
-            return run_step()
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.defer_step(optimizer, real_step))
+        """Let Lightning run closure, hooks and clipping; the update itself is the schedule's."""
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, partial(real_step, **kwargs)))
 
-    def defer_step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
-        """Take the step `real_step` would take bucket by bucket in the next forward (the closure has run)."""
-        self.flush()
-        if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
-            self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
-        chains: dict[str, list[int]] = {}
-        for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
-            chains.setdefault(self._bucket_links[b].name, []).append(b)
-        gathers = {name: self.links[name].in_order([partial(self._reducers[b].gather, f"bucket{b}") for b in order])
-                   for name, order in chains.items()}
-        position = {b: (name, i) for name, order in chains.items() for i, b in enumerate(order)}
-        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), gathers, position)
-        # The update is real, only later: keep torch's scheduler from warning that it stepped first.
+    def step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
+        """After the closure: take the step at once (gradients already whole, or the fit's first step)
+        or defer it to the next forward."""
+        self.watch.unmark_all()  # nobody read `.grad`
+        if self._steps == 0 and not self._whole:
+            self._make_whole()
+        self._steps += 1
+        if self._whole:
+            real_step()
+        else:
+            self._defer(optimizer, real_step)
+        # The update is real (taken or on its way): keep torch's scheduler from warning that it stepped first.
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
-    def _apply(self, b: int) -> None:
+    def _defer(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
+        assert self._gathers is not None
+        if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
+            self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
+        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
+                                       [True] * len(self.plan.buckets))
+        unwatched = []
+        for b, bucket in enumerate(self.plan.buckets):
+            tensors = [*bucket.params, *(v for p in bucket.params for v in optimizer.state.get(p, {}).values()
+                                         if isinstance(v, torch.Tensor))]
+            if all(watchable(t) for t in tensors):
+                self.watch.mark(b, tensors, Kind.UPDATE)
+            else:
+                unwatched.append(b)
+        for b in unwatched:
+            self._apply(b, "unwatchable")
+
+    def _apply(self, b: int, why: str) -> None:
         """Apply bucket `b`'s update, waiting for its all-gather; buckets whose all-gathers have
         landed already are applied in the same optimizer call."""
-        pending = self._pending
-        if pending is None or not pending.waiting[b]:
-            return
-        pending.wait(b)
-        ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and pending.done(c)]
-        for c in ready:
-            pending.wait(c)  # completed: re-raises a failure, runs nothing
-            pending.waiting[c] = False
-        self._hand_back_gradients(ready)
-        pending.stepper.step_buckets(ready, pending.hyper, pending.step)
-        pending.left -= len(ready)
-        if pending.left == 0:
-            self._pending = None
+        with self.watch.lock:
+            pending = self._pending
+            if pending is None or not pending.waiting[b]:
+                return
+            ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and pending.gathers.done(c)]
+            for c in ready:
+                self.watch.unmark(c)  # before anything below reads its tensors
+                pending.gathers.wait(c)  # completed: re-raises a failure, runs nothing
+                pending.waiting[c] = False
+                if pending.clip is not None:
+                    pending.clip(self.plan.buckets[c].buffer)
+            self._hand_back_gradients(ready)
+            self.applied[why] += len(ready)
+            pending.stepper.step_buckets(ready, pending.hyper, pending.step)
+            if not any(pending.waiting):
+                self._pending = None
 
     def _before_module(self, module_id: int, module: nn.Module, args: Any) -> None:
         if self._pending is not None:
             for b in self._owner_buckets[module_id]:
-                self._apply(b)
-        elif self._recording:
-            self._modules_run.add(module_id)
-
-    def before_forward(self) -> None:
-        self.capture.stale[:] = [False] * len(self.capture.stale)
-        self._recording = self._learning
-        if self._pending is not None:
-            for b in reversed(range(len(self.plan.buckets))):
-                if self._early[b]:
-                    self._apply(b)
+                self._apply(b, "forward")
 
     def after_forward(self) -> None:
-        """Buckets whose modules did not run this forward are applied now and watched: a gradient
-        for one of their parameters would mean it was read while stale."""
-        self._recording = False
-        if self._pending is not None:
-            for b in reversed(range(len(self.plan.buckets))):
-                if self._pending is not None and self._pending.waiting[b]:
-                    self.capture.stale[b] = True
-                    self._apply(b)
+        """Buckets whose modules did not run in this forward: applied before backward refills the buckets."""
+        self.flush("after_forward")
 
-    def flush(self) -> None:
+    def flush(self, why: str = "flush") -> None:
         for b in reversed(range(len(self.plan.buckets))):
-            self._apply(b)
+            self._apply(b, why)
 
     @staticmethod
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
         """[DeAR] Eq. 8."""
         return max(t_ff, totals["all_gather"]) + max(t_bp, totals["reduce_scatter"])
+
+    @classmethod
+    def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
+        return schedules.dear(workload, network, workers, buckets)

@@ -16,36 +16,38 @@ backward, hooks) but not `optimizer.step`; LR schedulers stepped per step follow
 steps actually taken.
 
 After solving, the iterations may be handed to an exact schedule on the same buckets
-(`commsched.deft.predict.choose_schedule`): `DeARSchedule` when it is predicted clearly faster from
-the same measurements (it hides the all-gathers under the next forward, which an undelayed
-all-reduce cannot), else `WFBPSchedule` when the plan is DDP's schedule anyway (the same
-collectives without generations). A re-plan takes them back.
+(`commsched.deft.predict.choose_schedule`, a `Handover` the engine carries out): DeAR when it is
+predicted clearly faster from the same measurements (it hides the all-gathers under the next
+forward, which an undelayed all-reduce cannot), else WFBP when the plan is DDP's schedule anyway
+(the same collectives without generations). A re-plan takes them back.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
-from torch import nn
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
+from commsched.deft.decide import decide, describe
 from commsched.deft.generations import BufferPool, Generation
-from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
-from commsched.deft.predict import Choice, choose_schedule
-from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan, plan_for
+from commsched.deft.measure import StageMeter
+from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
+from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
-from commsched.errors import ScheduleError
+from commsched.errors import CommSchedConfigError, ScheduleError
 from commsched.links import Links
 from commsched.options import DeFTOptions
-from commsched.schedules.base import Observed, Schedule, params_of
-from commsched.schedules.dear import DeARSchedule, DeARSettings
-from commsched.schedules.wfbp import WFBPSchedule
+from commsched.schedules.base import Handover, Schedule, params_of
+from commsched.schedules.dear import DeARSettings
 from commsched.schedules.step_control import run_with_step_replaced
+from commsched.sim.network import CostModel
+from commsched.sim.schedules import Buckets, Result
+from commsched.sim.workload import Workload
+from commsched.state import refuse_unknown
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,8 @@ class DeFTSchedule(Schedule):
     skips_steps = True
     mask_link = "control"  # the primary may still carry older generations into the next forward
 
-    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
-        super().__init__(plan, links, observed, settings)
+    def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
+        super().__init__(plan, links, settings)
         self.settings: DeFTSettings = settings if isinstance(settings, DeFTSettings) else DeFTSettings()
         self.options = self.settings.options
         self._links = [links[name] for name in LINK_NAMES]
@@ -81,6 +83,8 @@ class DeFTSchedule(Schedule):
         self.seen = 0  # synchronised iterations before the plan was decided
         self.timings: Optional[Timings] = None
         self.decisions: list[dict[str, Any]] = []
+        self.choice = Choice("plan")
+        """What runs the iterations once decided: the plan, or an exact schedule it hands them to."""
         self._generations: dict[int, Generation] = {}
         self._pool = BufferPool(plan)
         self._now: Optional[Iteration] = None
@@ -91,10 +95,6 @@ class DeFTSchedule(Schedule):
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
         self._replan = False
-        self._module: Optional[nn.Module] = None
-        self.handed: Optional[Schedule] = None
-        """DeAR or WFBP running the iterations on the same buckets instead of the plan (see `choose_schedule`)."""
-        self.choice = Choice("plan")
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -103,49 +103,26 @@ class DeFTSchedule(Schedule):
         preserver = next((c for c in trainer.callbacks if isinstance(c, Preserver)), None)
         return DeFTSettings(options.deft, preserver, advance_schedulers)
 
-    # ----------------------------------------------------------------- lifecycle
-    def attach(self, module: nn.Module) -> None:
-        self._module = module
-        super().attach(module)
-
-    def detach(self) -> None:
-        super().detach()
-        if self.handed is not None:
-            self.handed.detach()
-
-    @Schedule.sync_enabled.setter
-    def sync_enabled(self, value: bool) -> None:
-        self.capture.sync_enabled = value
-        if self.handed is not None:
-            self.handed.sync_enabled = value
-
-    def _hand_over(self, choice: Choice) -> None:
-        """The chosen schedule's hooks replace DeFT's on the same buckets (at an iteration boundary: nothing is delayed)."""
-        assert self._module is not None and not self._generations
-        self.capture.detach()
-        self.choice = choice
-        if choice.runs == "dear":
-            self.handed = DeARSchedule(self.plan, self.links, self.observed, DeARSettings(tuple(choice.dear_links)))
-        else:
-            self.handed = WFBPSchedule(self.plan, self.links, self.observed)
-        self.handed.attach(self._module)
-        self.handed.sync_enabled = self.capture.sync_enabled
-        self.steps_this_iteration = 1
-
-    def _take_back(self) -> None:
-        """DeFT's hooks again (a re-plan): DeAR's pending update is applied first."""
-        assert self.handed is not None
-        self.handed.flush()
-        self.handed.detach()
-        self.handed, self.choice = None, Choice("plan")
-        self.capture.attach()
-
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
 
     @property
     def _measuring(self) -> bool:
         return not self.decided and self.seen >= self.options.warmup_steps
+
+    # ---------------------------------------------------------------- deciding
+    def at_boundary(self) -> Optional[Handover]:
+        """Measure, solve and choose once the measured steps are over; the iterations go to DeAR or
+        WFBP when that was chosen (and come back on a re-plan)."""
+        if self._replan:
+            self._restart_measuring()
+        if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
+            self._decide()
+        if self.decided and self.choice.runs == "dear":
+            return Handover("dear", DeARSettings(tuple(self.choice.dear_links)))
+        if self.decided and self.choice.runs == "wfbp":
+            return Handover("wfbp")
+        return None
 
     def request_replan(self) -> None:
         """Measure and solve again (every rank at the same step): delayed gradients are applied first."""
@@ -155,22 +132,30 @@ class DeFTSchedule(Schedule):
         self.drain()
         self._replan = False
         self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
+        self.choice = Choice("plan")
         self.seen = self.options.warmup_steps
         self._meter = StageMeter()
         self._probes.projections.clear()
 
+    def _decide(self) -> None:
+        decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
+                          self._meter, self._probes)
+        self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
+        self.decided, self.iteration = True, 0
+        self._probes.projections.clear()
+
+    def report(self) -> dict[str, Any]:
+        """What was decided, for metrics files and benchmark tables."""
+        described = self.deft_plan.describe() + (f"; {describe(self.choice)}" if self.decided else "")
+        return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
+                "staleness": self.deft_plan.staleness, "runs": self.choice.runs, "dear_links": list(self.choice.dear_links),
+                "predicted": self.choice.predicted, "mu": self.timings.mu if self.timings is not None else None,
+                "preserver": self.decisions}
+
     # ---------------------------------------------------------------- iteration
     def before_forward(self) -> None:
-        if self.handed is not None:
-            return self.handed.before_forward()
         if self._now is not None or not self.sync_enabled:
             return  # a later micro-batch of the same step, or an accumulation micro-batch
-        if self._replan:
-            self._restart_measuring()
-        if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
-            self._decide()
-            if self.handed is not None:
-                return self.handed.before_forward()
         self._now = self.deft_plan.at(self.iteration)
         self.steps_this_iteration = 0
         self._clip = None
@@ -179,8 +164,6 @@ class DeFTSchedule(Schedule):
             self._meter.forward_started()
 
     def after_forward(self) -> None:
-        if self.handed is not None:
-            return self.handed.after_forward()
         if self._now is None or not self.sync_enabled:
             return
         if self._measuring:
@@ -235,29 +218,11 @@ class DeFTSchedule(Schedule):
         generation.works.append(self._links[link].all_reduce(piece, f"g{generation.number}.b{item.bucket}.{item.start}"))
 
     # ------------------------------------------------------------------- update
-    def finish_backward(self) -> None:
-        if self.handed is not None:
-            return self.handed.finish_backward()
-        super().finish_backward()
-
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
-        if self.handed is not None:
-            result = self.handed.optimizer_step(optimizer, run_step)
-            if self._replan:  # measured again from the next step, by DeFT's own hooks
-                self._take_back()
-            return result
         try:
-            return run_with_step_replaced(optimizer, run_step, partial(self._step_or_defer, optimizer))
+            return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self._step_due(optimizer, partial(real_step, **kwargs)))
         finally:
             self._end_iteration()
-
-    def _step_or_defer(self, optimizer: Optimizer, real_step: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        if isinstance(self.handed, DeARSchedule):  # handed over in this very closure's forward: DeAR takes the step
-            self.handed.defer_step(optimizer, lambda: real_step(**kwargs))
-        elif self.handed is not None:  # WFBP: `.grad` is whole since its backward ended
-            real_step(**kwargs)
-        else:
-            self._step_due(optimizer, lambda: real_step(**kwargs))
 
     def _step_due(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         self._stepper = (optimizer, real_step)
@@ -288,115 +253,18 @@ class DeFTSchedule(Schedule):
             self.seen += 1
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
-        if self.handed is not None:
-            return self.handed.clip_gradients(optimizer, clip_val, algorithm)
         self._clip = (clip_val, algorithm)
         super().clip_gradients(optimizer, clip_val, algorithm)
-
-    # -------------------------------------------------------------- deciding
-    def _decide(self) -> None:
-        """Every rank: agree on the measurements; rank 0 solves; everyone adopts the same plan."""
-        forward, backward = self._meter.per_bucket_backward(len(self.plan.buckets))
-        control = self.links.control
-        forward, backward = agreed_stage_times(forward, backward, control)
-        shared = False
-        if self.options.timings_file is not None:
-            timings = load_timings(self.options.timings_file, len(self.plan.buckets))
-        else:
-            costs, shared = all_reduce_seconds(self.plan, self._links, control, self.options.cost_repeats)
-            timings = Timings(forward, backward, costs)
-            if shared:
-                log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
-                         "down): only the primary is used")
-        stats = self._probes.walk_statistics(self.settings.preserver)
-        halves = self._dear_halves(shared)
-        decided = None
-        if control.rank == 0:
-            decided = self._solve(timings, stats, halves)
-        decided = control.broadcast_object(decided, src=0, tag="deft-plan")
-        self.deft_plan = DeFTPlan.from_json(decided["plan"])
-        self.timings, self.decisions = timings, decided["decisions"]
-        self._check_same_plan()
-        self.decided, self.iteration = True, 0
-        self._probes.projections.clear()
-        log.info(f"commsched deft: {self.deft_plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
-                 f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, "
-                 f"all-reduce {sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary")
-        choice = Choice(**decided["choice"])
-        if choice.runs != "plan":
-            log.info(f"commsched deft: {self._describe_choice(choice)}; deft.fallback=never keeps the plan")
-            self._hand_over(choice)
-        else:
-            self.choice = choice
-
-    def _dear_halves(self, shared: bool) -> Optional[tuple[list[list[float]], list[list[float]]]]:
-        """DeAR's reduce-scatter and all-gather times per link and bucket (None: DeAR may not run):
-        from the timings file, or timed on every link (the primary alone on a shared wire, where a
-        second group gains DeAR nothing either)."""
-        if not self._dear_may_run():
-            return None
-        if self.options.timings_file is not None:
-            return load_halves(self.options.timings_file, len(self.plan.buckets))
-        measured = [halves_seconds(self.plan, link, self.links.control, self.options.cost_repeats)
-                    for link in (self._links[:1] if shared else self._links)]
-        return [rs for rs, _ in measured], [ag for _, ag in measured]
-
-    def _dear_may_run(self) -> bool:
-        """DeAR is worth predicting: a fallback allowed, not observed every step, more than one rank."""
-        return (self.options.fallback != "never" and self.link.world_size > 1
-                and not self.observed.gradients and not self.observed.weights_every_step)
-
-    @staticmethod
-    def _describe_choice(choice: Choice) -> str:
-        predicted = (f"predicted {choice.predicted['dear_ms']:.0f} ms/step vs {choice.predicted['plan_ms']:.0f} ms with "
-                     "the plan" if choice.predicted else "")
-        if choice.runs == "dear":
-            return f"run by DeAR over {'+'.join(sorted(set(choice.dear_links)))} ({predicted})"
-        if choice.runs == "wfbp":
-            return "run by WFBP (the plan is DDP's schedule" + (f"; DeAR {predicted}" if predicted else "") + ")"
-        return "run by the plan" + (f" (DeAR {predicted})" if predicted else "")
-
-    def _solve(self, timings: Timings, stats: dict[str, float],
-               halves: Optional[tuple[list[list[float]], list[list[float]]]]) -> dict[str, Any]:
-        numels = [b.buffer.numel() for b in self.plan.buckets]
-
-        def solve(capacity: Optional[float]) -> DeFTPlan:
-            return plan_for(numels, timings, math.inf if capacity is None else capacity)
-
-        if self.settings.preserver is not None:
-            plan, decisions = self.settings.preserver.choose(solve, self.options.capacity, stats)
-        else:
-            plan, decisions = solve(self.options.capacity), []
-        choice = choose_schedule(plan, timings, numels, self.options.fallback, halves)
-        return {"plan": plan.to_json(), "decisions": decisions, "choice": vars(choice)}
-
-    def report(self) -> dict[str, Any]:
-        """What was decided, for metrics files and benchmark tables."""
-        described = self.deft_plan.describe() + (f"; {self._describe_choice(self.choice)}" if self.decided else "")
-        return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
-                "staleness": self.deft_plan.staleness, "runs": self.choice.runs, "dear_links": list(self.choice.dear_links),
-                "predicted": self.choice.predicted, "mu": self.timings.mu if self.timings is not None else None,
-                "preserver": self.decisions}
-
-    def _check_same_plan(self) -> None:
-        digest = int(self.deft_plan.digest(), 16) % (2**62)
-        digests = self.links.control.all_gather_int(digest, "deft-plan-hash")
-        if len(set(digests)) != 1:
-            raise ScheduleError(f"commsched deft: ranks replay different plans (hashes {digests})")
 
     # ---------------------------------------------------------- flush points
     def flush(self) -> None:
         """Checkpoints, validation, callbacks: wait for what is in flight; delayed gradients stay delayed."""
-        if self.handed is not None:
-            self.handed.flush()
         for generation in self._generations.values():
             generation.drain()
 
     def drain(self) -> None:
         """End of training, or buckets about to change: send what is left (primary link, generation
         order, item order: the same on every rank) and step with every generation in order."""
-        if self.handed is not None:
-            self.handed.drain()
         if self._stepper is None or not self._generations:
             self.flush()
             return
@@ -415,28 +283,32 @@ class DeFTSchedule(Schedule):
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
-        if self._replan:  # asked to solve again: the buckets being rebuilt start measuring
-            if self.handed is not None:
-                self._take_back()
-            self._restart_measuring()
-        return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided, "iteration": self.iteration,
-                           "seen": self.seen, "decisions": self.decisions, "choice": vars(self.choice),
+        measuring_again = self._replan  # asked to solve again: what is carried over starts measuring
+        return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided and not measuring_again,
+                           "iteration": self.iteration, "seen": self.options.warmup_steps if measuring_again else self.seen,
+                           "decisions": self.decisions, "choice": vars(self.choice),
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "deft_plan" not in state:
+        refuse_unknown(self.name, state, ("deft_plan", "decided", "iteration", "seen", "decisions", "choice",
+                                          "bucket_numels", "generations", "meter", "projections"))
+        if not state:
             return
         if state.get("bucket_numels") != [b.buffer.numel() for b in self.plan.buckets]:
+            if state.get("generations"):  # their pieces were sent by the old layout's items
+                raise CommSchedConfigError(
+                    "commsched deft: the checkpoint holds delayed gradients for another bucket layout "
+                    f"(bucket sizes {state.get('bucket_numels')}, now {[b.buffer.numel() for b in self.plan.buckets]}); "
+                    "resume with the bucket settings that wrote it (bucket_cap_mb, fusion), or from a checkpoint "
+                    "written at the end of training, where none are left")
             log.info("commsched deft: the buckets changed; measuring and solving again for the new ones")
-            return  # drained before any rebuild: nothing delayed is lost
+            return
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
         self.decisions = list(state.get("decisions", []))
         self.choice = Choice(**state.get("choice", {"runs": "plan"}))
-        if self.choice.runs != "plan" and self.handed is None:
-            self._hand_over(self.choice)
         for saved in state.get("generations", []):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
@@ -446,3 +318,9 @@ class DeFTSchedule(Schedule):
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
         """Communication entirely under compute ([DeFT]'s aim): forward plus backward."""
         return t_ff + t_bp
+
+    @classmethod
+    def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
+        from commsched.sim.deft import deft
+
+        return deft(workload, network, workers, buckets=buckets)

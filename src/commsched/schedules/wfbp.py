@@ -13,7 +13,11 @@ from typing import Any, Optional
 from commsched.buckets import BucketPlan
 from commsched.links import Links, Pending
 from commsched.reducers import AllReduce
-from commsched.schedules.base import Observed, Schedule
+from commsched.schedules.base import Schedule
+from commsched.sim import schedules
+from commsched.sim.network import CostModel
+from commsched.sim.schedules import Buckets, Result
+from commsched.sim.workload import Workload
 
 
 class WFBPSchedule(Schedule):
@@ -21,8 +25,8 @@ class WFBPSchedule(Schedule):
     description = "commsched WFBP: bucketed all-reduce launched during backward"
     step_collectives = ("all_reduce",)
 
-    def __init__(self, plan: BucketPlan, links: Links, observed: Observed = Observed(), settings: Any = None) -> None:
-        super().__init__(plan, links, observed, settings)
+    def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
+        super().__init__(plan, links, settings)
         self._reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
         self._works: list[Optional[Pending]] = [None] * len(plan.buckets)
 
@@ -42,3 +46,7 @@ class WFBPSchedule(Schedule):
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
         """[DeAR] Eq. 7."""
         return t_ff + max(t_bp, totals["all_reduce"])
+
+    @classmethod
+    def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
+        return schedules.wfbp(workload, network, workers, buckets)

@@ -7,6 +7,8 @@ the secondary's are `mu` times them (in a run, mu is measured).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from commsched.deft.plan import LINK_NAMES, DeFTPlan, Launch, Timings, plan_for
 from commsched.deft.predict import replay
 from commsched.sim.network import CostModel
@@ -26,8 +28,9 @@ def deft_plan(workload: Workload, network: CostModel, workers: int, buckets: lis
 
 
 def deft(workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20, mu: float = 1.65,
-         capacity: float = 1.0) -> Result:
-    buckets = fixed_size(workload, bucket_bytes)
+         capacity: float = 1.0, buckets: Optional[Sequence[Sequence[int]]] = None) -> Result:
+    """`buckets` (layer indices, backward order): default fixed `bucket_bytes` buckets."""
+    buckets = fixed_size(workload, bucket_bytes) if buckets is None else [list(b) for b in buckets]
     plan = deft_plan(workload, network, workers, buckets, mu, capacity)
     ready = grad_ready(workload)
     bucket_ready = [max(ready[i] for i in bucket) for bucket in buckets]

@@ -105,6 +105,21 @@ def wfbp(workload: Workload, network: CostModel, workers: int, buckets: Buckets 
     return Result("wfbp", max(t_end, link_free), forward + backward + comm, len(buckets))
 
 
+def after_backward(name: str, workload: Workload, network: CostModel, workers: int, buckets: Buckets,
+                   collectives: Sequence[str]) -> Result:
+    """A schedule that overlaps nothing: forward, backward, then each bucket's `collectives` in turn
+    (`commsched.Schedule.simulate`'s default for a schedule that describes no timeline of its own)."""
+    forward, t_ff = _compute_spans(workload, 0.0, "forward")
+    backward, clock = _compute_spans(workload, t_ff, "backward")
+    comm = []
+    for index, bucket in enumerate(buckets):
+        for collective in collectives:
+            seconds = network.time(collective, _bucket_bytes(workload, bucket), workers)
+            comm.append(Span("link", f"{collective} b{index}", clock, clock + seconds))
+            clock += seconds
+    return Result(name, clock, forward + backward + comm, len(buckets))
+
+
 def sync_easgd(workload: Workload, network: CostModel, workers: int) -> Result:
     """[MG-WFBP] Eq. 9: one all-reduce of everything after backward."""
     forward, t_ff = _compute_spans(workload, 0.0, "forward")

@@ -1,0 +1,104 @@
+"""DeFT's decision once its measured steps are over: every rank agrees on the measurements, rank 0
+solves the plan (the Preserver may enlarge its capacity) and chooses what runs the iterations
+(`predict.choose_schedule`), every rank adopts the same decision and checks its hash."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from commsched.buckets import BucketPlan
+from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
+from commsched.deft.plan import DeFTPlan, Timings, plan_for
+from commsched.deft.predict import Choice, choose_schedule
+from commsched.deft.probes import GradientProbes
+from commsched.errors import ScheduleError
+from commsched.links import Link
+from commsched.options import DeFTOptions
+
+log = logging.getLogger(__name__)
+
+Halves = tuple[list[list[float]], list[list[float]]]
+
+
+@dataclass
+class Decision:
+    plan: DeFTPlan
+    timings: Timings
+    choice: Choice
+    preserver: list[dict[str, Any]] = field(default_factory=list)
+    """The Preserver's decisions, one per plan it judged."""
+
+
+def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOptions, preserver: Any,
+           meter: StageMeter, probes: GradientProbes) -> Decision:
+    """Every rank calls it at the same iteration boundary (it issues collectives on every link)."""
+    forward, backward = agreed_stage_times(*meter.per_bucket_backward(len(plan.buckets)), control)
+    shared = False
+    if options.timings_file is not None:
+        timings = load_timings(options.timings_file, len(plan.buckets))
+    else:
+        costs, shared = all_reduce_seconds(plan, links, control, options.cost_repeats)
+        timings = Timings(forward, backward, costs)
+        if shared:
+            log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
+                     "down): only the primary is used")
+    stats = probes.walk_statistics(preserver)
+    halves = _dear_halves(plan, links, control, options, shared)
+    mine = _solve(plan, timings, stats, halves, options, preserver) if control.rank == 0 else None
+    decided = control.broadcast_object(mine, src=0, tag="deft-plan")
+    decision = Decision(DeFTPlan.from_json(decided["plan"]), timings, Choice(**decided["choice"]), decided["preserver"])
+    _check_same_plan(decision.plan, control)
+    rank_zero_info(f"commsched deft: {decision.plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
+                   f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, all-reduce "
+                   f"{sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary; "
+                   f"{describe(decision.choice)} (deft.fallback={options.fallback})")
+    return decision
+
+
+def _dear_halves(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOptions, shared: bool) -> Optional[Halves]:
+    """DeAR's reduce-scatter and all-gather times per link and bucket (None: DeAR may not run): from
+    the timings file, or timed on every link (the primary alone on a shared wire, where a second
+    group gains DeAR nothing either)."""
+    if options.fallback == "never" or control.world_size == 1:
+        return None
+    if options.timings_file is not None:
+        return load_halves(options.timings_file, len(plan.buckets))
+    measured = [halves_seconds(plan, link, control, options.cost_repeats) for link in (links[:1] if shared else links)]
+    return [rs for rs, _ in measured], [ag for _, ag in measured]
+
+
+def _solve(plan: BucketPlan, timings: Timings, stats: dict[str, float], halves: Optional[Halves], options: DeFTOptions,
+           preserver: Any) -> dict[str, Any]:
+    numels = [b.buffer.numel() for b in plan.buckets]
+
+    def solve(capacity: Optional[float]) -> DeFTPlan:
+        return plan_for(numels, timings, math.inf if capacity is None else capacity)
+
+    if preserver is not None:
+        solved, decisions = preserver.choose(solve, options.capacity, stats)
+    else:
+        solved, decisions = solve(options.capacity), []
+    choice = choose_schedule(solved, timings, numels, options.fallback, halves)
+    return {"plan": solved.to_json(), "preserver": decisions, "choice": vars(choice)}
+
+
+def _check_same_plan(plan: DeFTPlan, control: Link) -> None:
+    digests = control.all_gather_int(int(plan.digest(), 16) % (2**62), "deft-plan-hash")
+    if len(set(digests)) != 1:
+        raise ScheduleError(f"commsched deft: ranks replay different plans (hashes {digests})")
+
+
+def describe(choice: Choice) -> str:
+    """What runs the iterations, and the predictions it was chosen by."""
+    predicted = (f"predicted {choice.predicted['dear_ms']:.0f} ms/step vs {choice.predicted['plan_ms']:.0f} ms with "
+                 "the plan" if choice.predicted else "")
+    if choice.runs == "dear":
+        return f"run by DeAR over {'+'.join(sorted(set(choice.dear_links)))} ({predicted})"
+    if choice.runs == "wfbp":
+        return "run by WFBP (the plan is DDP's schedule" + (f"; DeAR {predicted}" if predicted else "") + ")"
+    return "run by the plan" + (f" (DeAR {predicted})" if predicted else "")
