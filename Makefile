@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.commsched-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-gpu bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# the GPU suite alone (CUDA + NCCL; install a CUDA build of torch into .venv first, see above)
+test-gpu: install
+	$(PY) -m pytest -m gpu tests/gpu
 
 # e.g. make bench BENCH_ARGS="link.rate=1gbit models=[small_cnn,resnet18]"  (a slow link needs root)
 BENCH_ARGS ?=

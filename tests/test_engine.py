@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import max_abs_diff, run_worker
+from conftest import max_abs_diff, per_link, run_worker
 
 TOLERANCE = 1e-5
 
@@ -75,7 +75,14 @@ def test_a_plan_is_revised_when_asked(cases):
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
 
 
-def test_continuations_run_when_the_collective_completes(tmp_path):
-    proc = run_worker("run_links.py", str(tmp_path), timeout=120)
+def test_links_keep_one_order_whatever_completes_first(tmp_path):
+    """workers/run_links.py (4 processes): continuations run on completion; second stages requested
+    after their first stage keep their place on their link although a random per-rank delay decides
+    when the first stage's continuation ends; a chain of 3000 collectives; sub-group links and streams."""
+    proc = run_worker("run_links.py", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ok").read_text() == "ok"
+    traces = [per_link(torch.load(tmp_path / f"trace.rank{r}.pt")) for r in range(4)]
+    assert {"primary", "secondary", "secondary.1", "intra", "inter"} <= set(traces[0])
+    for rank, trace in enumerate(traces[1:], start=1):
+        assert trace == traces[0], f"rank {rank} issued its collectives in another order"

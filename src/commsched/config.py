@@ -7,11 +7,9 @@ process, so a typo fails before any worker starts, with the valid choices in the
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -124,27 +122,6 @@ class TrainConfig:
 
 
 DATA_KIND = {"synthetic_images": "image", "cifar10": "image", "digits": "image", "synthetic_tokens": "language", "text": "language"}
-
-
-def import_plugins(modules: Iterable[str]) -> None:
-    """Import `plugins` (the working directory first on the path, as for a script): the schedules they
-    register become available by name. A module that cannot be imported is refused by name."""
-    if "" not in sys.path:
-        sys.path.insert(0, "")
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            raise bad_value("plugins", module, f"an importable Python module ({error})") from None
-
-
-def plugins_in(argv: Sequence[str]) -> list[str]:
-    """The `plugins=[a,b]` (or `plugins=a`) of a command line, before Hydra has parsed it."""
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key.lstrip("+") == "plugins" and value:
-            return [m.strip().strip("'\"") for m in value.strip("[]").split(",") if m.strip()]
-    return []
 
 
 def schedule_names(with_plugins: bool) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -56,12 +57,13 @@ class Engine:
         self._iteration_starts = True
 
     def start(self, module: nn.Module, world_size: int, timeout: Optional[timedelta], default_backend: Optional[str],
-              restored: Optional[state.Restored]) -> None:
-        """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only)."""
+              restored: Optional[state.Restored], device: torch.device) -> None:
+        """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
+        `device`: this rank's own device (the model's), where NCCL links keep their tensors."""
         log.debug(f"commsched: creating links {self.schedule_class.links_used}")
         if self.trace is not None:
             self.trace.clear()
-        self.links = Links(self._link_specs(default_backend), timeout, self.trace)
+        self.links = Links(self._link_specs(default_backend), timeout, self.trace, device)
         self._module = module
         self._iteration_starts = True
         if restored is not None:

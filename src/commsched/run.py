@@ -27,7 +27,8 @@ import commsched  # noqa: F401  (registers the strategies)
 import lightning.pytorch as pl
 from commsched.builders import build_data, build_model, build_strategy
 from commsched.callbacks import StepMetrics
-from commsched.config import import_plugins, resume_path
+from commsched.config import resume_path
+from commsched.plugins import import_plugins
 from commsched.quiet import quiet_lightning
 
 

@@ -166,7 +166,7 @@ class CommSchedStrategy(DDPStrategy):
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper."""
         module = self.lightning_module
         checks.refuse_manual_optimization(module, self.schedule_class.name)
-        self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, self._restored)
+        self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, self._restored, self.root_device)
         self._restored = None
         self._buffers.needed = True
         self._failed = False

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.buckets import BucketPlan
+from commsched.device_time import Stopwatch, seconds_of, synchronize
 from commsched.deft.plan import Timings
 from commsched.errors import CommSchedConfigError
 from commsched.links import Link
@@ -22,26 +23,32 @@ from commsched.reducers import ShardedReduce
 
 
 class StageMeter:
-    """Per measured iteration: forward seconds and when each bucket became ready in backward."""
+    """Per measured iteration: forward seconds and when each bucket became ready in backward (on
+    CUDA each mark waits for the device: measured steps time the kernels, not their launch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.forward: list[float] = []
         self.ready: list[list[float]] = []
+        self._device = device
         self._started = 0.0
         self._backward_started = 0.0
 
+    def _now(self) -> float:
+        synchronize(self._device)
+        return time.perf_counter()
+
     def forward_started(self) -> None:
-        self._started = time.perf_counter()
+        self._started = self._now()
 
     def forward_done(self) -> None:
-        now = time.perf_counter()
+        now = self._now()
         self.forward.append(now - self._started)
         self._backward_started = now
         self.ready.append([])
 
     def bucket_ready(self) -> None:
         if self.ready:
-            self.ready[-1].append(time.perf_counter() - self._backward_started)
+            self.ready[-1].append(self._now() - self._backward_started)
 
     def per_bucket_backward(self, buckets: int) -> tuple[float, list[float]]:
         """Median forward seconds and median per-bucket backward seconds (gaps between ready times)."""
@@ -82,23 +89,23 @@ def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repea
 
 
 def _median_seconds(links: list[Link], buckets: list, repeats: int) -> list[float]:
-    """Per link, the median time from starting the same all-reduce on all of them to its completion."""
+    """Per link, the median time from starting the same all-reduce on all of them to its completion
+    (`Stopwatch`: the transfer's completion on the link's device, not the launch)."""
     scratch = [torch.zeros_like(bucket.buffer, device=link.device) for link, bucket in zip(links, buckets)]
     for link, tensor in zip(links, scratch):
         link.all_reduce(tensor, "deft-cost-warmup").wait()
     times: list[list[float]] = [[] for _ in links]
     for _ in range(repeats):
-        started = time.perf_counter()
-        finished = [0.0] * len(links)
-        works = []
-        for index, (link, tensor) in enumerate(zip(links, scratch)):
-            def mark(index: int = index) -> None:
-                finished[index] = time.perf_counter()
-            works.append(link.all_reduce(tensor, "deft-cost").then(mark))
+        for link in links:
+            link.synchronize()
+        watches = [Stopwatch(link.device) for link in links]
+        works = [link.all_reduce(tensor, "deft-cost") for link, tensor in zip(links, scratch)]
+        for watch, work in zip(watches, works):
+            watch.stop_when(work)
         for work in works:
             work.wait()
-        for index in range(len(links)):
-            times[index].append(finished[index] - started)
+        for index, watch in enumerate(watches):
+            times[index].append(watch.seconds)
     return [statistics.median(t) for t in times]
 
 
@@ -111,12 +118,7 @@ def halves_seconds(plan: BucketPlan, link: Link, control: Link, repeats: int) ->
         reducer = ShardedReduce(torch.zeros_like(bucket.buffer, device=link.device), link)
         for half, launch in zip(halves, (reducer.scatter, reducer.gather)):
             launch("deft-halves-warmup").wait()
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                launch("deft-halves").wait()
-                times.append(time.perf_counter() - started)
-            half.append(statistics.median(times))
+            half.append(statistics.median(seconds_of(link.device, lambda: launch("deft-halves").wait()) for _ in range(repeats)))
     flat = slowest_rank(halves[0] + halves[1], control, "deft-halves-max")
     n = len(plan.buckets)
     return flat[:n], flat[n:]

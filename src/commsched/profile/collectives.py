@@ -4,27 +4,23 @@ bests ([DeAR] Eq. 7-8) and the overlap ratio are computed from."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from commsched.buckets import BucketPlan
+from commsched.device_time import seconds_of
 from commsched.links import Link
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 """What every profile times (the bench's predictions and the planners read these three)."""
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch.device = torch.device("cpu")) -> float:
+    """Median seconds until what `fn` started has completed on `device` (`device_time.seconds_of`)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(seconds_of(device, fn) for _ in range(repeats))
 
 
 def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype: torch.dtype = torch.float32) -> float:
@@ -40,7 +36,7 @@ def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype
         "all_gather": lambda: link.all_gather(full, shard, "profile").wait(),
         "broadcast": lambda: link.broadcast(full, 0, "profile").wait(),
     }
-    return median_seconds(ops[collective], repeats)
+    return median_seconds(ops[collective], repeats, device=link.device)
 
 
 def time_buckets(plan: BucketPlan, link: Link, collectives: Sequence[str] = COLLECTIVES, repeats: int = 5) -> list[dict[str, float]]:

@@ -5,7 +5,8 @@ as everywhere in commsched. Forward time is the layer's exclusive time between i
 pre-hook and post-hook (a parent's time excludes its parameter-owning children). Backward time is
 what the simulator and the planners need: the interval between consecutive layers' gradients
 becoming complete (post-accumulate-grad hooks), the first measured from the start of backward.
-Times are wall clock on the CPU; on a GPU they include only what the host observes.
+Times are wall clock once the device has finished: on a GPU every hook synchronizes the device
+(the profiled steps run slower, but what is timed is the kernels, not their launch).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from commsched.device_time import synchronize
 from commsched.hooks import OwnHook
 from commsched.sim.workload import Layer, Workload
 from commsched.trace import Span
@@ -36,7 +38,8 @@ class _Owner:
 class LayerTimer:
     """`attach(module)`, then per step: `backward_started()` when backward begins and `end_step()`."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, device: torch.device = torch.device("cpu")) -> None:
+        self._device = device
         seen: set[int] = set()
         self._owners: list[_Owner] = []
         for name, sub in module.named_modules():
@@ -73,10 +76,16 @@ class LayerTimer:
             return  # validation and prediction forwards are not part of a training step
         if index not in self._first_called:
             self._first_called.append(index)
-        self._stack.append([index, time.perf_counter(), 0.0])
+        self._stack.append([index, self._now(), 0.0])
+
+    def _now(self) -> float:
+        synchronize(self._device)
+        return time.perf_counter()
 
     def _leave(self, index: int) -> None:
-        end = time.perf_counter()
+        if not self._stack:
+            return  # a forward outside a training step (validation)
+        end = self._now()
         while self._stack and self._stack[-1][0] != index:
             self._stack.pop()  # an exception skipped a post-hook
         if not self._stack:
@@ -90,11 +99,11 @@ class LayerTimer:
     def _grad(self, index: int) -> None:
         self._pending[index] -= 1
         if self._pending[index] == 0:
-            self._ready[index] = time.perf_counter()
+            self._ready[index] = self._now()
 
     def backward_started(self) -> None:
         if self._backward_start is None:
-            self._backward_start = time.perf_counter()
+            self._backward_start = self._now()
 
     def end_step(self) -> None:
         """Close a step: turn this step's readiness times into per-layer backward seconds."""

@@ -68,6 +68,6 @@ def probe_concurrent(links: list[Link], nbytes: int, repeats: int = 5) -> dict[s
         for pending in [link.all_gather(full, shard, "probe") for link, (full, shard) in zip(links, buffers)]:
             pending.wait()
 
-    seconds = median_seconds(once, repeats)
+    seconds = median_seconds(once, repeats, device=links[0].device)
     moved = len(links) * (world - 1) / world * numel * 4  # bytes each rank sends over its link
     return {"groups": len(links), "bytes": numel * 4, "seconds": seconds, "bus_gbit_s": moved * 8 / seconds / 1e9}

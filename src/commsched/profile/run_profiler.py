@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
 from commsched.buckets import BucketPlan
+from commsched.device_time import SpanRecorder, synchronize
 from commsched.links import Link
 from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layers import LayerTimer
@@ -59,21 +61,24 @@ class RunProfiler:
         self._mark = (0.0, 0.0)  # (perf_counter, exposed comm) at the start of the current phase
         self._phase_exposed = 0.0
         self._epoch = (time.time(), time.perf_counter())
+        self._device = torch.device("cpu")
 
     @property
     def active(self) -> bool:
         return self._timer is not None
 
     def start(self, module: Any, links: list[Link]) -> None:
-        self._timer = LayerTimer(module).attach()
+        self._device = next(module.parameters()).device
+        self._timer = LayerTimer(module, self._device).attach()
         self._links = links
         for link in links:
-            link.spans = []
+            link.recorder = SpanRecorder(link.device)
+            link.measuring = True
 
     def phase_started(self, strategy: Any) -> None:
         """Start of training_step's forward or of backward (the strategy calls it at both)."""
         if self._timer is not None:
-            self._mark = (time.perf_counter(), strategy.exposed_comm_seconds)
+            self._mark = (self._now(), strategy.exposed_comm_seconds)
 
     def forward_done(self, strategy: Any) -> None:
         if self._timer is not None:
@@ -90,13 +95,19 @@ class RunProfiler:
 
     def _phase_seconds(self, strategy: Any) -> float:
         started, exposed = self._mark
-        return time.perf_counter() - started - (strategy.exposed_comm_seconds - exposed)
+        return self._now() - started - (strategy.exposed_comm_seconds - exposed)
+
+    def _now(self) -> float:
+        """The host clock once the device has finished what was enqueued (profiled steps only: on CUDA
+        the host runs ahead of the kernels it launched)."""
+        synchronize(self._device)
+        return time.perf_counter()
 
     def on_batch_start(self, strategy: Any) -> None:
         """Called by the strategy at every training batch start; finishes after `steps` steps."""
         if self._timer is None:
             return
-        now = time.perf_counter()
+        now = self._now()
         if self._step_starts:
             self._timer.end_step()
         self._step_starts.append(now)
@@ -108,9 +119,9 @@ class RunProfiler:
         timer, self._timer = self._timer, None
         assert timer is not None
         timer.detach()
-        spans = [*timer.spans, *(s for link in self._links for s in (link.spans or []))]
+        spans = [*timer.spans, *(s for link in self._links if link.recorder is not None for s in link.recorder.spans())]
         for link in self._links:
-            link.spans = None
+            link.recorder, link.measuring = None, False
         schedule = strategy.schedule
         schedule.flush()  # DeAR's all-gathers are in flight: let them land before timing alone
         plan: BucketPlan = schedule.plan

@@ -1,10 +1,12 @@
-"""One bucket summed over all ranks in one collective (wfbp, DeFT).
+"""One bucket (or a piece of it) summed over all ranks in one collective (wfbp, DeFT).
 
 The capture scaled the gradients by 1/P while copying them into the bucket, as DDP does, so the
 sum is the average.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -17,8 +19,12 @@ class AllReduce:
         self.link = link
         self._staging = Staging(buffer, link)
 
-    def start(self, tag: str) -> Pending:
-        """Sum the bucket over ranks; the result is in the bucket when the returned `Pending` completes."""
-        self._staging.to_link()
-        pending = self.link.all_reduce(self._staging.tensor, tag)
-        return pending.then(self._staging.from_link) if self._staging.tensor is not self._staging.buffer else pending
+    def start(self, tag: str, start: int = 0, numel: Optional[int] = None) -> Pending:
+        """Sum (elements `start..start+numel` of) the bucket over ranks; the result is in the bucket
+        when the returned `Pending` completes."""
+        numel = self._staging.buffer.numel() - start if numel is None else numel
+        ready = self._staging.to_link(start, numel)
+        pending = self.link.all_reduce(self._staging.tensor.narrow(0, start, numel), tag, ready=ready)
+        if self._staging.staged:
+            pending.then(lambda: self._staging.from_link(start, numel))
+        return pending

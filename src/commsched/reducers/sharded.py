@@ -2,12 +2,14 @@
 
 `scatter` leaves this rank's slice of the summed bucket in `shard` (reduce-scatter; on gloo
 point-to-point exchanges plus a local sum, run as a continuation when they complete, with the
-shard being the bucket's own slice); `gather`
-puts every rank's shard back into the whole bucket (all-gather). Between the two, the schedule
-can read and scale the shard (clipping on reduced shards).
+shard being the bucket's own slice); `gather` puts every rank's shard back into the whole bucket
+(all-gather), issued after `after` completes when it is one of a chain. Between the two, the
+schedule can read the shard (the global norm for clipping).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -28,9 +30,9 @@ class ShardedReduce:
             self._scratch = torch.empty(full.numel() // world * (world - 1), dtype=full.dtype, device=link.device)
 
     def scatter(self, tag: str) -> Pending:
-        self._staging.to_link()
-        return self.link.reduce_scatter(self.shard, self._staging.tensor, tag, scratch=self._scratch)
+        ready = self._staging.to_link()
+        return self.link.reduce_scatter(self.shard, self._staging.tensor, tag, scratch=self._scratch, ready=ready)
 
-    def gather(self, tag: str) -> Pending:
-        pending = self.link.all_gather(self._staging.tensor, self.shard, tag)
-        return pending.then(self._staging.from_link) if self._staging.tensor is not self._staging.buffer else pending
+    def gather(self, tag: str, after: Optional[Pending] = None) -> Pending:
+        pending = self.link.all_gather(self._staging.tensor, self.shard, tag, after=after)
+        return pending.then(self._staging.from_link) if self._staging.staged else pending

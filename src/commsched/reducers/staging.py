@@ -1,8 +1,16 @@
-"""A bucket's bytes on the link's device: gloo links carry CPU tensors even when the model is on a GPU."""
+"""A bucket's bytes on the link's device: gloo links carry CPU tensors even when the model is on a GPU.
+
+The host copy is pinned and both copies are asynchronous: `to_link` enqueues the device-to-host
+copy on the model's stream and returns an event the link waits for before issuing the collective
+(in its own queue: the training thread does not wait); `from_link`, run on the backend's
+completion thread, enqueues the host-to-device copy on the model's stream, so everything the
+training loop enqueues after waiting for the collective sees the result. On one device both are
+no-ops: the collective works on the bucket itself.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -10,25 +18,47 @@ from commsched.links import Link
 
 
 class Staging:
-    """Either the bucket buffer itself (same device) or a host copy that collectives use instead."""
+    """Either the bucket buffer itself (same device) or a pinned host copy that collectives use instead."""
 
     def __init__(self, buffer: torch.Tensor, link: Link) -> None:
         self.buffer = buffer
         self.device = link.device
         self._copy: Optional[torch.Tensor] = None
+        self._stream: Any = None
         if buffer.device != self.device:
-            pin = buffer.device.type == "cuda" and torch.cuda.is_available()
-            self._copy = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device, pin_memory=pin)
+            cuda = buffer.device.type == "cuda"
+            self._copy = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device, pin_memory=cuda)
+            self._stream = torch.cuda.current_stream(buffer.device) if cuda else None  # read on the training thread
 
     @property
     def tensor(self) -> torch.Tensor:
         """What the collective touches."""
         return self._copy if self._copy is not None else self.buffer
 
-    def to_link(self) -> None:
-        if self._copy is not None:
-            self._copy.copy_(self.buffer)
+    @property
+    def staged(self) -> bool:
+        return self._copy is not None
 
-    def from_link(self) -> None:
-        if self._copy is not None:
-            self.buffer.copy_(self._copy, non_blocking=True)
+    def to_link(self, start: int = 0, numel: Optional[int] = None) -> Any:
+        """Copy (a slice of) the bucket to the link's device; returns the CUDA event to wait for, or None."""
+        if self._copy is None:
+            return None
+        numel = self.buffer.numel() - start if numel is None else numel
+        self._copy.narrow(0, start, numel).copy_(self.buffer.narrow(0, start, numel), non_blocking=self._stream is not None)
+        if self._stream is None:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(self._stream)
+        return ready
+
+    def from_link(self, start: int = 0, numel: Optional[int] = None) -> None:
+        """Copy (a slice of) the result back to the bucket (on the completion thread: on the model's stream)."""
+        if self._copy is None:
+            return
+        numel = self.buffer.numel() - start if numel is None else numel
+        source, target = self._copy.narrow(0, start, numel), self.buffer.narrow(0, start, numel)
+        if self._stream is None:
+            target.copy_(source)
+            return
+        with torch.cuda.stream(self._stream):
+            target.copy_(source, non_blocking=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
+import torch
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
@@ -39,8 +40,9 @@ from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, I
 from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
 from commsched.errors import CommSchedConfigError, ScheduleError
-from commsched.links import Links
+from commsched.links import Link, Links
 from commsched.options import DeFTOptions
+from commsched.reducers import AllReduce
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
 from commsched.schedules.step_control import run_with_step_replaced
@@ -87,10 +89,11 @@ class DeFTSchedule(Schedule):
         """What runs the iterations once decided: the plan, or an exact schedule it hands them to."""
         self._generations: dict[int, Generation] = {}
         self._pool = BufferPool(plan)
+        self._reducers: dict[tuple[int, str], AllReduce] = {}
         self._now: Optional[Iteration] = None
         self._due: list[int] = []
         self._clip: Optional[tuple[float, str]] = None
-        self._meter = StageMeter()
+        self._meter = StageMeter(plan.buckets[0].buffer.device)
         self._probes = GradientProbes(links.control, self.link.world_size, self.link.rank)
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
@@ -134,7 +137,7 @@ class DeFTSchedule(Schedule):
         self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
         self.choice = Choice("plan")
         self.seen = self.options.warmup_steps
-        self._meter = StageMeter()
+        self._meter = StageMeter(self.plan.buckets[0].buffer.device)
         self._probes.projections.clear()
 
     def _decide(self) -> None:
@@ -214,8 +217,16 @@ class DeFTSchedule(Schedule):
         if index in generation.sent:
             raise ScheduleError(f"commsched deft: item {index} of generation {generation.number} planned twice")
         generation.sent.add(index)
-        piece = generation.buffers[item.bucket].narrow(0, item.start, item.numel)
-        generation.works.append(self._links[link].all_reduce(piece, f"g{generation.number}.b{item.bucket}.{item.start}"))
+        reducer = self._reducer(generation.buffers[item.bucket], self._links[link])
+        generation.works.append(reducer.start(f"g{generation.number}.b{item.bucket}.{item.start}", item.start, item.numel))
+
+    def _reducer(self, buffer: torch.Tensor, link: Link) -> AllReduce:
+        """One per pooled generation buffer and link: a gloo link serving a CUDA model stages through
+        pinned host memory made once, not per send."""
+        key = (id(buffer), link.name)
+        if key not in self._reducers:
+            self._reducers[key] = AllReduce(buffer, link)
+        return self._reducers[key]
 
     # ------------------------------------------------------------------- update
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:

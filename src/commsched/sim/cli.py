@@ -3,6 +3,7 @@
     commsched-simulate --workload resnet50 --bandwidth 10gbit --alpha 50e-6
     commsched-simulate --workload vgg16 --algorithm tree --out sim/      # + speedup.png, CSV, traces
     commsched-simulate --workload run/profile.json --link run/profile.json --workers 2
+    commsched-simulate --plugins my_schedules --schedules wfbp,mine      # a schedule registered by a module
 
 A profile JSON from the profiler (`profile_steps=N`) gives measured per-layer times; `--link` with a
 profile or probe JSON uses the fitted collective costs instead of alpha-beta (valid only at the
@@ -104,13 +105,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="deft: the secondary link's all-reduce time over the primary's (a run measures it)")
     parser.add_argument("--partition-mb", type=float, default=4.0, help="bytescheduler partition size")
     parser.add_argument("--out", type=Path, default=None, help="directory for simulate.csv, speedup.png, traces")
+    parser.add_argument("--plugins", default="", help="modules to import first: the schedules they register can be simulated")
     args = parser.parse_args(argv)
     console = Console(width=160)
     try:
         workload = load_workload(args)
         network = load_network(args)
         workers = parse_workers(args.workers)
-        names = parse_list(args.schedules, "--schedules", SIM_SCHEDULES)
+        plugins = [m for m in args.plugins.split(",") if m.strip()]
+        allowed = SIM_SCHEDULES
+        if plugins:
+            from commsched.plugins import import_plugins
+            from commsched.sim.simulate import registered_schedules
+
+            import_plugins(plugins)
+            allowed = (*SIM_SCHEDULES, *(n for n in registered_schedules() if n not in SIM_SCHEDULES))
+        names = parse_list(args.schedules, "--schedules", allowed)
     except CommSchedConfigError as error:
         parser.error(str(error))
 

@@ -1,4 +1,8 @@
-"""`simulate(name, ...)`: the one entry point the CLI, the benchmark and the tests use."""
+"""`simulate(name, ...)`: the one entry point the CLI, the benchmark and the tests use.
+
+Besides the simulator's own variants (per-layer buckets, fused, planned, priority scheduling), any
+schedule registered with `commsched.register_schedule` is simulated by its own `Schedule.simulate`
+on fixed `bucket_bytes` buckets."""
 
 from __future__ import annotations
 
@@ -42,4 +46,14 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
         return deft(workload, network, workers, bucket_bytes, mu)
     if name == "bytescheduler":
         return bytescheduler(workload, network, workers, partition_bytes)
-    raise bad_value("schedule", name, SIM_SCHEDULES)
+    registered = registered_schedules()
+    if name in registered:
+        return registered[name].simulate(workload, network, workers, schedules.fixed_size(workload, bucket_bytes))
+    raise bad_value("schedule", name, (*SIM_SCHEDULES, *(n for n in registered if n not in SIM_SCHEDULES)))
+
+
+def registered_schedules() -> dict:
+    """`commsched.SCHEDULES` (imports torch: only when a name is not one of the simulator's own)."""
+    from commsched.schedules import SCHEDULES
+
+    return dict(SCHEDULES)

@@ -1,0 +1,112 @@
+"""Timing what a collective costs *to complete*, on the device it runs on.
+
+On the CPU (gloo) a collective's future completes when the transfer has, and the host clock is the
+truth. On CUDA (NCCL) a collective's future completes when it is *enqueued*, and `wait()` only
+makes the current stream wait: timing either measures a launch. So on CUDA a timing ends with a
+CUDA event recorded on a stream that waited for the collective, or (in measuring steps only)
+with a device synchronize. Every consumer of timings goes through here: the profiler, the link
+probe, DeFT's measurements, and through them the planners and the simulator's inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from commsched.trace import Span
+
+if TYPE_CHECKING:
+    from commsched.works import Pending
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until `device` has finished everything enqueued (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_of(device: torch.device, run: Callable[[], object]) -> float:
+    """Wall seconds until everything `run` enqueued on `device` has completed."""
+    synchronize(device)
+    started = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+class Stopwatch:
+    """Started when made; `stop_when(pending)` stops it when that collective completes (call
+    `pending.wait()` after it on the CPU); `seconds` reads it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._end_time: Optional[float] = None
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record(torch.cuda.current_stream(device))
+        else:
+            self._started = time.perf_counter()
+
+    def stop_when(self, pending: "Pending") -> None:
+        if self._cuda:
+            pending.wait()  # the current stream now waits for the collective
+            self._end.record(torch.cuda.current_stream(self._device))
+        else:
+            pending.then(self._mark)
+
+    def _mark(self) -> None:
+        self._end_time = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        if self._cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        assert self._end_time is not None, "Stopwatch: wait for the collective before reading the time"
+        return self._end_time - self._started
+
+
+class SpanRecorder:
+    """Launch-to-completion spans of a link's collectives, for the profiler's trace: host times of
+    the completion on the CPU; on CUDA, events (a side stream waits for each collective) turned into
+    host times against an event recorded when the recorder was made."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._spans: list[Span] = []
+        self._events: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        if device.type == "cuda":
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record(torch.cuda.current_stream(device))
+            self._origin_time = time.perf_counter()
+            self._side = torch.cuda.Stream(device)
+
+    def around(self, lane: str, name: str, launch: Callable[[], "torch.distributed.Work"]) -> "torch.distributed.Work":
+        if self._device.type != "cuda":
+            started = time.perf_counter()
+            work = launch()
+            work.get_future().add_done_callback(lambda _: self._spans.append(Span(lane, name, started, time.perf_counter())))
+            return work
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(self._device))
+        work = launch()
+        with torch.cuda.stream(self._side):
+            work.wait()  # the side stream waits for the collective; the training stream does not
+            end.record(self._side)
+        self._events.append((lane, name, start, end))
+        return work
+
+    def spans(self) -> list[Span]:
+        """Every span so far, in host time (waits for the device on CUDA)."""
+        if self._events:
+            synchronize(self._device)
+            self._spans += [Span(lane, name, self._host(start), self._host(end)) for lane, name, start, end in self._events]
+            self._events.clear()
+        return list(self._spans)
+
+    def _host(self, event: torch.cuda.Event) -> float:
+        return self._origin_time + self._origin.elapsed_time(event) / 1e3

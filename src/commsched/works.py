@@ -1,0 +1,202 @@
+"""In-flight collectives (`Pending`) and the order a link issues them in (`Issuer`).
+
+The rule that keeps every rank in lock-step: on each link, collectives are issued in the order
+they were *requested*, and only the training thread requests, in program order (the same on every
+rank). A request may have to wait before it can be issued: for another collective to complete
+(`after`: the one before it in a chain, as DeAR's all-gathers in the order the next forward needs
+them; or the first stage of a two-stage exchange, whose continuations -- a local sum, a
+decompression -- then have run too), or for its input to land in host memory (`ready`: a gloo
+link staging a CUDA bucket). Such a request waits in the link's queue, with everything requested
+after it on that link, while the training thread goes on; the link's issuer thread issues them
+in order. A request with nothing to wait for on an idle link is issued at once by the requesting
+thread. No collective is ever issued from a backend's completion thread: a second stage is
+requested by the training thread with `after=` its first stage, so it never interleaves with the
+training thread's collectives on its group, and a chain of any length is a loop, not a recursion.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from commsched.errors import PeerFailureError
+
+Launch = Callable[[], dist.Work]
+
+
+class WaitClock:
+    """Seconds the training loop spent blocked on a link: communication that did not overlap compute."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+class Pending:
+    """A requested collective: issued now or later by its link, then in flight, then complete.
+    `wait()` re-raises failures as `PeerFailureError`; `then(f)` runs local work (a sum, a copy)
+    on the backend's thread the moment the collective completes."""
+
+    __slots__ = ("_work", "_future", "_what", "_clock", "_issued", "_error", "_timeout_s", "_later", "_sync")
+
+    def __init__(self, what: str, clock: Optional[WaitClock] = None, timeout_s: float = 1800.0,
+                 sync: Optional[Callable[[], None]] = None) -> None:
+        self._work: Optional[dist.Work] = None
+        self._future: Optional[torch.futures.Future] = None  # the last continuation, if any
+        self._what = what
+        self._clock = clock
+        self._issued = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._timeout_s = timeout_s
+        self._later: list[Callable[[], Any]] = []  # continuations asked for before the collective was issued
+        self._sync = sync  # on CUDA while measuring: the host waits for the stream, so the clock sees completion
+
+    # ------------------------------------------------------------- the link's side
+    def issued(self, work: dist.Work) -> None:
+        self._work = work
+        for continuation in self._later:
+            self._chain(continuation)
+        self._later.clear()
+        self._issued.set()
+
+    def failed(self, error: BaseException) -> None:
+        self._error = error
+        self._issued.set()
+
+    # ------------------------------------------------------------- the user's side
+    def then(self, continuation: Callable[[], Any]) -> "Pending":
+        """Run `continuation()` when this completes (on the backend's thread); local work only."""
+        if self._issued.is_set():
+            self._chain(continuation)
+        else:
+            self._later.append(continuation)
+        return self
+
+    def _chain(self, continuation: Callable[[], Any]) -> None:
+        if self._work is None:
+            return
+        base = self._future if self._future is not None else self._work.get_future()
+
+        def run(done: torch.futures.Future) -> None:
+            done.wait()  # re-raises the collective's error into the chained future
+            continuation()
+
+        self._future = base.then(run)
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            if not self._issued.wait(self._timeout_s):
+                raise PeerFailureError(f"commsched: {self._what} was not issued within {self._timeout_s:.0f} s: the "
+                                       "collective before it on its link never completed; a peer probably died or hung")
+            if self._error is not None:
+                raise self._error
+            assert self._work is not None
+            self._work.wait()
+            if self._future is not None:
+                self._future.wait()
+            if self._sync is not None:
+                self._sync()
+        except PeerFailureError:
+            raise
+        except Exception as exc:  # gloo/NCCL raise plain RuntimeError subclasses
+            raise PeerFailureError(
+                f"commsched: {self._what} failed. A peer process probably died, hung past the "
+                f"process-group timeout, or the network link broke. Original error: {exc}"
+            ) from exc
+        finally:
+            if self._clock is not None:
+                self._clock.seconds += time.perf_counter() - started
+
+    def is_completed(self) -> bool:
+        if not self._issued.is_set():
+            return False
+        if self._error is not None:
+            return True
+        assert self._work is not None
+        return self._future.done() if self._future is not None else self._work.is_completed()
+
+
+@dataclass
+class _Request:
+    pending: Pending
+    launch: Launch
+    after: Optional[Pending] = None
+    ready: Any = None  # a torch.cuda.Event the inputs wait for
+
+
+class Issuer:
+    """One link's order of collectives (see the module's docstring)."""
+
+    def __init__(self, name: str, timeout_s: float) -> None:
+        self._name = name
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()  # held while deciding and while issuing at once
+        self._wakeup = threading.Condition(self._lock)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    def request(self, pending: Pending, launch: Launch, after: Optional[Pending] = None, ready: Any = None) -> Pending:
+        with self._lock:
+            if not self._queue and ready is None and (after is None or after.is_completed()):
+                self._issue(_Request(pending, launch))
+                return pending
+            self._enqueue(_Request(pending, launch, after, ready))
+        return pending
+
+    def _enqueue(self, request: _Request) -> None:
+        self._queue.append(request)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"commsched-issue-{self._name}", daemon=True)
+            self._thread.start()
+        self._wakeup.notify()
+
+    @staticmethod
+    def _issue(request: _Request) -> None:
+        try:
+            work = request.launch()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            request.pending.failed(exc)
+            return
+        request.pending.issued(work)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopping:
+                    self._wakeup.wait()
+                if not self._queue:
+                    return
+                request = self._queue[0]
+            try:
+                self._wait_for(request)
+            except BaseException as exc:  # noqa: BLE001 - a failed or hung predecessor
+                request.pending.failed(exc)
+            else:
+                with self._lock:
+                    self._issue(request)
+            with self._lock:
+                self._queue.popleft()
+
+    def _wait_for(self, request: _Request) -> None:
+        if request.after is not None:
+            request.after.wait()
+        if request.ready is not None:
+            request.ready.synchronize()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the issuer thread once the queue is empty (before the group is destroyed, at exit)."""
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)

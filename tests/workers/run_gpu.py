@@ -1,0 +1,94 @@
+"""The GPU path in real runs: every schedule and planner on CUDA with NCCL, against Lightning's ddp on
+the same device, and the profiler's figures against a synchronised wall-clock measurement.
+
+Usage: python run_gpu.py OUT_DIR WORLD_SIZE CASE [CASE ...]   (needs WORLD_SIZE CUDA devices)
+
+Every rank writes OUT_DIR/<case>.rank<r>.pt (final state, trace, profile where asked); the
+"clock" case times each bucket's all-reduce with a device synchronize around it, independently
+of the profiler, and saves the bucket sizes and seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import commsched
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy import ToyNet  # noqa: E402
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+BUCKET_MB = 600 / 2**20
+NO_DELAY = commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1)
+CASES = {
+    "ddp": lambda: DDPStrategy(find_unused_parameters=True),
+    "wfbp": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True),
+    "dear": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True),
+    "deft": lambda: commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=NO_DELAY, trace_collectives=True),
+    "deft-plan": lambda: commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True,
+                                                deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2,
+                                                                           cost_repeats=1, fallback="never")),
+    "dear-profiled": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, profile=commsched.ProfileOptions(steps=6, probe=True)),
+    "dear-mgwfbp": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, fusion=commsched.FusionOptions(
+        policy="mgwfbp", profile_steps=2, profile_warmup_steps=1)),
+    "wfbp-dear-model": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, fusion=commsched.FusionOptions(
+        policy="dear-model", profile_steps=2, profile_warmup_steps=1)),
+    "dear-bayes": lambda: commsched.DeARStrategy(fusion="bayes", tuning=commsched.TuningOptions(
+        trials=2, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20, max_mb=2000 / 2**20, first_mb=600 / 2**20)),
+}
+STEPS = 12
+
+
+def fit(out: Path, case: str, world: int) -> None:
+    pl.seed_everything(1234, verbose=False)
+    model = ToyNet(optimizer="adamw" if case.endswith("adamw") else "sgd", batch_size=4, train_size=STEPS * 4 * world)
+    strategy = CASES[case]()
+    trainer = pl.Trainer(accelerator="gpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+                         gradient_clip_val=0.5, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out / case)
+    trainer.fit(model)
+    result = {"state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+              "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
+              "profile": getattr(trainer.strategy, "profile", None)}
+    torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
+    if case == "dear-profiled":
+        clock(out, trainer, result["profile"])
+
+
+def clock(out: Path, trainer: pl.Trainer, profile: dict) -> None:
+    """Each profiled bucket's all-reduce, timed here with a synchronize before and after (no futures)."""
+    device = trainer.strategy.root_device
+    measured = []
+    for bucket in profile["buckets"]:
+        tensor = torch.zeros(max(1, bucket["nbytes"] // 4), device=device)
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            dist.all_reduce(tensor)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        measured.append(statistics.median(times[1:]))
+    torch.save({"profiled": [b["all_reduce_s"] for b in profile["buckets"]], "clock": measured},
+               out / f"clock.rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out, world, cases = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    out.mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        fit(out, case, world)
+
+
+if __name__ == "__main__":
+    main()
