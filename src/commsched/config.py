@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
+from commsched.plugins import schedule_names
 from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
@@ -122,15 +123,6 @@ class TrainConfig:
 
 
 DATA_KIND = {"synthetic_images": "image", "cifar10": "image", "digits": "image", "synthetic_tokens": "language", "text": "language"}
-
-
-def schedule_names(with_plugins: bool) -> tuple[str, ...]:
-    """ddp and every registered schedule (the built-in ones without importing torch when no plugin was loaded)."""
-    if not with_plugins:
-        return (REFERENCE, *options.BUILTIN_SCHEDULES)
-    from commsched.schedules import SCHEDULES
-
-    return (REFERENCE, *SCHEDULES)
 
 
 def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCHEDULES)) -> None:

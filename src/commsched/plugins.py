@@ -30,3 +30,15 @@ def plugins_in(argv: Sequence[str]) -> list[str]:
         if key.lstrip("+") == "plugins" and value:
             return [m.strip().strip("'\"") for m in value.strip("[]").split(",") if m.strip()]
     return []
+
+
+def schedule_names(plugins_loaded: bool) -> tuple[str, ...]:
+    """ddp (Lightning's DDP, the reference) and every registered schedule: the built-in ones without
+    importing torch when no plugin was loaded, else `commsched.SCHEDULES`."""
+    from commsched.options import BUILTIN_SCHEDULES
+
+    if not plugins_loaded:
+        return ("ddp", *BUILTIN_SCHEDULES)
+    from commsched.schedules import SCHEDULES
+
+    return ("ddp", *SCHEDULES)

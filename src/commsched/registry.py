@@ -1,9 +1,9 @@
 """The registry of schedules, and the strategy Lightning knows each by.
 
 `register_schedule(cls)` is the one step that makes a schedule usable: it goes into
-`commsched.SCHEDULES` and gets a strategy class registered with Lightning under its name, so
-``Trainer(strategy="name")`` works; Hydra's ``schedule=``, the profiler, the bench and the
-simulator read `SCHEDULES`. `import commsched` registers the built-in ones; the named classes are
+`commsched.SCHEDULES` (which Hydra's ``schedule=``, the profiler and the bench read), gets a
+strategy class registered with Lightning under its name, so ``Trainer(strategy="name")`` works,
+and hands its `simulate` to the simulator. `import commsched` registers the built-in ones; the named classes are
 for explicit configuration, e.g. ``commsched.DeARStrategy(bucket_cap_mb=10)``.
 """
 
@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from commsched.errors import CommSchedConfigError
 from commsched.links import KNOWN_COLLECTIVES
 from commsched.schedules import SCHEDULES, Schedule
+from commsched.sim.simulate import register as register_simulation
 from commsched.strategy import CommSchedStrategy
 
 STRATEGIES: dict[str, type[CommSchedStrategy]] = {}
@@ -39,6 +40,7 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
         STRATEGIES[name] = type(f"{cls.__name__.removesuffix('Schedule')}Strategy", (CommSchedStrategy,),
                                 {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__})
     SCHEDULES[name] = cls
+    register_simulation(name, cls.simulate)
     StrategyRegistry.register(name, STRATEGIES[name], description=cls.description, override=True)
     return cls
 

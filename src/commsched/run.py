@@ -143,6 +143,7 @@ def main() -> None:
         "steps": trainer.global_step,
         "world_size": trainer.world_size,
         "exposed_comm_ms": statistics.median(exposed) if exposed else None,
+        "wire_mb_per_step": statistics.median(metrics.wire_mb[cfg.warmup_steps:] or metrics.wire_mb) if metrics.wire_mb else None,
         "step_ms_each": [s * 1e3 for s in metrics.step_seconds],  # shows when warm-up ended and when plans changed
         "checkpoints": str(out / "checkpoints") if checkpoint is not None else None,
     }

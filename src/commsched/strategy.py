@@ -123,6 +123,11 @@ class CommSchedStrategy(DDPStrategy):
         return self.links.exposed_seconds if self.links is not None else 0.0
 
     @property
+    def wire_bytes(self) -> dict[str, float]:
+        """Bytes this rank has sent per link so far (ring counts), {} before setup."""
+        return self.links.wire_bytes if self.links is not None else {}
+
+    @property
     def fusion_plan(self) -> Optional[SavedPlan]:
         """The plan a planner, the tuner, a plan file or a checkpoint decided (None while still deciding)."""
         return self._engine.policy.decided

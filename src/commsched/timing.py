@@ -1,4 +1,4 @@
-"""StepTimer: wall time and CPU time per optimizer step, measured between consecutive batch starts."""
+"""StepTimer: wall time, CPU time and bytes sent per optimizer step, between consecutive batch starts."""
 
 from __future__ import annotations
 
@@ -19,14 +19,19 @@ class StepTimer(pl.Callback):
         self.warmup = warmup
         self.durations: list[float] = []
         self.cpu: list[float] = []
-        self._last: tuple[float, float] | None = None
+        self.wire_bytes: list[float] = []
+        """Per timed step, the bytes this rank sent on all of a commsched strategy's links."""
+        self._last: tuple[float, float, float] | None = None
         self._seen = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        now = (time.perf_counter(), time.process_time())
+        wire = getattr(trainer.strategy, "wire_bytes", None)  # None: not a commsched strategy
+        now = (time.perf_counter(), time.process_time(), sum(wire.values()) if wire is not None else float("nan"))
         if self._last is not None and self._seen > self.warmup:
             self.durations.append(now[0] - self._last[0])
             self.cpu.append(now[1] - self._last[1])
+            if wire is not None:
+                self.wire_bytes.append(now[2] - self._last[2])
         self._last = now
         self._seen += 1
 
@@ -39,3 +44,7 @@ class StepTimer(pl.Callback):
     @property
     def median_cpu(self) -> float:
         return statistics.median(self.cpu) if self.cpu else float("nan")
+
+    @property
+    def median_wire_bytes(self) -> float:
+        return statistics.median(self.wire_bytes) if self.wire_bytes else float("nan")

@@ -24,8 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from commsched import overrides
-from commsched.config import TrainConfig, register_configs, schedule_names, validate
-from commsched.plugins import import_plugins, plugins_in
+from commsched.config import TrainConfig, register_configs, validate
+from commsched.plugins import import_plugins, plugins_in, schedule_names
 from commsched.errors import CommSchedConfigError
 
 

@@ -45,7 +45,7 @@ def run_bench(cfg: DictConfig) -> None:
         print(error, file=sys.stderr)
         sys.exit(2)
     out = Path(HydraConfig.get().runtime.output_dir)
-    console = Console(width=160)
+    console = Console(width=200)
     spec = OmegaConf.to_container(cfg, resolve=True)
     results, rate = report.run(spec, out, console)
     report.print_results(results, spec, rate, console)

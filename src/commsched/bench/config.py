@@ -9,10 +9,13 @@ from hydra.core.config_store import ConfigStore
 
 from commsched import options
 from commsched.errors import bad_value
+from commsched.plugins import import_plugins, schedule_names
 from commsched.sim.network import parse_rate
 
-BENCH_SCHEDULES = ("ddp", "wfbp", "dear", "deft")
 DEFAULT_SCHEDULES = ("ddp", "wfbp", "dear")
+USER_CALLBACKS = ("clock", "weights")
+"""`schedule+callback` runs the schedule with a callback of a user's in the Trainer: "clock" reads a clock
+after every step (touches nothing), "weights" reads a weight's norm after every step (touches it)."""
 BENCH_MODEL_NAMES = ("small_cnn", "resnet18", "vgg11", "resnet50", "vgg16", "gpt2_tiny")  # built by bench/models.py
 
 
@@ -35,7 +38,8 @@ class ClusterConfig:
 @dataclass
 class BenchConfig:
     models: list[str] = field(default_factory=lambda: ["small_cnn"])
-    schedules: list[str] = field(default_factory=lambda: list(DEFAULT_SCHEDULES))
+    schedules: list[str] = field(default_factory=lambda: list(DEFAULT_SCHEDULES))  # ddp or registered; `name+clock` adds a callback
+    plugins: list[str] = field(default_factory=list)  # modules imported first: the schedules they register can be benchmarked
     devices: int = 2
     link: LinkConfig = field(default_factory=LinkConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -60,10 +64,15 @@ def validate_bench(cfg: Any) -> None:
         raise bad_value("models", list(cfg.models), f"a non-empty list of {', '.join(BENCH_MODEL_NAMES)}")
     for model in cfg.models:
         options.choice("models", model, tuple(BENCH_MODEL_NAMES))
+    import_plugins(cfg.plugins)
+    names = schedule_names(bool(cfg.plugins))
     if not cfg.schedules:
-        raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(BENCH_SCHEDULES)}")
-    for schedule in cfg.schedules:
-        options.choice("schedules", schedule, BENCH_SCHEDULES)
+        raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(names)}")
+    for entry in cfg.schedules:
+        name, _, callback = str(entry).partition("+")
+        options.choice("schedules", name, names)
+        if callback:
+            options.choice(f"schedules ({entry})", callback, USER_CALLBACKS)
     if cfg.cluster.nodes:
         from commsched.cluster.spec import ClusterSpec
 

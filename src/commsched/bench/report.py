@@ -14,8 +14,8 @@ from rich.table import Table
 
 from commsched import netns
 
-COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "theoretical_ms", "measured_over_theoretical",
-           "predicted_ms", "prediction_error", "weights_vs_ddp")
+COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "median_speedup_vs_ddp", "wire_mb",
+           "theoretical_ms", "measured_over_theoretical", "predicted_ms", "prediction_error", "weights_vs_ddp")
 ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
 
 
@@ -71,12 +71,13 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
                       f"{result['buckets']} buckets, {spec['devices']} workers, batch {spec['batch_size']}/worker, "
                       f"link {rate}; components (ms): {parts}")
         table = Table()
-        for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "best possible (ms)", "measured / best",
-                       "simulated (ms)", "sim error", "weights vs ddp"):
+        for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "median vs ddp", "MB sent/step",
+                       "best possible (ms)", "measured / best", "simulated (ms)", "sim error", "weights vs ddp"):
             table.add_column(column, justify="right")
         for row in result["rows"]:
             table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}",
-                          _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row["theoretical_ms"], ".1f"),
+                          _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row.get("median_speedup_vs_ddp"), ".3f"),
+                          _fmt(row.get("wire_mb"), ".2f"), _fmt(row["theoretical_ms"], ".1f"),
                           _fmt(row["measured_over_theoretical"], ".2f"), _fmt(row["predicted_ms"], ".1f"),
                           _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
         console.print(table)

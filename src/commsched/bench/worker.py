@@ -11,7 +11,9 @@ Rank 0 writes OUT_DIR/results.json.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader
 
 import commsched
 from commsched.options import DeFTOptions, ProfileOptions
+from commsched.plugins import import_plugins
 from commsched.quiet import quiet_lightning
 import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
@@ -33,6 +36,23 @@ def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) 
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         default_root_dir=out,
     )
+
+
+class ReadsClock(pl.Callback):
+    """A user's callback that only reads a clock after every step (touches no tensor)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.last = time.perf_counter()
+
+
+class ReadsWeights(pl.Callback):
+    """A user's callback that reads a weight after every step (as a weight-norm logger would)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.last = float(next(pl_module.parameters()).detach().norm())
+
+
+USER_CALLBACKS = {"clock": ReadsClock, "weights": ReadsWeights}
 
 
 def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
@@ -53,21 +73,24 @@ def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
     return DataLoader(make_data(spec["batch_size"] * world * (steps + 2)), batch_size=spec["batch_size"])
 
 
-def time_schedule(model_name: str, schedule: str, spec: dict, out: Path) -> tuple[float, float, int, dict, dict]:
-    """Median wall and CPU seconds per step (after warm-up) of one run, this process's rank, the
-    final weights (every schedule starts from the same seed and sees the same batches) and, for
-    deft, what it decided."""
+def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[StepTimer, int, dict, dict]:
+    """One run of `entry` (a schedule, `+callback` for a user's callback in the Trainer): its step
+    timer (after warm-up), this process's rank, the final weights (every schedule starts from the
+    same seed and sees the same batches) and, for deft, what it decided."""
+    schedule, _, user = entry.partition("+")
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     untimed = _untimed(schedule, spec)
     steps = untimed + spec["steps"] + 1
     timer = StepTimer(warmup=untimed)
-    preserver = commsched.Preserver(max_staleness=spec["max_staleness"]) if schedule == "deft" and spec["preserver"] else None
+    callbacks: list[pl.Callback] = [timer] + ([USER_CALLBACKS[user]()] if user else [])
+    if schedule == "deft" and spec["preserver"]:
+        callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"]))
     strategy = _strategy(schedule, spec)
-    trainer = _trainer(strategy, spec, steps, [timer] + ([preserver] if preserver else []), out)
+    trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
-    return timer.median, timer.median_cpu, trainer.global_rank, state, _deft_report(strategy)
+    return timer, trainer.global_rank, state, _deft_report(strategy)
 
 
 def _deft_report(strategy: Any) -> dict:
@@ -118,22 +141,23 @@ def _max_difference(a: dict, b: dict) -> float:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
+    import_plugins(spec.get("plugins", []))
     quiet_lightning()
     results = []
     rank = 0
     for model_name in spec["models"]:
-        rounds: dict[str, list[tuple[float, float]]] = {s: [] for s in spec["schedules"]}
+        rounds: dict[str, list[tuple[float, float, float]]] = {s: [] for s in spec["schedules"]}
         final: dict[str, dict] = {}
         deft: dict[str, Any] = {}
         for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
-                step, cpu, rank, state, decided = time_schedule(model_name, schedule, spec, out / model_name)
-                rounds[schedule].append((step, cpu))
+                timer, rank, state, decided = time_schedule(model_name, schedule, spec, out / model_name)
+                rounds[schedule].append((timer.median, timer.median_cpu, timer.median_wire_bytes))
                 final.setdefault(schedule, state)
                 if decided:
                     deft.setdefault("rounds", []).append(decided)
-        measured = {s: min(step for step, _ in r) for s, r in rounds.items()}
-        cpu = {s: min(r)[1] for s, r in rounds.items()}  # CPU time of the best round
+        measured = {s: min(step for step, _, _ in r) for s, r in rounds.items()}
+        best = {s: min(r) for s, r in rounds.items()}  # CPU time and bytes of the best round
         profile = profile_components(model_name, spec, out / model_name)
         summary = profile["summary"]
         theory = {k: v + summary["t_other"] for k, v in summary["theoretical_best_s"].items()}
@@ -144,17 +168,20 @@ def main() -> None:
             "components_ms": {k: v * 1e3 for k, v in summary.items() if k.startswith("t_")},
             "deft": deft,
             "rows": [{
-                "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": cpu[s] * 1e3,
-                "rounds_ms": [step * 1e3 for step, _ in rounds[s]],
+                "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": best[s][1] * 1e3,
+                "wire_mb": best[s][2] / 1e6 if best[s][2] == best[s][2] else None,  # this rank, per step (ddp: not counted)
+                "rounds_ms": [step * 1e3 for step, _, _ in rounds[s]],
                 # deft's delayed updates are another trajectory by design: not compared
-                "weights_vs_ddp": _max_difference(final[s], final["ddp"]) if "ddp" in final and s != "deft" else None,
+                "weights_vs_ddp": _max_difference(final[s], final["ddp"]) if "ddp" in final and not s.startswith("deft") else None,
                 "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
                 "speedup_vs_ddp": measured["ddp"] / measured[s] if "ddp" in measured else None,
-                "theoretical_ms": theory[s] * 1e3 if s in theory else None,  # ddp: not ours to bound
-                "measured_over_theoretical": measured[s] / theory[s] if s in theory else None,
-                "predicted_ms": predicted[s] * 1e3 if s in predicted else None,
-                "prediction_error": predicted[s] / measured[s] - 1.0 if s in predicted else None,
-            } for s in spec["schedules"]],
+                # round by round (the schedules ran interleaved): the median ratio, steadier than best against best
+                "median_speedup_vs_ddp": statistics.median(d[0] / r[0] for d, r in zip(rounds["ddp"], rounds[s])) if "ddp" in rounds else None,
+                "theoretical_ms": theory[base] * 1e3 if base in theory else None,  # ddp: not ours to bound
+                "measured_over_theoretical": measured[s] / theory[base] if base in theory else None,
+                "predicted_ms": predicted[base] * 1e3 if base in predicted else None,
+                "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
+            } for s, base in ((s, s.partition("+")[0]) for s in spec["schedules"])],
         })
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))

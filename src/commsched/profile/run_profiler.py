@@ -56,6 +56,7 @@ class RunProfiler:
         self._links: list[Link] = []
         self._step_starts: list[float] = []
         self._exposed: list[float] = []
+        self._wire: list[dict[str, float]] = []  # per step start: bytes sent so far per link
         self._forward: list[float] = []  # per step: training_step wall time minus communication waits in it
         self._backward: list[float] = []
         self._mark = (0.0, 0.0)  # (perf_counter, exposed comm) at the start of the current phase
@@ -112,6 +113,7 @@ class RunProfiler:
             self._timer.end_step()
         self._step_starts.append(now)
         self._exposed.append(strategy.exposed_comm_seconds)
+        self._wire.append(dict(strategy.wire_bytes))
         if len(self._step_starts) > self.steps:
             self.finish(strategy)
 
@@ -167,12 +169,14 @@ class RunProfiler:
         for k in range(timer.steps):
             exposed = self._exposed[k + 1] - self._exposed[k]
             step_s = self._step_starts[k + 1] - self._step_starts[k]
+            wire = {name: self._wire[k + 1].get(name, 0.0) - self._wire[k].get(name, 0.0) for name in self._wire[k + 1]}
             steps.append({
                 "step": k, "step_s": step_s, "forward_s": self._forward[k], "backward_s": self._backward[k],
                 "exposed_comm_s": exposed, "other_s": step_s - self._forward[k] - self._backward[k] - exposed,
                 # the share of the step's communication hidden behind compute; 0 when the loop waited as long as
                 # the collectives take alone, or longer (contention, a slower peer): nothing was hidden
                 "overlap_ratio": min(1.0, max(0.0, 1.0 - exposed / isolated)) if isolated > 0 else 1.0,
+                "wire_bytes": wire,  # sent by this rank, per link
             })
         timed = steps[skip:]
         comm_totals = {c: sum(t[c] for t in bucket_times) for c in bucket_times[0]}
@@ -182,6 +186,7 @@ class RunProfiler:
             "t_other": statistics.median(s["other_s"] for s in timed),
             "exposed_comm_s": statistics.median(s["exposed_comm_s"] for s in timed),
             "overlap_ratio": statistics.median(s["overlap_ratio"] for s in timed),
+            "wire_bytes": {name: statistics.median(s["wire_bytes"].get(name, 0.0) for s in timed) for name in timed[-1]["wire_bytes"]},
             "theoretical_best_s": theoretical_best(t_ff, t_bp, comm_totals),
         }
         layer_params: dict[str, list[str]] = {}
@@ -215,6 +220,7 @@ class RunProfiler:
                     "profile/backward_ms": step["backward_s"] * 1e3,
                     "profile/exposed_comm_ms": step["exposed_comm_s"] * 1e3,
                     "profile/overlap_ratio": step["overlap_ratio"],
+                    **{f"profile/wire_mb/{name}": sent / 1e6 for name, sent in step["wire_bytes"].items()},
                 }, step=step["step"])
 
 

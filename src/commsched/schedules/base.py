@@ -17,7 +17,7 @@ below at fixed points of the loop; everything it keeps across steps is its commu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional
 
 import torch
 from torch import nn
@@ -99,6 +99,15 @@ class Schedule:
     def _backward_end(self) -> None:
         """Every bucket and the used-mask were handed on (still inside autograd's backward)."""
         raise NotImplementedError
+
+    def hand_back_gradients(self, buckets: Iterable[int]) -> None:
+        """`.grad` of each parameter of `buckets` becomes a view of its averaged gradient in the bucket
+        (None where no rank produced one this step, so the optimizer skips it), as DDP leaves them."""
+        self.capture.read_mask()  # which parameters got a gradient on some rank (waits once per step)
+        for b in buckets:
+            bucket = self.plan.buckets[b]
+            for param, view, used in zip(bucket.params, bucket.views, self.capture.globally_used[b]):
+                param.grad = view if used else None
 
     # ------------------------------------------------- called by the strategy
     def at_boundary(self) -> Optional[Handover]:

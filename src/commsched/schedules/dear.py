@@ -158,7 +158,7 @@ class DeARSchedule(Schedule):
             self._gathers.wait(b)
             if self._clip is not None:
                 self._clip(self.plan.buckets[b].buffer)
-        self._hand_back_gradients(range(len(self.plan.buckets)))
+        self.hand_back_gradients(range(len(self.plan.buckets)))
         self._whole, self._clip = True, None
         self.applied["whole"] += 1
 
@@ -169,13 +169,6 @@ class DeARSchedule(Schedule):
         started = {name: self.links[name].in_order([partial(self._reducers[b].gather, f"bucket{b}") for b in order])
                    for name, order in chains.items()}
         return _Gathers(started, {b: (name, i) for name, order in chains.items() for i, b in enumerate(order)})
-
-    def _hand_back_gradients(self, buckets: Any) -> None:
-        """`.grad` becomes a view of the whole averaged gradient (None where no rank produced one), as under DDP."""
-        for b in buckets:
-            bucket = self.plan.buckets[b]
-            for param, view, used in zip(bucket.params, bucket.views, self.capture.globally_used[b]):
-                param.grad = view if used else None
 
     # ------------------------------------------------------------------ clipping
     def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int]]]:
@@ -273,7 +266,7 @@ class DeARSchedule(Schedule):
                 pending.waiting[c] = False
                 if pending.clip is not None:
                     pending.clip(self.plan.buckets[c].buffer)
-            self._hand_back_gradients(ready)
+            self.hand_back_gradients(ready)
             self.applied[why] += len(ready)
             pending.stepper.step_buckets(ready, pending.hyper, pending.step)
             if not any(pending.waiting):

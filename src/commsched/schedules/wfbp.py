@@ -34,13 +34,11 @@ class WFBPSchedule(Schedule):
         self._works[b] = self._reducers[b].start(f"bucket{b}")
 
     def _backward_end(self) -> None:
-        self.capture.read_mask()
-        for b, bucket in enumerate(self.plan.buckets):
-            work, self._works[b] = self._works[b], None
+        for b, work in enumerate(self._works):
             assert work is not None
             work.wait()
-            for param, view, used in zip(bucket.params, bucket.views, self.capture.globally_used[b]):
-                param.grad = view if used else None
+            self._works[b] = None
+        self.hand_back_gradients(range(len(self.plan.buckets)))
 
     @staticmethod
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:

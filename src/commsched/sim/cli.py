@@ -22,7 +22,8 @@ from rich.table import Table
 
 from commsched.errors import CommSchedConfigError, bad_value
 from commsched.sim.network import AlphaBeta, CostModel, Fitted, parse_rate
-from commsched.sim.simulate import SIM_SCHEDULES, simulate
+from commsched.plugins import import_plugins
+from commsched.sim.simulate import SIM_SCHEDULES, schedule_names, simulate
 from commsched.sim.workload import BUILTIN_WORKLOADS, Workload, builtin
 from commsched.trace import write_chrome_trace
 
@@ -112,15 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         workload = load_workload(args)
         network = load_network(args)
         workers = parse_workers(args.workers)
-        plugins = [m for m in args.plugins.split(",") if m.strip()]
-        allowed = SIM_SCHEDULES
-        if plugins:
-            from commsched.plugins import import_plugins
-            from commsched.sim.simulate import registered_schedules
-
-            import_plugins(plugins)
-            allowed = (*SIM_SCHEDULES, *(n for n in registered_schedules() if n not in SIM_SCHEDULES))
-        names = parse_list(args.schedules, "--schedules", allowed)
+        import_plugins([m.strip() for m in args.plugins.split(",") if m.strip()])
+        names = parse_list(args.schedules, "--schedules", schedule_names())
     except CommSchedConfigError as error:
         parser.error(str(error))
 

@@ -2,9 +2,12 @@
 
 Besides the simulator's own variants (per-layer buckets, fused, planned, priority scheduling), any
 schedule registered with `commsched.register_schedule` is simulated by its own `Schedule.simulate`
-on fixed `bucket_bytes` buckets."""
+on fixed `bucket_bytes` buckets: the registry hands it over (`register`), so the simulator itself
+never imports a schedule (nor torch)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 from commsched.errors import bad_value
 from commsched.sim import schedules
@@ -14,6 +17,19 @@ from commsched.sim.schedules import Result
 from commsched.sim.workload import Workload
 
 SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp_greedy", "mgwfbp", "dear", "dear_fused", "dear_model", "bytescheduler", "deft")
+
+Simulate = Callable[[Workload, CostModel, int, list[list[int]]], Result]
+REGISTERED: dict[str, Simulate] = {}
+"""`Schedule.simulate` of every registered schedule, by name (`commsched.register_schedule` fills it)."""
+
+
+def register(name: str, simulate: Simulate) -> None:
+    REGISTERED[name] = simulate
+
+
+def schedule_names() -> tuple[str, ...]:
+    """What `simulate` accepts: the simulator's own variants, then the registered schedules."""
+    return (*SIM_SCHEDULES, *(n for n in REGISTERED if n not in SIM_SCHEDULES))
 
 
 def simulate(name: str, workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20,
@@ -46,14 +62,6 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
         return deft(workload, network, workers, bucket_bytes, mu)
     if name == "bytescheduler":
         return bytescheduler(workload, network, workers, partition_bytes)
-    registered = registered_schedules()
-    if name in registered:
-        return registered[name].simulate(workload, network, workers, schedules.fixed_size(workload, bucket_bytes))
-    raise bad_value("schedule", name, (*SIM_SCHEDULES, *(n for n in registered if n not in SIM_SCHEDULES)))
-
-
-def registered_schedules() -> dict:
-    """`commsched.SCHEDULES` (imports torch: only when a name is not one of the simulator's own)."""
-    from commsched.schedules import SCHEDULES
-
-    return dict(SCHEDULES)
+    if name in REGISTERED:
+        return REGISTERED[name](workload, network, workers, schedules.fixed_size(workload, bucket_bytes))
+    raise bad_value("schedule", name, schedule_names())

@@ -1,0 +1,94 @@
+"""A schedule is one file: the README's example, defined outside the package and registered with
+`commsched.register_schedule`, runs by name from Python (Trainer(strategy=...)) and from Hydra
+(plugins=, schedule=), is profiled, benchmarked and simulated, and equals ddp. Registering refuses
+what cannot work, with the field and the allowed values."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import max_abs_diff
+
+README = Path(__file__).parent.parent / "README.md"
+BIN = Path(sys.executable).parent
+
+
+def readme_example() -> str:
+    text = README.read_text()
+    match = re.search(r"<!-- example: adding a schedule -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "README.md lost its 'adding a schedule' example"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("extension")
+    (directory / "after_backward.py").write_text(readme_example())
+    return directory
+
+
+def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def test_from_python_by_name_equal_to_ddp(example):
+    """The README's script itself: Trainer(strategy="after_backward") next to Trainer(strategy="ddp")."""
+    proc = run([sys.executable, "after_backward.py"], example)
+    difference = float(re.search(r"largest difference from ddp: (\S+)", proc.stdout).group(1))
+    assert difference <= 1e-5
+
+
+def test_from_hydra_by_name_profiled_equal_to_ddp(example):
+    common = ["plugins=[after_backward]", "model=small_cnn", "model.width=8", "data.batch_size=8", "data.train_size=64",
+              "trainer.max_steps=6", "trainer.enable_progress_bar=false", "fusion.bucket_cap_mb=0.01"]
+    run([str(BIN / "commsched-train"), *common, "schedule=after_backward", "profile.steps=3", "hydra.run.dir=mine"], example)
+    run([str(BIN / "commsched-train"), *common, "schedule=ddp", "hydra.run.dir=ddp"], example)
+    mine = torch.load(example / "mine" / "checkpoints" / "last.ckpt", weights_only=False)
+    theirs = torch.load(example / "ddp" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert mine["commsched"]["schedule"] == "after_backward"
+    diff, key = max_abs_diff(mine["state_dict"], theirs["state_dict"])
+    assert diff <= 1e-5, f"{key} differs by {diff:.3g}"
+    profile = json.loads((example / "mine" / "profile" / "profile.json").read_text())
+    summary = profile["summary"]
+    assert profile["schedule"] == "after_backward"
+    assert summary["theoretical_best_s"]["after_backward"] == pytest.approx(summary["t_ff"] + summary["t_bp"] + summary["t_ar"])
+
+
+def test_benchmarked_and_simulated_by_name(example):
+    run([str(BIN / "commsched-bench"), "plugins=[after_backward]", "schedules=[ddp,after_backward]", "width=8", "steps=2",
+         "warmup=1", "rounds=1", "hydra.run.dir=bench"], example)
+    rows = json.loads((example / "bench" / "results.json").read_text())[0]["rows"]
+    assert [r["schedule"] for r in rows] == ["ddp", "after_backward"] and rows[1]["weights_vs_ddp"] <= 1e-5
+    proc = run([str(BIN / "commsched-simulate"), "--plugins", "after_backward", "--schedules", "syncea,after_backward",
+                "--workers", "2", "--bucket-mb", "1000"], example)
+    cells = re.search(r"│\s+2 │\s+([\d.]+) \(.*?\) │\s+([\d.]+) \(", proc.stdout)
+    assert cells and cells.group(1) == cells.group(2), proc.stdout  # one bucket after backward: SyncEASGD's timeline
+
+
+def test_registering_refuses_what_cannot_work():
+    import commsched
+    from commsched import CommSchedConfigError
+
+    class NoName(commsched.Schedule):
+        pass
+
+    class Unknown(commsched.Schedule):
+        name = "unknown_collective"
+        step_collectives = ("all_to_all",)
+
+    with pytest.raises(CommSchedConfigError, match="not a subclass of commsched.Schedule"):
+        commsched.register_schedule(object)
+    with pytest.raises(CommSchedConfigError, match=r"NoName.name = 'base'.*other than ddp, base"):
+        commsched.register_schedule(NoName)
+    with pytest.raises(CommSchedConfigError, match=r"step_collectives has \['all_to_all'\]; allowed: all_reduce"):
+        commsched.register_schedule(Unknown)
+    assert set(commsched.SCHEDULES) >= {"wfbp", "dear", "deft"}
