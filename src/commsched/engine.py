@@ -214,4 +214,5 @@ def merged(shared: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
 
 
 def _trainable_ids(module: nn.Module) -> tuple[int, ...]:
-    return tuple(id(p) for p in module.parameters() if p.requires_grad)
+    with torch._C.DisableTorchFunctionSubclass():  # reading requires_grad of a pending parameter is no touch
+        return tuple(id(p) for p in module.parameters() if p.requires_grad)

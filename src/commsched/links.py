@@ -28,7 +28,7 @@ import torch.distributed as dist
 from commsched import exchange
 from commsched.device_time import SpanRecorder, synchronize
 from commsched.errors import PeerFailureError
-from commsched.works import Issuer, Pending, WaitClock
+from commsched.works import After, Issuer, Pending, WaitClock
 
 # torch 2.10+ renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.3.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -136,14 +136,14 @@ class Link:
         synchronize(self.device)
 
     def _request(self, op: str, tag: str, tensor: torch.Tensor, launch: Callable[[], dist.Work], on_wire: float,
-                 after: Optional[Pending] = None, ready: Any = None) -> Pending:
+                 after: After = None, ready: Any = None, offload: bool = False) -> Pending:
         what = f"{op} of {tag} ({tensor.numel()} x {tensor.dtype}) on link '{self.name}'"
         sync = partial(synchronize, self.device) if self.measuring and self.device.type == "cuda" else None
         pending = Pending(what, self.clock, self.timeout_s, sync)
         self._record(op, tag, tensor, on_wire)
         recorder = self.recorder
         timed = launch if recorder is None else partial(recorder.around, self.lane, f"{op} {tag}", launch)
-        return self._issuer.request(pending, timed, after=after, ready=ready)
+        return self._issuer.request(pending, timed, after=after, ready=ready, offload=offload)
 
     def _record(self, op: str, tag: str, tensor: torch.Tensor, on_wire: float) -> None:
         self.wire_bytes += on_wire * tensor.numel() * tensor.element_size() * (self.world_size - 1) / self.world_size
@@ -151,7 +151,7 @@ class Link:
             self.trace.append(CollectiveRecord(self.name, op, tag, tensor.numel(), str(tensor.dtype)))
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                   after: Optional[Pending] = None, ready: Any = None) -> Pending:
+                   after: After = None, ready: Any = None) -> Pending:
         return self._request("all_reduce", tag, tensor, partial(dist.all_reduce, tensor, op=op, group=self.group, async_op=True),
                              2.0, after, ready)
 
@@ -161,7 +161,7 @@ class Link:
         return self.backend != "gloo"
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str, scratch: Optional[torch.Tensor] = None,
-                       after: Optional[Pending] = None, ready: Any = None) -> Pending:
+                       after: After = None, ready: Any = None) -> Pending:
         """Sum `full` over ranks and leave this rank's slice in `shard`.
 
         `scratch` (at least (P-1)/P of `full`) receives the other ranks' slices when the backend has no
@@ -178,17 +178,17 @@ class Link:
             reduce.append(local_sum)
             return work
 
-        return self._request("reduce_scatter", tag, full, launch, 1.0, after, ready).then(lambda: reduce[0]())
+        return self._request("reduce_scatter", tag, full, launch, 1.0, after, ready, offload=True).then(lambda: reduce[0]())
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str, after: Optional[Pending] = None,
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str, after: After = None,
                    ready: Any = None) -> Pending:
         if self.native_reduce_scatter:
             launch = partial(_all_gather_single, full, shard, group=self.group, async_op=True)
         else:  # gloo's all-gather copies more than the point-to-point exchange (see `exchange`)
             launch = partial(exchange.all_gather, self.group, full, shard)
-        return self._request("all_gather", tag, full, launch, 1.0, after, ready)
+        return self._request("all_gather", tag, full, launch, 1.0, after, ready, offload=not self.native_reduce_scatter)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, tag: str, after: Optional[Pending] = None) -> Pending:
+    def broadcast(self, tensor: torch.Tensor, src: int, tag: str, after: After = None) -> Pending:
         source = dist.get_global_rank(self.group, src) if self.group is not None else src
         launch = partial(dist.broadcast, tensor, src=source, group=self.group, async_op=True)
         return self._request("broadcast", tag, tensor, launch, 1.0, after)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -69,13 +68,27 @@ class Watch:
         self.touches = 0
         """Touches that brought something up to date (tests and the debug log read it)."""
 
-    def mark(self, key: int, tensors: Iterable[torch.Tensor], kind: Kind) -> None:
+    def mark(self, key: int, tensors: Iterable[torch.Tensor], kind: Kind) -> bool:
+        """Mark `tensors` pending under `key` (already marked under it: now of `kind`). False if one of
+        them cannot be watched (`watchable`): the caller must not leave that key pending."""
         marked = self._marked.setdefault(key, [])
+        every = True
         with _lock:
             for tensor in tensors:
-                if id(tensor) not in _entries and _swap_in(tensor):
-                    _entries[id(tensor)] = _Entry(tensor, self, key, kind)
-                    marked.append(tensor)
+                entry = _entries.get(id(tensor))
+                if entry is not None:
+                    if entry.watch is self and entry.key == key:
+                        entry.kind = kind
+                    continue
+                base = type(tensor)
+                pending_class = _classes[base] if base in _classes else _pending_class(base)
+                if pending_class is None:
+                    every = False
+                    continue
+                tensor.__class__ = pending_class
+                _entries[id(tensor)] = _Entry(tensor, self, key, kind, base)
+                marked.append(tensor)
+        return every
 
     def unmark(self, key: int) -> None:
         with _lock:
@@ -112,16 +125,11 @@ def watchable(tensor: torch.Tensor) -> bool:
     return _pending_class(type(tensor)) is not None
 
 
-@dataclass
 class _Entry:
-    tensor: torch.Tensor
-    watch: Watch
-    key: int
-    kind: Kind
+    __slots__ = ("tensor", "watch", "key", "kind", "base")
 
-    @property
-    def base(self) -> type:
-        return type(self.tensor).__mro__[2]  # (PendingX, _Pending, X, ...)
+    def __init__(self, tensor: torch.Tensor, watch: Watch, key: int, kind: Kind, base: type) -> None:
+        self.tensor, self.watch, self.key, self.kind, self.base = tensor, watch, key, kind, base
 
 
 _entries: dict[int, _Entry] = {}
@@ -175,11 +183,3 @@ def _pending_class(base: type) -> Optional[type]:
         plain = issubclass(base, T) and not issubclass(base, _Pending) and own in default
         _classes[base] = type(f"Pending{base.__name__}", (_Pending, base), {"__slots__": ()}) if plain else None
     return _classes[base]
-
-
-def _swap_in(tensor: torch.Tensor) -> bool:
-    cls = _pending_class(type(tensor))
-    if cls is None:
-        return False
-    tensor.__class__ = cls
-    return True

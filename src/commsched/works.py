@@ -20,7 +20,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ import torch.distributed as dist
 from commsched.errors import PeerFailureError
 
 Launch = Callable[[], dist.Work]
+After = Union[None, "Pending", Sequence["Pending"]]
+"""What a request waits for before it is issued: nothing, one collective, or several."""
 
 
 class WaitClock:
@@ -128,7 +130,7 @@ class Pending:
 class _Request:
     pending: Pending
     launch: Launch
-    after: Optional[Pending] = None
+    after: tuple[Pending, ...] = ()
     ready: Any = None  # a torch.cuda.Event the inputs wait for
 
 
@@ -144,12 +146,15 @@ class Issuer:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
 
-    def request(self, pending: Pending, launch: Launch, after: Optional[Pending] = None, ready: Any = None) -> Pending:
+    def request(self, pending: Pending, launch: Launch, after: After = None, ready: Any = None, offload: bool = False) -> Pending:
+        """`offload`: always issue from the issuer thread (a launch that costs the caller real work, such
+        as posting gloo's point-to-point sends, which copy into the socket on the calling thread)."""
+        waits = () if after is None else (after,) if isinstance(after, Pending) else tuple(after)
         with self._lock:
-            if not self._queue and ready is None and (after is None or after.is_completed()):
+            if not self._queue and not offload and ready is None and all(w.is_completed() for w in waits):
                 self._issue(_Request(pending, launch))
                 return pending
-            self._enqueue(_Request(pending, launch, after, ready))
+            self._enqueue(_Request(pending, launch, waits, ready))
         return pending
 
     def _enqueue(self, request: _Request) -> None:
@@ -187,8 +192,8 @@ class Issuer:
                 self._queue.popleft()
 
     def _wait_for(self, request: _Request) -> None:
-        if request.after is not None:
-            request.after.wait()
+        for predecessor in request.after:
+            predecessor.wait()
         if request.ready is not None:
             request.ready.synchronize()
 

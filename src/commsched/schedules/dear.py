@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from commsched.buckets import BucketPlan
 from commsched.hooks import OwnHook
 from commsched.links import InOrder, Links, Pending
-from commsched.pending import Kind, Watch, watchable
+from commsched.pending import Kind, Watch
 from commsched.reducers import ShardedReduce
 from commsched.schedules.base import Schedule
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
@@ -88,6 +88,7 @@ class DeARSchedule(Schedule):
     description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
     step_collectives = ("reduce_scatter", "all_gather")
     grads_complete_after_closure = False
+    mask_link = "control"  # the primary is busy with the reduce-scatters when the mask goes out
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
@@ -130,13 +131,10 @@ class DeARSchedule(Schedule):
         self._scatters[b] = self._reducers[b].scatter(f"bucket{b}")
 
     def _backward_end(self) -> None:
-        """The shards are reduced: the all-gathers start now, at the same point on every rank, before
-        any user hook runs; whatever reads `.grad` later only waits for them."""
-        for b, work in enumerate(self._scatters):
-            assert work is not None
-            work.wait()
-            self._scatters[b] = None
-        self.capture.read_mask()
+        """Every reduce-scatter is requested: the all-gathers are requested now, each to go once its own
+        bucket's reduce-scatter (and the one before it in the chain) is done, at the same point on every
+        rank and before any user hook runs; backward ends without waiting for the network, and whatever
+        reads `.grad` later only waits for collectives already on their way."""
         self._gathers = self._start_gathers()
         self._whole, self._clip = False, None
         for b, bucket in enumerate(self.plan.buckets):
@@ -166,9 +164,19 @@ class DeARSchedule(Schedule):
         chains: dict[str, list[int]] = {}
         for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
             chains.setdefault(self._bucket_links[b].name, []).append(b)
-        started = {name: self.links[name].in_order([partial(self._reducers[b].gather, f"bucket{b}") for b in order])
-                   for name, order in chains.items()}
+        started = {name: self.links[name].in_order([partial(self._gather, b) for b in order]) for name, order in chains.items()}
         return _Gathers(started, {b: (name, i) for name, order in chains.items() for i, b in enumerate(order)})
+
+    def _gather(self, b: int, previous: Optional[Pending]) -> Pending:
+        scattered = self._scatters[b]
+        assert scattered is not None, "every bucket is scattered before the all-gathers are requested"
+        return self._reducers[b].gather(f"bucket{b}", after=[p for p in (previous, scattered) if p is not None])
+
+    def _scattered(self) -> None:
+        """Wait for this step's reduce-scatters (clipping reads the shards)."""
+        for work in self._scatters:
+            if work is not None:
+                work.wait()
 
     # ------------------------------------------------------------------ clipping
     def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int]]]:
@@ -195,6 +203,7 @@ class DeARSchedule(Schedule):
         is busy with the all-gathers). Scaling commutes with the all-gather: whole gradients are
         scaled now, gathered ones when their bucket is applied."""
         world, rank = self.plan.world_size, self.link.rank
+        self._scattered()
         slices = [b.buffer.view(world, -1)[rank] if self._whole else r.shard for b, r in zip(self.plan.buckets, self._reducers)]
         squares = torch.zeros(1, dtype=torch.float32, device=slices[0].device)
         for piece, ranges in zip(slices, self._segments(optimizer)):
@@ -223,8 +232,7 @@ class DeARSchedule(Schedule):
 
     def step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         """After the closure: take the step at once (gradients already whole, or the fit's first step)
-        or defer it to the next forward."""
-        self.watch.unmark_all()  # nobody read `.grad`
+        or defer it to the next forward (the parameters stay marked, now for their update)."""
         if self._steps == 0 and not self._whole:
             self._make_whole()
         self._steps += 1
@@ -241,13 +249,12 @@ class DeARSchedule(Schedule):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
         self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
                                        [True] * len(self.plan.buckets))
+        state = optimizer.state
         unwatched = []
         for b, bucket in enumerate(self.plan.buckets):
-            tensors = [*bucket.params, *(v for p in bucket.params for v in optimizer.state.get(p, {}).values()
+            tensors = [*bucket.params, *(v for p in bucket.params if p in state for v in state[p].values()
                                          if isinstance(v, torch.Tensor))]
-            if all(watchable(t) for t in tensors):
-                self.watch.mark(b, tensors, Kind.UPDATE)
-            else:
+            if not self.watch.mark(b, tensors, Kind.UPDATE):
                 unwatched.append(b)
         for b in unwatched:
             self._apply(b, "unwatchable")
