@@ -51,6 +51,17 @@ def test_a_multi_node_run_equals_a_one_node_run_of_the_same_world_size(tmp_path,
 
 
 @needs_root
+def test_python_dash_m_runs_the_same_command():
+    """`python -m commsched.cluster` as the cluster's docs say: the same CLI as commsched-cluster."""
+    proc = subprocess.run([sys.executable, "-m", "commsched.cluster", "--nodes", "2", "--rate", "100mbit", "--",
+                           sys.executable, "-c", "import os; print('node', os.environ['NODE_RANK'])"],
+                          capture_output=True, text=True, timeout=120, cwd=WORKERS)
+    assert proc.returncode == 0, proc.stderr
+    assert "[node 0] node 0" in proc.stdout and "[node 1] node 1" in proc.stdout
+    assert leftovers() == []
+
+
+@needs_root
 def test_the_nodes_get_lightnings_multi_node_environment_and_their_links(tmp_path):
     show = "import os; print(*(f'{k}={os.environ.get(k)}' for k in ('NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'COMMSCHED_PRIMARY_IFNAME', 'COMMSCHED_SECONDARY_IFNAME')))"
     proc = cluster("--nodes", "3", "--rate", "100mbit", "--secondary-rate", "50mbit",

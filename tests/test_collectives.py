@@ -13,7 +13,7 @@ from conftest import per_link
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("schedule", ["wfbp", "dear"])
+@pytest.mark.parametrize("schedule", ["wfbp", "dear", "hier"])
 def test_same_collectives_in_same_order_on_every_rank(cases, world, schedule):
     """Per link (process group), which is where the order matters: DeAR's chained all-gathers are
     launched from the backend's thread, so their records interleave with other links' differently."""

@@ -31,10 +31,10 @@ def test_per_rank_state_is_restored_to_its_own_rank(cases):
     the checkpoint holds every rank's, each rank gets its own back, and the resumed run's state equals
     the uninterrupted run's on every rank."""
     results = cases(3)
-    sums = [results.load("localsum-2ep", r)["comm_state"]["per_rank"]["local_sum"] for r in range(results.world)]
+    sums = [results.load("localsum-2ep", r)["comm_state"]["per_rank"]["reducers"]["local_sum"] for r in range(results.world)]
     assert sums[0].keys() and any(not torch.equal(sums[0][k], sums[1][k]) for k in sums[0]), "ranks should differ"
     for rank in range(results.world):
-        resumed = results.load("localsum-resume", rank)["comm_state"]["per_rank"]["local_sum"]
+        resumed = results.load("localsum-resume", rank)["comm_state"]["per_rank"]["reducers"]["local_sum"]
         diff, key = max_abs_diff(resumed, sums[rank])
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
         diff, key = max_abs_diff(results.load("localsum-resume", rank)["state"], results.load("localsum-2ep", rank)["state"])
@@ -46,8 +46,8 @@ def test_state_survives_bucket_rebuilds(cases):
     results = cases(3)
     assert len(results.load("localsum-bayes-2ep")["layouts"]) >= 3
     for rank in range(results.world):
-        tuned = results.load("localsum-bayes-2ep", rank)["comm_state"]["per_rank"]["local_sum"]
-        fixed = results.load("localsum-2ep", rank)["comm_state"]["per_rank"]["local_sum"]
+        tuned = results.load("localsum-bayes-2ep", rank)["comm_state"]["per_rank"]["reducers"]["local_sum"]
+        fixed = results.load("localsum-2ep", rank)["comm_state"]["per_rank"]["reducers"]["local_sum"]
         diff, key = max_abs_diff(tuned, fixed)
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
 
@@ -60,6 +60,23 @@ def test_per_rank_state_refuses_another_world_size(cases):
     assert len(checkpoint["commsched"]["per_rank"]) == 3
     with pytest.raises(CommSchedConfigError, match="written by 3 processes.*cannot be resumed by 2 processes"):
         Restored(checkpoint, "localsum", rank=0, world_size=2)
+    with pytest.raises(CommSchedConfigError, match="holds communication state of schedule 'localsum'.*cannot take"):
+        Restored(checkpoint, "wfbp", rank=0, world_size=3)  # another schedule would drop the local sums
+
+
+def test_reducer_state_no_reducer_keeps_is_refused():
+    """A kind of reducer state (say, residuals of a compression) that this run's reducers do not keep."""
+    from commsched import CommSchedConfigError
+    from commsched.state import refuse_unknown
+
+    with pytest.raises(CommSchedConfigError, match=r"holds communication state \['residual'\].*would drop it"):
+        refuse_unknown("wfbp", {"residual": {"fc.weight": torch.zeros(2)}}, ("local_sum",))
+    refuse_unknown("wfbp", {"local_sum": {"fc.weight": torch.zeros(2)}}, ("local_sum",))
+
+
+def test_plan_state_alone_resumes_at_another_world_size(cases):
+    from commsched.state import Restored
+
     plan_only = torch.load(Path(cases(3).directory) / "dear-bayes-1ep-ckpt" / "last.ckpt", weights_only=False)
     restored = Restored(plan_only, "dear", rank=0, world_size=2)  # no per-rank state: resumable, plans again
     assert restored.plan is None

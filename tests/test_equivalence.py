@@ -27,6 +27,18 @@ def test_final_weights_equal_ddp(cases, world, optimizer, schedule):
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_schedule_over_sub_group_links_equals_ddp(cases, world):
+    """workers/extension_schedule.py's "hier": three stages per bucket over the intra- and inter-node
+    links, each requested after the one before."""
+    results = cases(world)
+    reference = results.load("ddp-sgd")
+    for rank, result in enumerate(results.all_ranks("hier-sgd")):
+        diff, key = max_abs_diff(result["state"], reference["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"
+        assert {"intra", "inter"} <= {record[0] for record in result["trace"]}
+
+
 @pytest.mark.parametrize(
     "case, reference",
     [

@@ -85,10 +85,16 @@ def test_registering_refuses_what_cannot_work():
         name = "unknown_collective"
         step_collectives = ("all_to_all",)
 
+    class Unlinked(commsched.Schedule):
+        name = "unknown_link"
+        links_used = ("primary", "rdma")
+
     with pytest.raises(CommSchedConfigError, match="not a subclass of commsched.Schedule"):
         commsched.register_schedule(object)
     with pytest.raises(CommSchedConfigError, match=r"NoName.name = 'base'.*other than ddp, base"):
         commsched.register_schedule(NoName)
     with pytest.raises(CommSchedConfigError, match=r"step_collectives has \['all_to_all'\]; allowed: all_reduce"):
         commsched.register_schedule(Unknown)
+    with pytest.raises(CommSchedConfigError, match=r"links_used has \['rdma'\]; allowed: primary, secondary, intra, inter"):
+        commsched.register_schedule(Unlinked)
     assert set(commsched.SCHEDULES) >= {"wfbp", "dear", "deft"}

@@ -25,7 +25,7 @@ from torch import nn
 
 from commsched import state
 from commsched.buckets import build_plan, verify_same_on_all_ranks
-from commsched.links import CollectiveRecord, Links, LinkSpec
+from commsched.links import CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
 from commsched.options import StrategyOptions
 from commsched.planning.policy import PlanPolicy
 from commsched.profile.run_profiler import RunProfiler
@@ -57,13 +57,14 @@ class Engine:
         self._iteration_starts = True
 
     def start(self, module: nn.Module, world_size: int, timeout: Optional[timedelta], default_backend: Optional[str],
-              restored: Optional[state.Restored], device: torch.device) -> None:
+              restored: Optional[state.Restored], device: torch.device, per_node: int) -> None:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
-        `device`: this rank's own device (the model's), where NCCL links keep their tensors."""
+        `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
+        processes per node (the sub-group links: one group per node, one per local rank)."""
         log.debug(f"commsched: creating links {self.schedule_class.links_used}")
         if self.trace is not None:
             self.trace.clear()
-        self.links = Links(self._link_specs(default_backend), timeout, self.trace, device)
+        self.links = Links(self._link_specs(default_backend, world_size, per_node), timeout, self.trace, device)
         self._module = module
         self._iteration_starts = True
         if restored is not None:
@@ -77,15 +78,21 @@ class Engine:
         self.links.control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self.maybe_start_profiler(module)
 
-    def _link_specs(self, default_backend: Optional[str]) -> list[LinkSpec]:
+    def _link_specs(self, default_backend: Optional[str], world_size: int, per_node: int) -> list[LinkSpec]:
+        """The links the schedule names: "primary", "secondary", and the sub-group links "intra" (the
+        ranks of this node) and "inter" (the ranks with this local rank on every node), on the
+        primary's backend and interface."""
         o = self._link_options
         secondary_ifname = o.secondary_ifname or os.environ.get(SECONDARY_IFNAME_ENV) or None
         if "secondary" in self.schedule_class.links_used and secondary_ifname is None:
             rank_zero_info("commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
                            "the secondary link is a second gloo group on the primary's network")
-        specs = {"primary": LinkSpec("primary", o.primary_backend or default_backend, o.primary_ifname),
-                 "secondary": LinkSpec("secondary", o.secondary_backend, secondary_ifname)}
-        return [specs[name] for name in self.schedule_class.links_used]
+        primary = o.primary_backend or default_backend
+        specs = {"primary": LinkSpec("primary", primary, o.primary_ifname),
+                 "secondary": LinkSpec("secondary", o.secondary_backend, secondary_ifname),
+                 "intra": LinkSpec("intra", primary, o.primary_ifname, groups=node_groups(world_size, per_node)),
+                 "inter": LinkSpec("inter", primary, o.primary_ifname, groups=local_rank_groups(world_size, per_node))}
+        return [specs[name] for name in self.schedule_class.links_used]  # names checked by register_schedule
 
     def build(self, module: nn.Module, world_size: int) -> None:
         assert self.links is not None

@@ -38,9 +38,12 @@ log = logging.getLogger(__name__)
 
 IFNAME_ENV = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 KNOWN_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+KNOWN_LINKS = ("primary", "secondary", "intra", "inter")
+"""What a schedule's `links_used` may name: the whole world on the primary and on the secondary network,
+and the sub-groups of the primary (the ranks of one node; the ranks of one local rank across nodes)."""
 """What a schedule's `step_collectives` may name: the collectives a `Link` issues and the profiler times."""
 
-__all__ = ["CollectiveRecord", "InOrder", "KNOWN_COLLECTIVES", "Link", "LinkSpec", "Links", "Pending", "WaitClock"]
+__all__ = ["CollectiveRecord", "InOrder", "KNOWN_COLLECTIVES", "KNOWN_LINKS", "Link", "LinkSpec", "Links", "Pending", "WaitClock"]
 
 
 @dataclass(frozen=True)

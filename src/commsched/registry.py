@@ -12,7 +12,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from commsched.errors import CommSchedConfigError
-from commsched.links import KNOWN_COLLECTIVES
+from commsched.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.schedules import SCHEDULES, Schedule
 from commsched.sim.simulate import register as register_simulation
 from commsched.strategy import CommSchedStrategy
@@ -32,10 +32,12 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
     if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
         raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.name = {name!r}: a Python identifier "
                                    f"other than {', '.join(RESERVED)} (each schedule sets its own `name`)")
-    unknown = [c for c in cls.step_collectives if c not in KNOWN_COLLECTIVES]
-    if unknown:
-        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.step_collectives has {unknown}; "
-                                   f"allowed: {', '.join(KNOWN_COLLECTIVES)}")
+    for field, names, known in (("step_collectives", cls.step_collectives, KNOWN_COLLECTIVES),
+                                ("links_used", cls.links_used, KNOWN_LINKS)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{field} has {unknown}; "
+                                       f"allowed: {', '.join(known)}")
     if SCHEDULES.get(name) is not cls or name not in STRATEGIES:
         STRATEGIES[name] = type(f"{cls.__name__.removesuffix('Schedule')}Strategy", (CommSchedStrategy,),
                                 {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__})

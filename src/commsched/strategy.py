@@ -30,20 +30,18 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from commsched import checks, observers, options, state
-from commsched.buckets import BucketPlan
 from commsched.buffer_sync import BufferSync
-from commsched.errors import PeerFailureError
 from commsched.engine import Engine
-from commsched.links import CollectiveRecord, Link, Links
+from commsched.errors import PeerFailureError
 from commsched.lr_follow import FollowOptimizerSteps
 from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
-from commsched.planning.plan_file import SavedPlan
+from commsched.run_reports import RunReports
 from commsched.schedules import SCHEDULES, Schedule
 
 log = logging.getLogger(__name__)
 
 
-class CommSchedStrategy(DDPStrategy):
+class CommSchedStrategy(RunReports, DDPStrategy):
     """Data-parallel training with a communication schedule (`schedule=` one of `SCHEDULES`)."""
 
     strategy_name = "commsched"
@@ -98,65 +96,6 @@ class CommSchedStrategy(DDPStrategy):
         self._restored: Optional[state.Restored] = None
         self._failed = False
 
-    @property
-    def schedule(self) -> Optional[Schedule]:
-        return self._engine.schedule
-
-    @property
-    def bucket_plan(self) -> Optional[BucketPlan]:
-        return self.schedule.plan if self.schedule is not None else None
-
-    @property
-    def links(self) -> Optional[Links]:
-        """The run's links by name (``links["primary"]``, ``links.control``), once set up."""
-        return self._engine.links
-
-    @property
-    def control_link(self) -> Link:
-        """The default group's link: setup checks, buffer broadcasts, plan decisions."""
-        assert self._engine.links is not None, "links exist once the strategy is set up"
-        return self._engine.links.control
-
-    @property
-    def exposed_comm_seconds(self) -> float:
-        """Time this rank's training loop waited on communication (not hidden behind compute), all links."""
-        return self.links.exposed_seconds if self.links is not None else 0.0
-
-    @property
-    def wire_bytes(self) -> dict[str, float]:
-        """Bytes this rank has sent per link so far (ring counts), {} before setup."""
-        return self.links.wire_bytes if self.links is not None else {}
-
-    @property
-    def fusion_plan(self) -> Optional[SavedPlan]:
-        """The plan a planner, the tuner, a plan file or a checkpoint decided (None while still deciding)."""
-        return self._engine.policy.decided
-
-    @property
-    def last_schedule(self) -> Optional[Schedule]:
-        """The configured schedule (which may hand its iterations to another), or the last fit's once it
-        ended (what it measured and decided)."""
-        return self._engine.owner or self._engine.finished
-
-    @property
-    def deft_plan(self) -> Any:
-        """DeFT's plan (`commsched.deft.plan.DeFTPlan`) of the running or last fit, None for other schedules."""
-        return getattr(self.last_schedule, "deft_plan", None)
-
-    @property
-    def tuning_trials(self) -> list[dict[str, float]]:
-        return list(self._engine.policy.trials)
-
-    @property
-    def profile(self) -> Optional[dict[str, Any]]:
-        """What profiling measured (the content of profile.json), once it finished."""
-        return self._engine.profiler.result if self._engine.profiler is not None else None
-
-    @property
-    def collective_trace(self) -> list[CollectiveRecord]:
-        """Collectives issued by this rank during the last fit (needs ``trace_collectives=True``)."""
-        return list(self._engine.trace or [])
-
     def request_replan(self) -> None:
         """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask together)."""
         self._engine.request_replan()
@@ -171,7 +110,8 @@ class CommSchedStrategy(DDPStrategy):
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper."""
         module = self.lightning_module
         checks.refuse_manual_optimization(module, self.schedule_class.name)
-        self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, self._restored, self.root_device)
+        self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, self._restored, self.root_device,
+                           self.num_processes)
         self._restored = None
         self._buffers.needed = True
         self._failed = False

@@ -148,6 +148,8 @@ CASES = {
     "localsum-2ep": ("localsum", {"epochs": 2}),
     "localsum-resume": ("localsum", {"epochs": 2, "resume_from": "localsum-1ep"}),
     "localsum-bayes-2ep": ("localsum", {"epochs": 2, **BAYES}),
+    # sub-group links, second stages requested after their first (workers/extension_schedule.py)
+    "hier-sgd": ("hier", {"optimizer": "sgd"}),
     "wfbp-unfreeze": ("wfbp", {"unfreeze": True}),
     "ddp-eval": ("ddp", {}),
     # DeFT with room for everything (K = 1..1): DDP's updates over two links

@@ -11,10 +11,11 @@ from typing import Optional
 import torch
 
 from commsched.links import Link, Pending
+from commsched.reducers.base import Reducer
 from commsched.reducers.staging import Staging
 
 
-class AllReduce:
+class AllReduce(Reducer):
     def __init__(self, buffer: torch.Tensor, link: Link) -> None:
         self.link = link
         self._staging = Staging(buffer, link)

@@ -26,7 +26,9 @@ from torch.utils.hooks import RemovableHandle
 
 from commsched.buckets import BucketPlan
 from commsched.links import Links
+from commsched.reducers import Reducer, ReducerState
 from commsched.schedules.capture import GradientCapture
+from commsched.state import refuse_unknown
 
 if TYPE_CHECKING:
     from commsched.sim.network import CostModel
@@ -70,6 +72,8 @@ class Schedule:
         self.link = links["primary"]
         mask_link = links.control if self.mask_link == "control" else links[self.mask_link]
         self.capture = GradientCapture(plan, mask_link, self.name, self._bucket_ready, self._backward_end)
+        self.reducers: list[Reducer] = []
+        """One per bucket, if the schedule combines buckets with reducers: their state is saved with the schedule's."""
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -163,17 +167,25 @@ class Schedule:
     def state_dict(self) -> dict[str, Any]:
         """What this schedule keeps across steps (called after `flush`, so nothing is in flight):
         ``{"shared": {...}, "per_rank": {...}}``, the first equal on every rank, the second not
-        (see `commsched.state`); tensors keyed by parameter name, never by bucket. {} if nothing."""
-        return {}
+        (see `commsched.state`); tensors keyed by parameter name, never by bucket. {} if nothing.
+        Here: the reducers' state, per rank."""
+        kept: ReducerState = {}
+        for reducer in self.reducers:
+            for kind, entries in reducer.state_dict().items():
+                kept.setdefault(kind, {}).update(entries)
+        return {"per_rank": {"reducers": kept}} if kept else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into freshly built buckets (a resume, a rebuild, a re-plan): `state` is the shared
         and this rank's parts of an earlier `state_dict()` merged into one dict. A schedule must
-        refuse (`CommSchedConfigError`) state it cannot take rather than drop it; this one keeps none."""
-        if state:
-            from commsched.state import refuse_unknown
-
-            refuse_unknown(self.name, state, ())
+        refuse (`CommSchedConfigError`) state it cannot take rather than drop it: here, reducer state
+        of a kind no reducer of this run keeps (residuals of a compression this run does not use)."""
+        refuse_unknown(self.name, state, ("reducers",))
+        saved = state.get("reducers", {})
+        kept = {kind for reducer in self.reducers for kind in reducer.kinds}
+        refuse_unknown(self.name, saved, kept)
+        for reducer in self.reducers:
+            reducer.load_state_dict(saved)
 
     # ------------------------------------------------------------------ models
     @classmethod

@@ -94,7 +94,7 @@ class DeARSchedule(Schedule):
         super().__init__(plan, links, settings)
         names = getattr(settings, "bucket_links", None) or ("primary",) * len(plan.buckets)
         self._bucket_links = [links[name] for name in names]
-        self._reducers = [ShardedReduce(b.buffer, link) for b, link in zip(plan.buckets, self._bucket_links)]
+        self.reducers = [ShardedReduce(b.buffer, link) for b, link in zip(plan.buckets, self._bucket_links)]
         self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
         self._gathers: Optional[_Gathers] = None  # this step's all-gathers, started at the end of backward
         self._clip: Optional[Callable[[torch.Tensor], Any]] = None  # clipping, applied to each bucket once gathered
@@ -102,7 +102,6 @@ class DeARSchedule(Schedule):
         self._whole = False  # this step's gradients were made whole (someone read `.grad`)
         self._steps = 0
         self._stepper: Optional[SubsetStepper] = None
-        self._unwatched: list[int] = []  # buckets holding a tensor `pending` cannot watch: applied at the end of the step
         self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self.watch = Watch(self._bring_up_to_date)
@@ -128,7 +127,7 @@ class DeARSchedule(Schedule):
 
     # ------------------------------------------------------------------ backward
     def _bucket_ready(self, b: int) -> None:
-        self._scatters[b] = self._reducers[b].scatter(f"bucket{b}")
+        self._scatters[b] = self.reducers[b].scatter(f"bucket{b}")
 
     def _backward_end(self) -> None:
         """Every reduce-scatter is requested: the all-gathers are requested now, each to go once its own
@@ -170,7 +169,7 @@ class DeARSchedule(Schedule):
     def _gather(self, b: int, previous: Optional[Pending]) -> Pending:
         scattered = self._scatters[b]
         assert scattered is not None, "every bucket is scattered before the all-gathers are requested"
-        return self._reducers[b].gather(f"bucket{b}", after=[p for p in (previous, scattered) if p is not None])
+        return self.reducers[b].gather(f"bucket{b}", after=[p for p in (previous, scattered) if p is not None])
 
     def _scattered(self) -> None:
         """Wait for this step's reduce-scatters (clipping reads the shards)."""
@@ -204,7 +203,7 @@ class DeARSchedule(Schedule):
         scaled now, gathered ones when their bucket is applied."""
         world, rank = self.plan.world_size, self.link.rank
         self._scattered()
-        slices = [b.buffer.view(world, -1)[rank] if self._whole else r.shard for b, r in zip(self.plan.buckets, self._reducers)]
+        slices = [b.buffer.view(world, -1)[rank] if self._whole else r.shard for b, r in zip(self.plan.buckets, self.reducers)]
         squares = torch.zeros(1, dtype=torch.float32, device=slices[0].device)
         for piece, ranges in zip(slices, self._segments(optimizer)):
             for start, length in ranges:

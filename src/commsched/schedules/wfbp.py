@@ -27,11 +27,11 @@ class WFBPSchedule(Schedule):
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
-        self._reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
+        self.reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
         self._works: list[Optional[Pending]] = [None] * len(plan.buckets)
 
     def _bucket_ready(self, b: int) -> None:
-        self._works[b] = self._reducers[b].start(f"bucket{b}")
+        self._works[b] = self.reducers[b].start(f"bucket{b}")
 
     def _backward_end(self) -> None:
         for b, work in enumerate(self._works):
