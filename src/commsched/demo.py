@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -33,28 +33,28 @@ def main() -> None:
     parser.add_argument("--rate", default=DEMO_RATE, help="emulated link rate, e.g. 1gbit, 600mbit; none: unlimited")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best median counts")
-    parser.add_argument("--out", type=Path, default=None, help="keep results.json, bench.csv and bench.png here")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where results.json, bench.csv, bench.png and the profile go (default: outputs/demo/<time>)")
     args = parser.parse_args()
     if args.rate != "none":
         parse_rate(args.rate)
     console = Console(width=160)
     spec = {**dataclasses.asdict(BenchConfig()), "link": {"rate": args.rate}, "steps": args.steps, "rounds": args.rounds}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = args.out or Path(tmp)
-        results, rate = report.run(spec, out, console)
-        report.print_results(results, spec, rate, console)
-        if args.out is not None:
-            report.write_csv(results, rate, out / "bench.csv")
-            report.plot(results, rate, out / "bench.png")
+    out = args.out or Path("outputs", "demo", time.strftime("%Y-%m-%d_%H-%M-%S"))  # every file it names stays
+    results, rate = report.run(spec, out, console)
+    report.print_results(results, spec, rate, console)
+    report.write_csv(results, rate, out / "bench.csv")
+    report.plot(results, rate, out / "bench.png")
     rows = {row["schedule"]: row for row in results[0]["rows"]}
     dear, wfbp = rows["dear"], rows["wfbp"]
-    link = f"an emulated {rate} link" if rate != "none" else "the unlimited loopback (no root: nothing to hide there)"
+    link = f"an emulated {rate} link" if rate != "none" else "the unlimited loopback (nothing to hide there)"
     console.print(
         f"\n[bold]dear trained {dear['speedup_vs_ddp']:.2f}x as fast as Lightning's ddp[/bold] over {link} "
         f"(wfbp {wfbp['speedup_vs_ddp']:.2f}x), {dear['step_ms']:.0f} ms a step against the "
         f"{dear['theoretical_ms']:.0f} ms its schedule allows at best; its final weights differ from ddp's by at most "
         f"{dear['weights_vs_ddp']:.1e}."
     )
+    console.print(f"results, the table as CSV, a plot and the profile are in {out}")
 
 
 if __name__ == "__main__":

@@ -12,15 +12,35 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import Optional, Sequence
 
 from commsched.sim.network import parse_rate
 
 
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+"""Bits of the capability sets: links and qdiscs need the first; `ip netns add` mounts, which needs the second."""
+
+
+def missing_capabilities() -> list[str]:
+    """The capabilities this process lacks for namespaces and tc: root in a default container has neither."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return [] if os.geteuid() == 0 else ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
+    effective = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
+    return [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
+            if not effective >> bit & 1]
+
+
 def unavailable_reason() -> Optional[str]:
-    """Why a rate-limited namespace cannot be made here, or None if it can."""
+    """Why a rate-limited namespace cannot be made here, or None if it can. The capabilities are
+    checked, not the uid: root in a container without them is refused by `ip` and `mount`."""
     if os.geteuid() != 0:
         return "emulating a slow link needs root (network namespaces and tc)"
+    missing = missing_capabilities()
+    if missing:
+        return f"emulating a slow link needs {' and '.join(missing)}, which this process lacks (a default container)"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"emulating a slow link needs iproute2 ({', '.join(missing)} not found)"
