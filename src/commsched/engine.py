@@ -20,7 +20,6 @@ from datetime import timedelta
 from typing import Any, Iterator, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from commsched import state
@@ -29,6 +28,7 @@ from commsched.links import CollectiveRecord, Links, LinkSpec, local_rank_groups
 from commsched.options import StrategyOptions
 from commsched.planning.policy import PlanPolicy
 from commsched.profile.run_profiler import RunProfiler
+from commsched.say import say
 from commsched.schedules import SCHEDULES, Handover, Schedule
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Engine:
         o = self._link_options
         secondary_ifname = o.secondary_ifname or os.environ.get(SECONDARY_IFNAME_ENV) or None
         if "secondary" in self.schedule_class.links_used and secondary_ifname is None:
-            rank_zero_info("commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
+            say("commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
                            "the secondary link is a second gloo group on the primary's network")
         primary = o.primary_backend or default_backend
         specs = {"primary": LinkSpec("primary", primary, o.primary_ifname),

@@ -18,15 +18,14 @@ and one schedule) and decided again.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from commsched.errors import CommSchedConfigError
+from commsched.say import say
 
-log = logging.getLogger(__name__)
 
 KEY = "commsched"
 VERSION = 2
@@ -92,7 +91,7 @@ class Restored:
                 f"gradients or residuals) that schedule '{schedule}' cannot take: resuming would drop it. Resume with "
                 f"schedule '{saved.get('schedule')}', or load only the weights (e.g. LightningModule.load_from_checkpoint).")
         if not same_schedule and (saved.get("shared") or per_rank):
-            log.info(f"commsched: the checkpoint's decisions of schedule '{saved.get('schedule')}' are not used by '{schedule}'")
+            say(f"commsched: the checkpoint's decisions of schedule '{saved.get('schedule')}' are not used by '{schedule}'")
         self.plan: Any = saved.get("plan") if same_world else None
         self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
         self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}
@@ -108,4 +107,4 @@ def refuse_unknown(schedule: str, state: dict[str, Any], known: Iterable[str]) -
             "configured now does not keep: resuming would drop it. Resume with the options that wrote it, or load "
             "only the weights (e.g. LightningModule.load_from_checkpoint).")
     if unknown:
-        log.info(f"commsched: the checkpoint's {sorted(unknown)} are not used by schedule '{schedule}'")
+        say(f"commsched: the checkpoint's {sorted(unknown)} are not used by schedule '{schedule}'")

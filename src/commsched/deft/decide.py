@@ -4,12 +4,10 @@ solves the plan (the Preserver may enlarge its capacity) and chooses what runs t
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning.pytorch.utilities import rank_zero_info
 
 from commsched.buckets import BucketPlan
 from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
@@ -19,8 +17,8 @@ from commsched.deft.probes import GradientProbes
 from commsched.errors import ScheduleError
 from commsched.links import Link
 from commsched.options import DeFTOptions
+from commsched.say import say
 
-log = logging.getLogger(__name__)
 
 Halves = tuple[list[list[float]], list[list[float]]]
 
@@ -45,7 +43,7 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
         costs, shared = all_reduce_seconds(plan, links, control, options.cost_repeats)
         timings = Timings(forward, backward, costs)
         if shared:
-            log.info("commsched deft: the secondary link shares the primary's network (each slows the other "
+            say("commsched deft: the secondary link shares the primary's network (each slows the other "
                      "down): only the primary is used")
     stats = probes.walk_statistics(preserver)
     halves = _dear_halves(plan, links, control, options, shared)
@@ -53,10 +51,10 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
     decided = control.broadcast_object(mine, src=0, tag="deft-plan")
     decision = Decision(DeFTPlan.from_json(decided["plan"]), timings, Choice(**decided["choice"]), decided["preserver"])
     _check_same_plan(decision.plan, control)
-    rank_zero_info(f"commsched deft: {decision.plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
+    say(f"commsched deft: {decision.plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                    f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, all-reduce "
                    f"{sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary; "
-                   f"{describe(decision.choice)} (deft.fallback={options.fallback})")
+                   f"{describe(decision.choice, options.fallback, control.world_size)}")
     return decision
 
 
@@ -93,12 +91,16 @@ def _check_same_plan(plan: DeFTPlan, control: Link) -> None:
         raise ScheduleError(f"commsched deft: ranks replay different plans (hashes {digests})")
 
 
-def describe(choice: Choice) -> str:
-    """What runs the iterations, and the predictions it was chosen by."""
-    predicted = (f"predicted {choice.predicted['dear_ms']:.0f} ms/step vs {choice.predicted['plan_ms']:.0f} ms with "
-                 "the plan" if choice.predicted else "")
+def describe(choice: Choice, fallback: str, world_size: int) -> str:
+    """What runs the iterations, and why: the fallback setting and the predictions it compared."""
+    if choice.predicted:
+        compared = f"DeAR predicted {choice.predicted['dear_ms']:.0f} ms/step against {choice.predicted['plan_ms']:.0f} ms for the plan"
+    else:
+        compared = "DeAR not considered: " + ("deft.fallback=never" if fallback == "never" else
+                                              "one process" if world_size == 1 else "no DeAR timings")
     if choice.runs == "dear":
-        return f"run by DeAR over {'+'.join(sorted(set(choice.dear_links)))} ({predicted})"
+        return f"run by DeAR over {'+'.join(sorted(set(choice.dear_links)))} (deft.fallback={fallback}: {compared})"
     if choice.runs == "wfbp":
-        return "run by WFBP (the plan is DDP's schedule" + (f"; DeAR {predicted}" if predicted else "") + ")"
-    return "run by the plan" + (f" (DeAR {predicted})" if predicted else "")
+        return f"run by WFBP, as the plan delays nothing and WFBP issues the same collectives ({compared})"
+    reason = "deft.fallback=never" if fallback == "never" else f"deft.fallback={fallback}: {compared}"
+    return f"run by the plan ({reason})"

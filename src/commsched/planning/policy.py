@@ -16,7 +16,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from lightning.pytorch.utilities import rank_zero_info
 
 from commsched.buckets import param_infos
 from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed, plan_layers
@@ -25,6 +24,7 @@ from commsched.options import FusionOptions, TuningOptions
 from commsched.planning.bayes import BucketSizeTuner
 from commsched.planning.model_plans import plan_from_profile
 from commsched.planning.plan_file import SavedPlan
+from commsched.say import say
 
 Planner = Callable[[Sequence[ParamInfo]], list[list[int]]]
 PLAN_FILE_NAME = "commsched_plan.json"
@@ -108,10 +108,10 @@ class PlanPolicy:
         step_s, chosen, final = link.broadcast_object(decision, 0, "bayes-decision")
         self.trials.append({"trial": len(self.trials), "bucket_mb": self._cap_mb, "step_ms": step_s * 1e3})
         _log(strategy, {"bayes/trial": len(self.trials) - 1, "bayes/bucket_mb": self._cap_mb, "bayes/step_ms": step_s * 1e3})
-        rank_zero_info(f"commsched bayes: trial {len(self.trials) - 1}: {self._cap_mb:.2f} MB buckets, "
+        say(f"commsched bayes: trial {len(self.trials) - 1}: {self._cap_mb:.2f} MB buckets, "
                        f"median step {step_s * 1e3:.1f} ms")
         if final and len(self.trials) < self.tuning_options.trials:  # after the trial's own line, in order
-            rank_zero_info(f"commsched bayes: every size proposed gives buckets already measured; "
+            say(f"commsched bayes: every size proposed gives buckets already measured; "
                            f"stopping after {len(self.trials)} of {self.tuning_options.trials} trials")
         self._cap_mb = chosen
         self._timing, self._batches_in_trial, self._last_start = [], 0, None
@@ -145,7 +145,7 @@ class PlanPolicy:
             plan.save(path)
             sizes = sum(p.nbytes for p in param_infos(strategy.lightning_module)) / 2**20 / max(len(plan.buckets), 1)
             predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""
-            rank_zero_info(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
+            say(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
                            f"{sizes:.2f} MB on average{predicted}; saved to {path}")
 
     # ---------------------------------------------------- communication state

@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
 
 from commsched.buckets import BucketPlan
 from commsched.device_time import SpanRecorder, synchronize
@@ -27,6 +26,7 @@ from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layers import LayerTimer
 from commsched.profile.probe import probe_link
 from commsched.trace import Span, write_chrome_trace
+from commsched.say import say
 
 
 def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> dict[str, float]:
@@ -208,7 +208,7 @@ class RunProfiler:
         write_chrome_trace(shifted, out_dir / "trace.json")
         result["files"] = {"profile": str(out_dir / "profile.json"), "trace": str(out_dir / "trace.json")}
         summary = result["summary"]
-        rank_zero_info(f"commsched: profiled {result['profiled_steps']} steps: {summary['step_s'] * 1e3:.1f} ms/step, "
+        say(f"commsched: profiled {result['profiled_steps']} steps: {summary['step_s'] * 1e3:.1f} ms/step, "
                        f"{summary['exposed_comm_s'] * 1e3:.1f} ms of it waiting on communication, overlap ratio "
                        f"{summary['overlap_ratio']:.2f}; wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} "
                        "(chrome://tracing or ui.perfetto.dev)")

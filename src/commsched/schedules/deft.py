@@ -24,7 +24,6 @@ forward, which an undelayed all-reduce cannot), else WFBP when the plan is DDP's
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -50,8 +49,8 @@ from commsched.sim.network import CostModel
 from commsched.sim.schedules import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.state import refuse_unknown
+from commsched.say import say
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -149,7 +148,7 @@ class DeFTSchedule(Schedule):
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
-        described = self.deft_plan.describe() + (f"; {describe(self.choice)}" if self.decided else "")
+        described = self.deft_plan.describe() + (f"; {describe(self.choice, self.options.fallback, self.links.control.world_size)}" if self.decided else "")
         return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
                 "staleness": self.deft_plan.staleness, "runs": self.choice.runs, "dear_links": list(self.choice.dear_links),
                 "predicted": self.choice.predicted, "mu": self.timings.mu if self.timings is not None else None,
@@ -290,7 +289,7 @@ class DeFTSchedule(Schedule):
             self._release(number)
         for p in params_of(optimizer):
             p.grad = None
-        log.info("commsched deft: delayed gradients applied at the end of training")
+        say("commsched deft: delayed gradients applied at the end of training")
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
@@ -314,7 +313,7 @@ class DeFTSchedule(Schedule):
                     f"(bucket sizes {state.get('bucket_numels')}, now {[b.buffer.numel() for b in self.plan.buckets]}); "
                     "resume with the bucket settings that wrote it (bucket_cap_mb, fusion), or from a checkpoint "
                     "written at the end of training, where none are left")
-            log.info("commsched deft: the buckets changed; measuring and solving again for the new ones")
+            say("commsched deft: the buckets changed; measuring and solving again for the new ones")
             return
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
