@@ -4,12 +4,21 @@ take about 6 s), so that ``--help`` and refused input answer at once; the work i
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
 
 def _run(module: str) -> Any:
-    return importlib.import_module(module).main()
+    """Ctrl-C ends every command with one line and exit code 130: whatever it interrupted (an
+    import, a worker, a network namespace) cleans up in its own `finally`, and a traceback of
+    where the signal happened to land would say nothing to the user."""
+    name = os.path.basename(sys.argv[0]) or module
+    try:
+        return importlib.import_module(module).main()
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def train() -> Any:
@@ -34,3 +43,17 @@ def plan() -> Any:
 
 def cluster() -> Any:
     return sys.exit(_run("commsched.cluster.cli"))
+
+
+def run_rank() -> None:
+    """One rank of a `commsched-train` run (`commsched.ranks` starts one per process). Until the run's
+    own handling takes over, Ctrl-C ends it in one line: it may land while torch is importing."""
+    import signal
+
+    def interrupted_while_starting(signum: int, frame: Any) -> None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print("commsched: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted_while_starting)
+    importlib.import_module("commsched.run").main()

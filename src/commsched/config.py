@@ -173,9 +173,7 @@ def validate(cfg: Any) -> None:
     if cfg.resume is not None:
         resume_path(cfg.resume)
     if cfg.preserver.enabled:
-        from commsched.deft.preserver import check_settings
-
-        check_settings(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth, prefix="preserver.")
+        options.check_preserver_settings(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth, prefix="preserver.")
         options.non_negative_int("preserver.max_staleness", cfg.preserver.max_staleness)
         options.non_negative_int("preserver.recheck_every_n_steps", cfg.preserver.recheck_every_n_steps)
     if cfg.deft.timings_file is not None and not Path(cfg.deft.timings_file).expanduser().is_file():

@@ -249,3 +249,14 @@ class StrategyOptions:
                    profile_from(profile),
                    validated(typed("links", links or LinkOptions(), LinkOptions), "links."),
                    validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."))
+
+
+def check_preserver_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:
+    """The Preserver's settings, checked where the command line is validated too (without Lightning)."""
+    eps = positive_number(f"{prefix}eps", eps)
+    if eps >= 1:
+        raise bad_value(f"{prefix}eps", eps, "a number in (0, 1)")
+    max_tries = positive_int(f"{prefix}max_tries", max_tries)
+    if positive_number(f"{prefix}growth", growth) <= 1:
+        raise bad_value(f"{prefix}growth", growth, "a number > 1")
+    return eps, max_tries, float(growth)

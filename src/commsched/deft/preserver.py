@@ -15,24 +15,14 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from commsched.deft.plan import DeFTPlan
 from commsched.deft.walk import WalkState, plan_ratio
-from commsched.errors import bad_value
-from commsched.options import non_negative_int, positive_int, positive_number
+from commsched.options import check_preserver_settings as check_settings
+from commsched.options import non_negative_int, positive_int
+from commsched.say import say
 
 log = logging.getLogger(__name__)
-
-
-def check_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:
-    eps = positive_number(f"{prefix}eps", eps)
-    if eps >= 1:
-        raise bad_value(f"{prefix}eps", eps, "a number in (0, 1)")
-    max_tries = positive_int(f"{prefix}max_tries", max_tries)
-    if positive_number(f"{prefix}growth", growth) <= 1:
-        raise bad_value(f"{prefix}growth", growth, "a number > 1")
-    return eps, max_tries, float(growth)
 
 
 class Preserver(pl.Callback):
@@ -67,7 +57,7 @@ class Preserver(pl.Callback):
         if n and trainer.global_step and trainer.global_step % n == 0 and hasattr(trainer.strategy, "request_replan"):
             if self._last_recheck != trainer.global_step:  # once per step (accumulation calls this per micro-batch)
                 self._last_recheck = trainer.global_step
-                rank_zero_info(f"commsched Preserver: re-checking DeFT's plan at step {trainer.global_step}")
+                say(f"commsched Preserver: re-checking DeFT's plan at step {trainer.global_step}")
                 trainer.strategy.request_replan()
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
@@ -104,7 +94,7 @@ class Preserver(pl.Callback):
                     "staleness": plan.staleness, "accepted": accepted}
         self.decisions.append(decision)
         cap = "unlimited (no delay)" if capacity is None or math.isinf(capacity) else f"{capacity:.3g}x"
-        rank_zero_info(f"commsched Preserver: capacity {cap}, N={plan.n}, K={list(plan.k)}, staleness {plan.staleness}: "
+        say(f"commsched Preserver: capacity {cap}, N={plan.n}, K={list(plan.k)}, staleness {plan.staleness}: "
                        f"ratio {ratio:.4f} -> {'accepted' if accepted else 'rejected'}")
         return decision
 

@@ -1,0 +1,70 @@
+"""`commsched-train` starts every rank of its node itself, before any of them imports torch.
+
+Lightning's launcher starts ranks 1..N-1 when `trainer.fit` begins, after rank 0 has imported torch
+and Lightning (about 4 s here); each of them then imports the same for another 4 s while rank 0
+waits at the process group. Started together instead, the ranks import side by side. Lightning
+takes processes that arrive with `LOCAL_RANK` set as created outside it (as under `torchrun`) and
+launches nothing more, so this module owns them: it waits for all of them, passes SIGTERM on,
+and ends the others when one fails and they have not followed within a grace period (a peer
+waiting for a dead rank would otherwise wait for the collective timeout).
+
+Only for one node with several processes and no launcher around it; otherwise (a `commsched-cluster`
+node, `torchrun`, SLURM, one process) it starts the one process and Lightning does the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+RANK_ENTRY = "import commsched_cli; commsched_cli.run_rank()"
+"""What each rank runs: the console module first, so that Ctrl-C while torch imports ends it quietly."""
+_SET_BY_A_LAUNCHER = ("LOCAL_RANK", "RANK", "NODE_RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+GRACE_S = 30.0
+"""How long the others may take to end by themselves after a rank failed (they report the dead peer)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rank_environments(devices: int, num_nodes: int) -> list[Optional[dict[str, str]]]:
+    """One environment per process to start; [None]: one process, Lightning launches the rest."""
+    if devices <= 1 or num_nodes != 1 or any(name in os.environ for name in _SET_BY_A_LAUNCHER):
+        return [None]
+    shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(_free_port()),
+              "NODE_RANK": "0", "WORLD_SIZE": str(devices)}
+    return [{**shared, "LOCAL_RANK": str(rank)} for rank in range(devices)]
+
+
+class Ranks:
+    """The processes of one run on this node; rank 0 first."""
+
+    def __init__(self, config_file: Path, out: Path, devices: int, num_nodes: int) -> None:
+        command = [sys.executable, "-c", RANK_ENTRY, str(config_file), str(out)]
+        self.processes = [subprocess.Popen(command, env=env) for env in rank_environments(devices, num_nodes)]
+
+    def send(self, signum: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    def wait(self) -> int:
+        """Rank 0's exit status if it failed, else the first failure's, else 0, once all ended."""
+        failed_at: Optional[float] = None
+        while any(process.poll() is None for process in self.processes):
+            if failed_at is None and any(process.poll() not in (None, 0) for process in self.processes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+                self.send(signal.SIGKILL)
+            time.sleep(0.1)
+        codes = [process.returncode for process in self.processes]
+        return codes[0] or next((code for code in codes if code), 0)
