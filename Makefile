@@ -15,7 +15,7 @@ STAMP := $(VENV)/.commsched-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml src/commsched/__init__.py  # the version lives in __init__
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
 	$(PY) -m pip install -e ".[dev]"

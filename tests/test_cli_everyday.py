@@ -49,6 +49,9 @@ def refused_early(proc: subprocess.CompletedProcess, *needles: str) -> str:
     ("fusion=greedy", ["invalid fusion='greedy'", "mgwfbp-greedy"]),
     ("+recipe=gpt2 data.path=/nonexistent", ["data.path='/nonexistent'", "not found"]),
     ("resume=/nonexistent", ["resume='/nonexistent'", "not found"]),
+    ("trainer.max_steps=ten", ["invalid trainer.max_steps='ten'", "an integer"]),
+    ("fusion.bucket_cap_mb=big", ["invalid fusion.bucket_cap_mb='big'", "a number"]),
+    ("trainer.enable_progress_bar=maybe", ["invalid trainer.enable_progress_bar='maybe'", "true or false"]),
 ])
 def test_bad_command_lines_are_refused_before_any_worker(tmp_path, override, needles):
     output = refused_early(train(tmp_path / "run", *override.split()), *needles)
@@ -131,7 +134,8 @@ def test_help_answers_without_torch_or_lightning():
             "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy imports on --help'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "schedule:" in proc.stdout or "Configuration groups" in proc.stdout
+    assert "schedule: ddp, dear, deft, wfbp" in proc.stdout and "data: cifar10, digits" in proc.stdout
+    assert "_schema" not in proc.stdout  # the typed schema nodes are how the config is checked, not choices
 
 
 def test_bench_help_lists_only_its_own_options(tmp_path):
@@ -152,3 +156,41 @@ def test_the_python_api_writes_its_plan_to_default_root_dir(cases):
 def test_readme_cites_no_file_outside_the_repository():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert "papers/" not in readme and "DESIGN.md" not in readme
+
+
+def test_the_summary_says_which_plan_ran_and_how_far_its_prediction_was(tmp_path):
+    planned = tmp_path / "planned"
+    proc = train(planned, *SMALL, "schedule=dear", "fusion=mgwfbp", "fusion.profile_steps=2", "fusion.profile_warmup_steps=1",
+                 "trainer.max_steps=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((planned / "summary.json").read_text())
+    assert summary["fusion"].startswith("mgwfbp decided (mgwfbp plan)") and summary["bucket_cap_mb"] is None
+    assert summary["predicted_step_ms"] > 0
+    assert "the plan's model predicted" in proc.stdout + proc.stderr and "measured" in proc.stdout + proc.stderr
+
+    plan = planned / "commsched_plan.json"
+    loaded = tmp_path / "loaded"
+    proc = train(loaded, *SMALL, "schedule=dear", f"fusion.plan_file={plan}", "trainer.max_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((loaded / "summary.json").read_text())
+    buckets = len(json.loads(plan.read_text())["buckets"])
+    assert summary["fusion"] == f"plan_file {plan} (mgwfbp plan), {buckets} buckets", summary["fusion"]
+    assert summary["bucket_cap_mb"] is None
+
+
+def test_one_version_number():
+    from importlib.metadata import version
+
+    import commsched
+
+    assert version("commsched") == commsched.__version__
+
+
+def test_more_cpu_workers_than_cores_warns_once(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    if cores + 1 > 4:
+        pytest.skip(f"{cores} cores: a run with more workers than that is too large for the suite")
+    proc = train(tmp_path / "run", *SMALL, f"trainer.devices={cores + 1}", "trainer.max_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "CPU workers on" in line]
+    assert len(warnings) == 1 and f"trainer.devices={cores + 1}" in warnings[0], proc.stderr[-2000:]

@@ -25,6 +25,7 @@ _NEEDS_LIGHTNING = {
     "DeFTStrategy": "commsched.registry", "Preserver": "commsched.deft.preserver", "register_schedule": "commsched.registry",
     "STRATEGIES": "commsched.registry", "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules",
     "Handover": "commsched.schedules", "reads_no_weights": "commsched.observers",
+    "StopAndSave": "commsched.interrupt", "StoppedBySignal": "commsched.interrupt",
 }
 
 
@@ -45,5 +46,5 @@ if "commsched_cli" not in sys.modules:
 __all__ = [
     "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
     "LinkOptions", "PeerFailureError", "Preserver", "ProfileOptions", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
-    "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
+    "StopAndSave", "StoppedBySignal", "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
 ]

@@ -8,9 +8,12 @@ the refusal names the key and what is valid there, in one line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import re
 from pathlib import Path
-from typing import Any, Optional, Sequence, get_type_hints
+from typing import Any, Callable, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
 from commsched.errors import CommSchedConfigError
 
@@ -58,3 +61,45 @@ def check(argv: Sequence[str], schema: type, groups: dict[str, tuple[str, ...]],
             node = _nested(fields[part])
             if node is None and part != key.split(".")[-1]:
                 raise CommSchedConfigError(f"{program}: unknown key {key!r}: {'.'.join(path)} has no sub-keys.")
+        if node is None and not arg.startswith("~"):
+            _check_value(program, key, value, fields[key.split(".")[-1]])
+
+
+_TRUTH = {"true", "false", "yes", "no", "on", "off"}
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _parses(text: str, kind: type) -> bool:
+    if kind is bool:
+        return text.lower() in _TRUTH
+    try:
+        kind(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_value(program: str, key: str, value: str, annotation: Any) -> None:
+    """Refuse a value Hydra could not convert to the field's type (it would answer with a stack of
+    its own lines); sweeps (`a,b`), sweep functions and interpolations are Hydra's to read."""
+    optional = get_origin(annotation) is Union and type(None) in get_args(annotation)
+    kind = next((a for a in get_args(annotation) if a is not type(None)), None) if optional else annotation
+    if kind not in _KINDS or "(" in value or "${" in value:
+        return
+    for choice in value.split(","):
+        if optional and choice == "null":
+            continue
+        if not _parses(choice, kind):
+            allowed = _KINDS[kind] + (" or null" if optional else "")
+            raise CommSchedConfigError(f"{program}: invalid {key}={choice!r}; allowed: {allowed}.")
+
+
+def print_help_without_schemas(hydra_main: Callable[[], Any]) -> None:
+    """Hydra's `--help`, less the typed schema nodes it lists among a group's options
+    (``data_schema``): they are how the config is checked, not something to choose."""
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            hydra_main()
+    finally:  # Hydra ends `--help` with sys.exit
+        print(re.sub(r"\w+_schema, |, \w+_schema\b", "", text.getvalue()), end="")

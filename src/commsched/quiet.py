@@ -9,10 +9,15 @@ how commsched uses Lightning are dropped by their exact text.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import warnings
 
 _RANK_ZERO = "lightning.pytorch.utilities.rank_zero"
-_NEVER = ("💡 Tip: For seamless cloud logging",)
+_NEVER = (
+    "💡 Tip: For seamless cloud logging",
+    "\nDetected KeyboardInterrupt, attempting graceful shutdown",  # commsched says what the interrupt did
+)
 _UNTRUE_WARNINGS = (
     # commsched-train's run directory holds its config before the logger writes there; nothing is deleted
     ".*Previous log files in this directory will be deleted.*",
@@ -40,3 +45,9 @@ def quiet_lightning() -> None:
         logger.addFilter(_OncePerProcess())
     for pattern in _UNTRUE_WARNINGS:
         warnings.filterwarnings("ignore", pattern)
+
+
+def exit_silently_on_interrupt() -> None:
+    """For worker processes of a command: Ctrl-C reaches them with the command, which says the one
+    line; a worker ends at once (exit 130) instead of printing a traceback of wherever it was."""
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))

@@ -1,9 +1,10 @@
-"""The training run behind `commsched-train`: `python -m commsched.run CONFIG.yaml OUT_DIR`.
+"""One rank of the training run behind `commsched-train`: `python -m commsched.run CONFIG.yaml OUT_DIR`.
 
 `commsched-train` (Hydra) composes and validates the configuration, writes it resolved to the run
-directory and starts this module in a fresh process, which Lightning then re-launches for every
-rank. Keeping Hydra out of the worker processes is what makes multi-runs (`-m`) work with
-multi-process strategies. Rank 0 writes OUT_DIR/metrics.json; Lightning's and commsched's
+directory and starts this module in a fresh process for every rank of its node at once
+(`commsched.ranks`), so that they import torch and Lightning side by side; Lightning takes them as
+created outside it. Keeping Hydra out of the worker processes is what makes multi-runs (`-m`) work
+with multi-process strategies. Rank 0 writes OUT_DIR/metrics.json; Lightning's and commsched's
 messages also go to OUT_DIR/train.log; checkpoints to OUT_DIR/checkpoints.
 """
 
@@ -23,11 +24,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import OmegaConf
 
-import commsched  # noqa: F401  (registers the strategies)
 import lightning.pytorch as pl
 from commsched.builders import build_data, build_model, build_strategy
 from commsched.callbacks import StepMetrics
 from commsched.config import resume_path
+from commsched.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
 from commsched.quiet import quiet_lightning
 
@@ -73,9 +74,11 @@ def log_to_file(path: Path) -> None:
 
 
 @contextmanager
-def interruptible(out: Path) -> Iterator[None]:
-    """Ctrl-C reaches every rank: whatever it raises on any of them (Lightning's own shutdown, a peer
-    gone in the middle of a collective) ends this process quietly with 130, not with tracebacks."""
+def interruptible(out: Path, stop: Optional[StopAndSave]) -> Iterator[None]:
+    """Ctrl-C reaches every rank. Once training runs, `StopAndSave` stops every rank at one step and
+    saves; before that, or at a second Ctrl-C, whatever the signal raises on any rank (Lightning's
+    own shutdown, a peer gone in the middle of a collective) ends this process with 130 and one
+    line, not with tracebacks."""
     interrupted = []
 
     def on_sigint(signum: int, frame: Any) -> None:
@@ -85,14 +88,44 @@ def interruptible(out: Path) -> Iterator[None]:
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         yield
-    except BaseException:
-        if not interrupted:
+    except BaseException as error:
+        stopped = isinstance(error, StoppedBySignal)
+        if not (stopped or interrupted or (stop is not None and stop.signals_seen)):
             raise
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"commsched: run interrupted; checkpoints and logs so far are in {out}", file=sys.stderr)
+            print(f"commsched: {interruption(error, out, stop)}", file=sys.stderr, flush=True)
+        logging.shutdown()
         os._exit(130)  # skip interpreter teardown: backend threads of a half-torn-down process group can hang it
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def interruption(error: BaseException, out: Path, stop: Optional[StopAndSave]) -> str:
+    """The one line an interrupted run ends with: where it stopped and how to go on."""
+    if isinstance(error, StoppedBySignal):
+        return (f"interrupted: stopped at step {error.step} and saved {error.saved}; "
+                f"continue with: commsched-train resume={out} (and the same options)")
+    last = out / "checkpoints" / "last.ckpt"
+    saved = f"the last checkpoint is {last}" if last.is_file() else "no checkpoint was saved yet"
+    return f"interrupted at once, without saving; {saved}; logs in {out}"
+
+
+def fusion_ran(cfg: Any, strategy: Any) -> dict[str, Any]:
+    """What fusion the run actually used (a plan file or a checkpoint's plan outranks the policy
+    named in the config) and, if a model chose it, the step time that model predicted."""
+    plan = getattr(strategy, "fusion_plan", None)
+    buckets = getattr(strategy, "bucket_plan", None)
+    count = len(buckets.buckets) if buckets is not None else (len(plan.buckets) if plan is not None else None)
+    if plan is None:
+        described = (f"{cfg.fusion.policy}, {cfg.fusion.bucket_cap_mb:g} MB" if cfg.fusion.policy in ("fixed", "bayes")
+                     else str(cfg.fusion.policy))
+    else:
+        source = f"plan_file {cfg.fusion.plan_file}" if cfg.fusion.plan_file else f"{cfg.fusion.policy} decided"
+        described = f"{source} ({plan.policy} plan)"
+    if count is not None:
+        described += f", {count} buckets"
+    predicted = plan.predicted_s * 1e3 if plan is not None and plan.predicted_s else None
+    return {"ran": described, "buckets": count, "predicted_step_ms": predicted}
 
 
 def main() -> None:
@@ -106,6 +139,10 @@ def main() -> None:
     t = cfg.trainer
     checkpoint = checkpointing(cfg, out)
     callbacks: list[pl.Callback] = [checkpoint] if checkpoint is not None else []
+    # last.ckpt at every epoch end (ModelCheckpoint writes `last` only beside a save of its own, and
+    # with no monitor it saves nothing) and at a step all ranks agree on when Ctrl-C stops the run.
+    stop = StopAndSave(out / "checkpoints") if checkpoint is not None else None
+    callbacks += [stop] if stop is not None else []
     if t.enable_progress_bar:
         callbacks.append(RunProgressBar())
     preserver = None
@@ -129,7 +166,7 @@ def main() -> None:
     metrics = StepMetrics(samples_per_step)
     trainer.callbacks.append(metrics)
     ckpt_path = str(resume_path(cfg.resume)) if cfg.get("resume") else None
-    with interruptible(out):
+    with interruptible(out, stop):
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     if not trainer.is_global_zero:
         return
@@ -147,6 +184,8 @@ def main() -> None:
         "step_ms_each": [s * 1e3 for s in metrics.step_seconds],  # shows when warm-up ended and when plans changed
         "checkpoints": str(out / "checkpoints") if checkpoint is not None else None,
     }
+    if str(cfg.schedule.name) != "ddp":
+        result["fusion"] = fusion_ran(cfg, trainer.strategy)
     schedule = getattr(trainer.strategy, "last_schedule", None)
     if hasattr(schedule, "report"):
         result["deft"] = schedule.report()

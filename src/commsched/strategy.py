@@ -33,6 +33,7 @@ from commsched import checks, observers, options, state
 from commsched.buffer_sync import BufferSync
 from commsched.engine import Engine
 from commsched.errors import PeerFailureError
+from commsched.interrupt import StoppedBySignal
 from commsched.lr_follow import FollowOptimizerSteps
 from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from commsched.run_reports import RunReports
@@ -255,7 +256,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        # Every rank stops by signal at the same step, everything applied and saved: not a failure.
+        self._failed = not isinstance(exception, StoppedBySignal)
         super().on_exception(exception)
         if isinstance(exception, PeerFailureError) and self.launcher is not None:
             # Lightning leaves worker processes alone on ordinary errors; a hung peer would then

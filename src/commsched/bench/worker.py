@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import commsched
 from commsched.options import DeFTOptions, ProfileOptions
 from commsched.plugins import import_plugins
-from commsched.quiet import quiet_lightning
+from commsched.quiet import exit_silently_on_interrupt, quiet_lightning
 import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
 from commsched.sim import Measured, Workload, schedules
@@ -139,6 +139,7 @@ def _max_difference(a: dict, b: dict) -> float:
 
 
 def main() -> None:
+    exit_silently_on_interrupt()
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     import_plugins(spec.get("plugins", []))

@@ -1,0 +1,119 @@
+"""Ctrl-C as a user presses it: a real SIGINT to the whole process group of a multi-process run.
+
+The first one stops every rank at one step and saves a checkpoint that resumes exactly (pending
+communication included); a second one stops at once; before training starts, or in the benchmark,
+it ends the command with one line and exit code 130, never a traceback. Epoch ends save
+`last.ckpt` even when checkpoints follow a step cadence.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from conftest import max_abs_diff
+
+BIN = Path(sys.executable).parent
+QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
+SMALL = ["+recipe=resnet", "model.width=4", "data.train_size=384", "data.val_size=32", "warmup_steps=0", "schedule=dear"]
+
+
+def start(run_dir: Path, *overrides: str, program: str = "commsched-train") -> subprocess.Popen:
+    """In a session of its own, as a terminal's foreground job is: killpg reaches every process of it."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    quiet = QUIET if program == "commsched-train" else []
+    return subprocess.Popen([str(BIN / program), f"hydra.run.dir={run_dir}", *quiet, *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir.parent,
+                            start_new_session=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, list[str]]:
+    """The output, and what the run said of its end on stderr (Lightning's warnings aside)."""
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, (out + err)[-3000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, (out + err)[-3000:]
+    return out, [line for line in err.splitlines() if line.startswith("commsched")]
+
+
+def train(run_dir: Path, *overrides: str) -> None:
+    proc = subprocess.run([str(BIN / "commsched-train"), f"hydra.run.dir={run_dir}", *QUIET, *overrides],
+                          capture_output=True, text=True, timeout=600, cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_ctrl_c_saves_at_a_step_every_rank_agrees_on_and_the_run_resumes_exactly(tmp_path):
+    run = tmp_path / "interrupted"
+    proc = start(run, *SMALL, "trainer.max_steps=100000")
+    wait_for(run / "checkpoints" / "last.ckpt", proc)  # the first epoch (6 steps) ended: mid-epoch 2 is next
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, said = finish(proc)
+    assert "SIGINT received" in out
+    assert len(said) == 1 and "stopped at step" in said[0] and f"resume={run}" in said[0], said
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    stopped = saved["global_step"]
+    assert f"stopped at step {stopped} " in said[0] and stopped > 6 and "commsched" in saved
+
+    end = stopped + 3
+    train(tmp_path / "resumed", *SMALL, f"trainer.max_steps={end}", f"resume={run}")
+    train(tmp_path / "whole", *SMALL, f"trainer.max_steps={end}")
+    got = torch.load(tmp_path / "resumed/checkpoints/last.ckpt", weights_only=False)
+    expected = torch.load(tmp_path / "whole/checkpoints/last.ckpt", weights_only=False)
+    assert got["global_step"] == expected["global_step"] == end
+    diff, key = max_abs_diff(got["state_dict"], expected["state_dict"])
+    assert diff <= 1e-5, f"{key} differs by {diff:.3g} after resuming from step {stopped}"
+    momenta = [{f"{i}.{name}": t for i, entry in c["optimizer_states"][0]["state"].items() for name, t in entry.items()}
+               for c in (got, expected)]
+    diff, key = max_abs_diff(*momenta)
+    assert diff <= 1e-5, f"optimizer state {key} differs by {diff:.3g}"
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, *SMALL, "trainer.max_steps=100000")
+    wait_for(run / "checkpoints" / "last.ckpt", proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, said = finish(proc)
+    assert len(said) == 1 and "at once, without saving" in said[0] and "last.ckpt" in said[0], said
+
+
+def test_ctrl_c_while_starting_is_one_line(tmp_path):
+    for delay in (1.0, 4.0):  # while Hydra composes / while the run imports and starts its workers
+        proc = start(tmp_path / f"run{delay}", *SMALL, "trainer.max_steps=100000")
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, said = finish(proc)
+        assert len(said) <= 1, said
+
+
+def test_an_epoch_end_saves_last_even_with_a_step_cadence(tmp_path):
+    run = tmp_path / "run"
+    train(run, *SMALL, "trainer.max_steps=8", "checkpoint.every_n_steps=100")
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] in (6, 8) and saved["epoch"] >= 0
+
+
+def test_ctrl_c_in_the_benchmark_is_one_line_and_leaves_no_namespace(tmp_path):
+    proc = start(tmp_path / "bench", "link.rate=1gbit", "steps=50", "rounds=3", program="commsched-bench")
+    time.sleep(12)  # the workers train inside the namespace by now
+    os.killpg(proc.pid, signal.SIGINT)
+    _, said = finish(proc)
+    assert said == ["commsched-bench: interrupted"], said
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"commsched-{proc.pid}-" not in namespaces
