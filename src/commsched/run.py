@@ -31,6 +31,7 @@ from commsched.config import resume_path
 from commsched.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
 from commsched.quiet import quiet_lightning
+from commsched.workers import end_process_group
 
 
 class RunProgressBar(RichProgressBar):
@@ -145,13 +146,6 @@ def main() -> None:
     callbacks += [stop] if stop is not None else []
     if t.enable_progress_bar:
         callbacks.append(RunProgressBar())
-    preserver = None
-    if str(cfg.schedule.name) == "deft" and cfg.preserver.enabled:
-        from commsched.deft.preserver import Preserver
-
-        preserver = Preserver(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth,
-                              recheck_every_n_steps=cfg.preserver.recheck_every_n_steps, max_staleness=cfg.preserver.max_staleness)
-        callbacks.append(preserver)
     trainer = pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(cfg, out),
         max_steps=t.max_steps, max_epochs=t.max_epochs, precision=t.precision,
@@ -168,6 +162,7 @@ def main() -> None:
     ckpt_path = str(resume_path(cfg.resume)) if cfg.get("resume") else None
     with interruptible(out, stop):
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    end_process_group()
     if not trainer.is_global_zero:
         return
     timed = metrics.step_seconds[cfg.warmup_steps :] or metrics.step_seconds

@@ -1,5 +1,5 @@
 """Start N local worker processes joined in a gloo process group over 127.0.0.1 (the probe's workers;
-training runs use Lightning's own launcher)."""
+training runs start theirs in `commsched.ranks`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, if any, before the interpreter exits: a gloo group left to
+    interpreter teardown can abort the process ("terminate called without an active exception", exit
+    code -6) after a run that succeeded (pytorch/pytorch#190489). Lightning does not destroy it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, timeout_s: float) -> None:

@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
 from commsched.sim import Measured, Workload, schedules
 from commsched.timing import StepTimer
+from commsched.workers import end_process_group
 
 
 def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) -> pl.Trainer:
@@ -184,6 +185,7 @@ def main() -> None:
                 "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
             } for s, base in ((s, s.partition("+")[0]) for s in spec["schedules"])],
         })
+    end_process_group()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 
