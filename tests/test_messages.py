@@ -1,20 +1,48 @@
-"""What commsched says while training from the Python API: DeFT's decision once, from rank 0, at
-the default logging level, and still once when the user configured logging at INFO."""
+"""DeFT as a user calls it from the Python API: guarded by default, saying once (rank 0, default
+logging level, also when the user configured logging at INFO) what ran and why, and warning when a
+delayed plan runs unguarded because the user turned the guard off."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import json
 
+import pytest
+from omegaconf import OmegaConf
+
+import commsched
 from conftest import run_worker
+from test_cli import composed
+
+
+def deft_run(tmp_path, logging_setup: str, guard: str) -> tuple[dict, str]:
+    proc = run_worker("run_deft_messages.py", logging_setup, str(tmp_path), guard)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
 @pytest.mark.parametrize("logging_setup", ["plain", "info"])
 def test_deft_says_once_what_ran_and_why(tmp_path, logging_setup):
-    proc = run_worker("run_deft_messages.py", logging_setup, str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    decisions = [line for line in proc.stderr.splitlines() if "commsched deft:" in line and "run by" in line]
-    assert len(decisions) == 1, proc.stderr[-3000:]
-    said = decisions[0]
-    assert "mu = c_secondary/c_primary" in said
-    assert "deft.fallback=when_faster" in said or "run by WFBP" in said, said
-    assert "deft.fallback=never" not in said
+    _, said = deft_run(tmp_path, logging_setup, "default")
+    decisions = [line for line in said.splitlines() if "commsched deft:" in line and "run by" in line]
+    assert len(decisions) == 1, said[-3000:]
+    assert "mu = c_secondary/c_primary" in decisions[0]
+    assert "deft.fallback=never" not in decisions[0]
+
+
+def test_the_python_default_is_guarded_and_off_means_unguarded_with_a_warning(tmp_path):
+    guarded, said = deft_run(tmp_path / "guarded", "plain", "default")
+    assert guarded["preserver"], "DeFTStrategy() ran without the Preserver"
+    assert guarded["preserver"][-1]["accepted"] and guarded["staleness"] == 0
+    assert "without the Preserver" not in said
+    unguarded, said = deft_run(tmp_path / "unguarded", "plain", "off")
+    assert not unguarded["preserver"] and (max(unguarded["k"]) > 1 or unguarded["staleness"] > 0)
+    assert said.count("UserWarning: commsched deft: running a delayed plan without the Preserver") == 1, said[-3000:]
+
+
+def test_python_and_hydra_defaults_are_the_same():
+    cfg = composed("schedule=deft")
+    options = commsched.DeFTStrategy().options
+    assert dataclasses.asdict(options.preserver) == OmegaConf.to_container(cfg.preserver)
+    assert dataclasses.asdict(options.deft) == OmegaConf.to_container(cfg.deft)
+    assert options.preserver.enabled

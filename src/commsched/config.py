@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from commsched import options
 from commsched.errors import bad_value
 from commsched.plugins import schedule_names
-from commsched.options import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched.options import DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
@@ -92,18 +92,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class PreserverConfig:
-    """schedule=deft: the Preserver callback (commsched.Preserver) that accepts a plan only if it converges like sync SGD."""
-
-    enabled: bool = True
-    eps: float = 0.01  # accept when E(loss) after the plan / after sync steps is within [1-eps, 1+eps]
-    max_tries: int = 10  # plans solved at most (capacity x growth each time), then no delay
-    growth: float = 1.25  # small steps: the first plan that passes keeps as much overlap as the walk allows
-    max_staleness: int = 0  # reject plans whose generations step more iterations than this after their last gradient
-    recheck_every_n_steps: int = 0  # > 0: measure and solve again every N steps
-
-
-@dataclass
 class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     fusion: FusionOptions = field(default_factory=FusionOptions)
@@ -114,7 +102,7 @@ class TrainConfig:
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     link: LinkOptions = field(default_factory=LinkOptions)
     deft: DeFTOptions = field(default_factory=DeFTOptions)
-    preserver: PreserverConfig = field(default_factory=PreserverConfig)
+    preserver: PreserverOptions = field(default_factory=PreserverOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     plugins: list[str] = field(default_factory=list)  # modules imported first (and by every worker): the schedules they register
@@ -173,9 +161,7 @@ def validate(cfg: Any) -> None:
     if cfg.resume is not None:
         resume_path(cfg.resume)
     if cfg.preserver.enabled:
-        options.check_preserver_settings(cfg.preserver.eps, cfg.preserver.max_tries, cfg.preserver.growth, prefix="preserver.")
-        options.non_negative_int("preserver.max_staleness", cfg.preserver.max_staleness)
-        options.non_negative_int("preserver.recheck_every_n_steps", cfg.preserver.recheck_every_n_steps)
+        options.validated(PreserverOptions(**OmegaConf.to_container(cfg.preserver)), "preserver.")
     if cfg.deft.timings_file is not None and not Path(cfg.deft.timings_file).expanduser().is_file():
         raise bad_value("deft.timings_file", cfg.deft.timings_file, "an existing JSON file of per-bucket times (not found)")
     if cfg.data.name == "text" and cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists():

@@ -209,6 +209,38 @@ class DeFTOptions:
     gives DeAR's halves too."""
 
 
+def eps_value(name: str, value: Any) -> float:
+    if positive_number(name, value) >= 1:
+        raise bad_value(name, value, "a number in (0, 1)")
+    return float(value)
+
+
+def growth_value(name: str, value: Any) -> float:
+    if positive_number(name, value) <= 1:
+        raise bad_value(name, value, "a number > 1")
+    return float(value)
+
+
+@dataclass
+class PreserverOptions:
+    """The guard of DeFT's delayed updates ([DeFT] §IV, `commsched.Preserver`): on by default, so that
+    `Trainer(strategy="deft")`, `DeFTStrategy()` and Hydra's `schedule=deft` run the same guarded
+    plans. A `commsched.Preserver` in the Trainer's callbacks is used instead of these settings."""
+
+    enabled: bool = option(True, flag)
+    """False: plans run unguarded (a warning says what a delayed plan then risks)."""
+    eps: float = option(0.01, eps_value)
+    """Accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps]."""
+    max_tries: int = option(10, positive_int)
+    """Plans solved at most (capacity x growth each time); after them, no delay."""
+    growth: float = option(1.25, growth_value)
+    """Capacity growth between tries: small steps keep as much overlap as the walk allows."""
+    max_staleness: int = option(0, non_negative_int)
+    """Reject plans whose generations step more iterations than this after their last gradient."""
+    recheck_every_n_steps: int = option(0, non_negative_int)
+    """> 0: measure and solve again every N steps."""
+
+
 def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:
     """`value` if it is a `cls`, else the error naming the argument."""
     if not isinstance(value, cls):
@@ -240,23 +272,19 @@ class StrategyOptions:
     profile: ProfileOptions
     links: LinkOptions
     deft: DeFTOptions = field(default_factory=DeFTOptions)
+    preserver: PreserverOptions = field(default_factory=PreserverOptions)
 
     @classmethod
     def from_arguments(cls, fusion: Any, bucket_cap_mb: Optional[float], tuning: Any, profile: Any, links: Any,
-                       deft: Any = None) -> "StrategyOptions":
+                       deft: Any = None, preserver: Any = None) -> "StrategyOptions":
         return cls(fusion_from(fusion, bucket_cap_mb),
                    validated(typed("tuning", tuning or TuningOptions(), TuningOptions), "tuning."),
                    profile_from(profile),
                    validated(typed("links", links or LinkOptions(), LinkOptions), "links."),
-                   validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."))
+                   validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."),
+                   validated(typed("preserver", preserver or PreserverOptions(), PreserverOptions), "preserver."))
 
 
 def check_preserver_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:
-    """The Preserver's settings, checked where the command line is validated too (without Lightning)."""
-    eps = positive_number(f"{prefix}eps", eps)
-    if eps >= 1:
-        raise bad_value(f"{prefix}eps", eps, "a number in (0, 1)")
-    max_tries = positive_int(f"{prefix}max_tries", max_tries)
-    if positive_number(f"{prefix}growth", growth) <= 1:
-        raise bad_value(f"{prefix}growth", growth, "a number > 1")
-    return eps, max_tries, float(growth)
+    """The Preserver's own arguments, checked as `PreserverOptions` checks its fields."""
+    return eps_value(f"{prefix}eps", eps), positive_int(f"{prefix}max_tries", max_tries), growth_value(f"{prefix}growth", growth)

@@ -108,7 +108,8 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
 BAYES = {"fusion": "bayes", "tuning": TuningOptions(trials=3, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20,
                                                      max_mb=2000 / 2**20, first_mb=600 / 2**20)}
 
-NO_DELAY = DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1)
+# The plan itself every step (no hand-over to WFBP or DeAR): exactness of DeFT's own replay.
+NO_DELAY = DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1, fallback="never")
 
 CASES = {
     # name: (kind, kwargs)

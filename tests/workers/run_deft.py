@@ -84,6 +84,7 @@ CASES = {
     "forced-sgd-part": ("sgd", 9, None, None, 1.0),
     "forced-sgd-resumed": ("sgd", 17, "forced-sgd-part", None, 1.0),
     "preserved": ("sgd", 12, None, 0, 1.0),
+    "undelayed-two-links": ("sgd", 12, None, None, 50.0),  # room for everything on both links: no delay, the plan itself
     "rechecked": ("sgd", 16, None, 8, 0.5),
     "profiled": ("sgd", 12, None, None, 1.0),  # the profile covers measured and planned steps
     # measured (no timings file), nothing delayed, handed to DeAR's decoupling after the measured steps
@@ -128,6 +129,9 @@ def fit(out: Path, name: str, world: int) -> None:
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets, seconds=30.0)}))
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
                                         timings_file=str(timings_file))
+    elif name == "undelayed-two-links":
+        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
+                                        timings_file=str(timings_file), fallback="never")
     elif name.startswith("handed"):
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
                                         fallback="when_undelayed")
@@ -135,7 +139,9 @@ def fit(out: Path, name: str, world: int) -> None:
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
                                         timings_file=str(timings_file))
     profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
-    strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile)
+    # Cases without a Preserver of their own run their forced plans unguarded, as asked.
+    strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile,
+                                      preserver=commsched.PreserverOptions(enabled=preserve is not None))
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
     preserver = commsched.Preserver(recheck_every_n_steps=preserve) if preserve is not None else None
     if preserver is not None:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning.pytorch.utilities import rank_zero_warn
 
 from commsched.buckets import BucketPlan
 from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
@@ -51,6 +52,11 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
     decided = control.broadcast_object(mine, src=0, tag="deft-plan")
     decision = Decision(DeFTPlan.from_json(decided["plan"]), timings, Choice(**decided["choice"]), decided["preserver"])
     _check_same_plan(decision.plan, control)
+    if preserver is None and decision.plan.delayed and decision.choice.runs == "plan":
+        rank_zero_warn(f"commsched deft: running a delayed plan without the Preserver ({decision.plan.describe()}): "
+                       "delayed and stale updates can cost accuracy (one iteration of staleness cost 25 points on the "
+                       "README's digits run) and nothing checks it. Leave the Preserver on (PreserverOptions(), "
+                       "preserver.enabled=true) or set deft.capacity=None for no delay.")
     say(f"commsched deft: {decision.plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                    f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, all-reduce "
                    f"{sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary; "

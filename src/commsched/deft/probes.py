@@ -1,13 +1,15 @@
 """What the Preserver's walk needs from the run, measured on fully synchronised steps: the gradient's
-mean and its spread across ranks (`walk.gradient_statistics`), the loss, learning rate and batch."""
+mean and its spread across ranks (`walk.gradient_statistics`), the optimizer's effective step
+(`walk.effective_step` for SGD, the measured step for others), the loss and the batch."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import statistics
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from commsched.deft.walk import gradient_statistics
+from commsched.deft.walk import effective_step, gradient_statistics, measured_step
 from commsched.links import Link
 
 
@@ -17,29 +19,60 @@ class GradientProbes:
         self._world_size = world_size
         self._rank = rank
         self.projections: list[list[float]] = []
+        self.squared_norms: list[list[float]] = []
+        self.steps: list[float] = []
+        """The measured effective step of each probe (optimizers other than SGD)."""
+        self.optimizer: Optional[torch.optim.Optimizer] = None
 
     def record(self, local: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> None:
         """One probe: this rank's gradient (`local`, the 1/P-scaled bucket buffers) projected on the unit
-        direction of the averaged one, gathered from every rank (a collective on the control link)."""
+        direction of the averaged one, and its squared norm, gathered from every rank (a collective on
+        the control link)."""
         dot = torch.zeros((), dtype=torch.float64)
         norm2 = torch.zeros((), dtype=torch.float64)
+        mine2 = torch.zeros((), dtype=torch.float64)
         for mine, mean in zip(local, averaged):
             mean = mean.double().cpu()
-            dot += (mine.double().cpu() * self._world_size * mean).sum()
+            mine = mine.double().cpu() * self._world_size
+            dot += (mine * mean).sum()
             norm2 += (mean * mean).sum()
+            mine2 += (mine * mine).sum()
         x = (dot / norm2.sqrt()).item() if norm2 > 0 else 0.0
-        everyone = self._control.tensor([0.0] * self._world_size, torch.float64)
+        everyone = self._control.tensor([0.0] * (2 * self._world_size), torch.float64)
         everyone[self._rank] = x
+        everyone[self._world_size + self._rank] = mine2.item()
         self._control.all_reduce(everyone, "deft-probe").wait()
-        self.projections.append(everyone.tolist())
+        gathered = everyone.tolist()
+        self.projections.append(gathered[: self._world_size])
+        self.squared_norms.append(gathered[self._world_size :])
+
+    def step(self, optimizer: torch.optim.Optimizer, real_step: Callable[[], Any]) -> None:
+        """Takes a probe step; for an optimizer whose step is not read from its settings (not SGD),
+        measures the step it took along the (averaged) gradient. Identical on every rank."""
+        self.optimizer = optimizer
+        if isinstance(optimizer, torch.optim.SGD):
+            real_step()
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        before = [p.detach().clone() for p in params]
+        grads = [p.grad.detach().clone() for p in params]
+        real_step()
+        moved = sum(float(((p.detach() - b).double() * g.double()).sum()) for p, b, g in zip(params, before, grads))
+        self.steps.append(measured_step(moved, sum(float((g.double() ** 2).sum()) for g in grads)))
+
+    def eta(self, fallback: float) -> float:
+        """The effective step: read from SGD, else the median measured one (the Preserver's lr before any)."""
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return effective_step(self.optimizer)
+        return statistics.median(self.steps) if self.steps else fallback
 
     def walk_statistics(self, preserver: Any) -> dict[str, float]:
         """mu, sigma from the probes; the loss averaged over ranks; lr and batch as the Preserver saw them.
         A collective on the control link (every rank calls it)."""
         local_batch = preserver.local_batch if preserver is not None and preserver.local_batch else 1
-        mu, sigma = gradient_statistics(self.projections, local_batch)
+        mu, sigma = gradient_statistics(self.projections, self.squared_norms, local_batch)
         loss = preserver.last_loss if preserver is not None and preserver.last_loss is not None else 0.0
         agreed = self._control.tensor([loss], torch.float64)
         self._control.all_reduce(agreed, "deft-loss").wait()
         return {"mu": mu, "sigma": sigma, "loss": agreed.item() / self._world_size,
-                "batch": local_batch * self._world_size, "lr": preserver.last_lr if preserver is not None else 0.0}
+                "batch": local_batch * self._world_size, "lr": self.eta(preserver.last_lr if preserver is not None else 0.0)}

@@ -2,7 +2,7 @@
 
 The training loss s moves by s_{t+1} = S* + |s_t - S* - eta * ds_t| with ds_t ~ N(mu_t, sigma_t^2 / B):
 a step of batch B makes progress mu_t (the squared norm of the mean gradient) with noise sigma_t^2 / B
-(sigma_t^2: per-sample variance of the gradient along its mean direction). Its expectation has a
+(sigma_t^2: per-sample variance of that progress, <grad L, g_i>), eta the optimizer's effective step. Its expectation has a
 closed form (`expected_next`; the paper prints eta*ds_t in the first factor where eta*mu_t is meant).
 A sequence of steps is followed on the expected value, step by step, as the paper does.
 """
@@ -23,7 +23,7 @@ class WalkState:
     loss: float
     """s_t: the training loss now."""
     lr: float
-    """eta: the learning rate."""
+    """eta: the optimizer's effective step per unit gradient (`effective_step`, `measured_step`)."""
     mu: float
     """mu_t: squared norm of the mean gradient."""
     sigma: float
@@ -59,18 +59,45 @@ def plan_ratio(state: WalkState, k: Sequence[int]) -> float:
     return expected_after(state, k) / baseline if baseline > 0 else 1.0
 
 
-def gradient_statistics(projections: Sequence[Sequence[float]], local_batch: int) -> tuple[float, float]:
-    """(mu, sigma) from probe steps: per probe, each rank's batch-mean gradient projected on the
-    unit direction of the mean gradient (x_r = <g_r, g> / |g|). The mean of x_r is |g|, so
-    mu = |g|^2; the unbiased variance of x_r across ranks is the variance of a `local_batch`-sample
-    mean, so the per-sample variance is `local_batch` times it. Both are pooled over the probes."""
+def gradient_statistics(projections: Sequence[Sequence[float]], squared_norms: Sequence[Sequence[float]],
+                        local_batch: int) -> tuple[float, float]:
+    """(mu, sigma) of the walk from probe steps, in the walk's units (a step's progress per unit
+    learning rate is <grad L, g_batch>, with mean |grad L|^2).
+
+    Per probe and rank r: x_r, this rank's batch-mean gradient projected on the unit direction of
+    the mean over ranks (so mean_r x_r = |g_bar|), and n_r = |g_r|^2. With R ranks of b samples:
+    - |g_bar|^2 overestimates |grad L|^2 by tr(Sigma)/(bR) (the noise of the mean); tr(Sigma)/b is
+      estimated without bias by R/(R-1) (mean_r n_r - |g_bar|^2), so
+      mu = |g_bar|^2 - (mean_r n_r - |g_bar|^2) / (R - 1);
+    - the per-sample variance along the mean direction is v = b Var_r(x_r) (unbiased across ranks);
+      a sample's progress <grad L, g_i> = |grad L| x_i then has variance sigma^2 = mu v.
+    Both are pooled over the probes; mu is floored at 0 (a gradient lost in its own noise)."""
     mus, variances = [], []
-    for xs in projections:
-        n = len(xs)
-        mean = sum(xs) / n
-        mus.append(mean * mean)
-        if n > 1:
-            variances.append(local_batch * sum((x - mean) ** 2 for x in xs) / (n - 1))
-    mu = sum(mus) / len(mus) if mus else 0.0
-    sigma = math.sqrt(sum(variances) / len(variances)) if variances else 0.0
-    return mu, sigma
+    for xs, ns in zip(projections, squared_norms):
+        ranks = len(xs)
+        if ranks < 2:
+            continue
+        mean = sum(xs) / ranks
+        noise_of_mean = (sum(ns) / ranks - mean * mean) / (ranks - 1)
+        mus.append(mean * mean - noise_of_mean)
+        variances.append(local_batch * sum((x - mean) ** 2 for x in xs) / (ranks - 1))
+    if not mus:
+        return 0.0, 0.0
+    mu = max(0.0, sum(mus) / len(mus))
+    return mu, math.sqrt(mu * sum(variances) / len(variances))
+
+
+def effective_step(optimizer: object) -> float:
+    """eta of the walk: the step the optimizer takes per unit gradient, read from it. Plain SGD: lr;
+    with momentum beta (heavy ball or Nesterov, dampening d): lr (1 - d) / (1 - beta), its steady
+    state. Adaptive optimizers are measured instead (`measured_step`)."""
+    group = optimizer.param_groups[0]  # type: ignore[attr-defined]
+    beta = float(group.get("momentum", 0.0) or 0.0)
+    dampening = float(group.get("dampening", 0.0) or 0.0)
+    return float(group["lr"]) * (1.0 - dampening) / (1.0 - beta) if beta < 1 else float(group["lr"])
+
+
+def measured_step(displacement_dot_gradient: float, gradient_norm2: float) -> float:
+    """eta of an optimizer whose step is not a multiple of the gradient (Adam and kin): the step it
+    actually took, projected on the gradient it took it from: -<delta theta, g> / |g|^2."""
+    return max(0.0, -displacement_dot_gradient / gradient_norm2) if gradient_norm2 > 0 else 0.0

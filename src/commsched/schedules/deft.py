@@ -100,9 +100,16 @@ class DeFTSchedule(Schedule):
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
+        """The Preserver: the user's own among the callbacks, else one made from `options.preserver`
+        and added to the callbacks (it reads each step's loss and learning rate), unless disabled."""
         from commsched.deft.preserver import Preserver
 
         preserver = next((c for c in trainer.callbacks if isinstance(c, Preserver)), None)
+        guard = options.preserver
+        if preserver is None and guard.enabled:
+            preserver = Preserver(guard.eps, guard.max_tries, guard.growth, recheck_every_n_steps=guard.recheck_every_n_steps,
+                                  max_staleness=guard.max_staleness)
+            trainer.callbacks.append(preserver)
         return DeFTSettings(options.deft, preserver, advance_schedulers)
 
     def _whole_buckets(self) -> list[Item]:
@@ -138,6 +145,8 @@ class DeFTSchedule(Schedule):
         self.seen = self.options.warmup_steps
         self._meter = StageMeter(self.plan.buckets[0].buffer.device)
         self._probes.projections.clear()
+        self._probes.squared_norms.clear()
+        self._probes.steps.clear()
 
     def _decide(self) -> None:
         decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
@@ -145,6 +154,8 @@ class DeFTSchedule(Schedule):
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
         self._probes.projections.clear()
+        self._probes.squared_norms.clear()
+        self._probes.steps.clear()
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
@@ -242,7 +253,10 @@ class DeFTSchedule(Schedule):
                 if self._clip is not None:
                     super().clip_gradients(optimizer, *self._clip)
                 self.settings.advance_schedulers()
-            real_step()
+            if self._measuring and position == 0:
+                self._probes.step(optimizer, real_step)
+            else:
+                real_step()
             self._release(number)
             self.steps_this_iteration += 1
         self._due = []
