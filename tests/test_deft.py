@@ -18,6 +18,7 @@ from torch.utils.data import DistributedSampler
 
 from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
 from commsched.deft.predict import balanced_links, choose_schedule, dear_is_faster, dear_seconds, plan_seconds
+from commsched.deft.stability import Stepper, largest_stable_curvature
 from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
                                     recursive_knapsack)
 from commsched.deft.walk import WalkState, effective_step, expected_next, gradient_statistics, measured_step, plan_ratio
@@ -362,7 +363,7 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 @pytest.fixture(scope="module")
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
-    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved",
+    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved", "preserved-stale",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
                       "handed-wfbp", "undelayed-two-links")
     if proc.returncode != 0:
@@ -501,6 +502,23 @@ def test_preserver_decides_and_logs_every_decision(deft_runs):
     first = decisions[0]
     assert len(decisions) >= 2 and not first["accepted"] and first["capacity"] == 1.0
     assert abs(first["ratio"] - 1) > 0.01 or first["staleness"] > 0
+
+
+def test_preserver_judges_stale_plans_by_the_measured_curvature(deft_runs):
+    """max_staleness=1: a stale plan is accepted only while the optimizer with that staleness stays
+    stable on the top curvature measured on the probe steps (agreed by every rank)."""
+    runs = [deft_runs("preserved-stale", r) for r in (0, 1)]
+    ranks = [run["decisions"] for run in runs]  # rank 0 solves, every rank replays what it broadcast
+    stale = [d for d in ranks[0] if d["staleness"] == 1]
+    assert stale, "the forced timings make the first plans stale"
+    for d in stale:
+        assert d["curvature"] > 0 and d["stable_below"] > 0 and d["margin"] == 1.0
+        assert d["accepted"] == (abs(d["ratio"] - 1) <= 0.01 and d["curvature"] < d["stable_below"])
+    # the band is the optimizer's as it is at the decision (SGD, momentum 0.9, lr 0.2 decaying by 1/(1 + 0.05 step)):
+    # (1 - m) / lr
+    assert largest_stable_curvature(Stepper(0.2, 0.9), 1) <= stale[0]["stable_below"] <= largest_stable_curvature(Stepper(0.15, 0.9), 1)
+    assert [d for d in ranks[0] if d["staleness"] > 1 and d["accepted"]] == []
+    assert runs[0]["plan"] == runs[1]["plan"] and max_abs_diff(runs[0]["state"], runs[1]["state"])[0] == 0.0
 
 
 def test_preserver_rechecks_and_the_engine_solves_again(deft_runs):

@@ -84,6 +84,7 @@ CASES = {
     "forced-sgd-part": ("sgd", 9, None, None, 1.0),
     "forced-sgd-resumed": ("sgd", 17, "forced-sgd-part", None, 1.0),
     "preserved": ("sgd", 12, None, 0, 1.0),
+    "preserved-stale": ("sgd", 12, None, 0, 1.0),  # one iteration of staleness allowed: judged by curvature
     "undelayed-two-links": ("sgd", 12, None, None, 50.0),  # room for everything on both links: no delay, the plan itself
     "rechecked": ("sgd", 16, None, 8, 0.5),
     "profiled": ("sgd", 12, None, None, 1.0),  # the profile covers measured and planned steps
@@ -143,7 +144,8 @@ def fit(out: Path, name: str, world: int) -> None:
     strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile,
                                       preserver=commsched.PreserverOptions(enabled=preserve is not None))
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
-    preserver = commsched.Preserver(recheck_every_n_steps=preserve) if preserve is not None else None
+    staleness = 1 if name == "preserved-stale" else 0
+    preserver = commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness) if preserve is not None else None
     if preserver is not None:
         callbacks.append(preserver)
     if name.startswith("handed"):  # DeAR stays exact (and keeps its overlap) whatever a callback reads

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from commsched.buckets import BucketPlan
+from commsched.errors import ScheduleError
 from commsched.links import Pending
 
 
@@ -41,9 +42,15 @@ class Generation:
         b = plan.buckets[bucket]
         return [self.buffers[bucket].narrow(0, start, p.numel()).view_as(p) for p, start in zip(b.params, b.offsets())]
 
-    def hand_to_optimizer(self, plan: BucketPlan) -> None:
+    def hand_to_optimizer(self, plan: BucketPlan, items: int) -> None:
         """Every item is reduced: average over the k iterations and make `.grad` a view of the result
-        (None where no rank produced a gradient in any of them), as DDP would for one step of batch kB."""
+        (None where no rank produced a gradient in any of them), as DDP would for one step of batch kB.
+        A generation missing any of its `items` pieces is refused: stepping on it would apply a
+        gradient that was never averaged over the ranks."""
+        missing = sorted(set(range(items)) - self.sent)
+        if missing:
+            raise ScheduleError(f"commsched deft: generation {self.number} is due to step but items {missing[:8]} of its "
+                                f"{items} were never sent; the plan is inconsistent")
         self.drain()
         if self.k > 1:
             for buffer in self.buffers:
@@ -73,16 +80,31 @@ class Generation:
 
 
 class BufferPool:
-    """Flat buffers shaped like the buckets', handed out per generation and returned when it steps."""
+    """Flat buffers shaped like the buckets', handed out per generation and returned when it steps.
+
+    A returned set is reused only once no parameter's `.grad` is a view of it any more (Lightning's
+    `zero_grad` before the next step sets them to None): until then, a `.grad` read after the step
+    (a callback, a logger of gradient norms) keeps the values it stepped with."""
 
     def __init__(self, plan: BucketPlan) -> None:
         self._plan = plan
         self._free: list[list[torch.Tensor]] = []
+        self._returned: list[list[torch.Tensor]] = []
 
     def take(self) -> list[torch.Tensor]:
+        self._recycle()
         if self._free:
             return self._free.pop()
         return [torch.zeros_like(b.buffer) for b in self._plan.buckets]
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
-        self._free.append(buffers)
+        self._returned.append(buffers)
+
+    def _recycle(self) -> None:
+        if not self._returned:
+            return
+        viewed = {p.grad.untyped_storage().data_ptr() for b in self._plan.buckets for p in b.params if p.grad is not None}
+        for buffers in list(self._returned):
+            if not any(buffer.untyped_storage().data_ptr() in viewed for buffer in buffers):
+                self._returned.remove(buffers)
+                self._free.append(buffers)

@@ -50,6 +50,12 @@ class StageMeter:
         if self.ready:
             self.ready[-1].append(self._now() - self._backward_started)
 
+    def forget_last(self) -> None:
+        """Leave the last iteration out of the figures (its backward also measured the curvature)."""
+        if self.forward:
+            self.forward.pop()
+            self.ready.pop()
+
     def per_bucket_backward(self, buckets: int) -> tuple[float, list[float]]:
         """Median forward seconds and median per-bucket backward seconds (gaps between ready times)."""
         complete = [r for r in self.ready if len(r) == buckets]

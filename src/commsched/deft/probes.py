@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from commsched.deft.stability import Stepper
 from commsched.deft.walk import effective_step, gradient_statistics, measured_step
 from commsched.links import Link
 
@@ -66,13 +67,23 @@ class GradientProbes:
             return effective_step(self.optimizer)
         return statistics.median(self.steps) if self.steps else fallback
 
-    def walk_statistics(self, preserver: Any) -> dict[str, float]:
-        """mu, sigma from the probes; the loss averaged over ranks; lr and batch as the Preserver saw them.
-        A collective on the control link (every rank calls it)."""
+    def walk_statistics(self, preserver: Any) -> dict[str, Any]:
+        """mu, sigma from the probes; the loss and the top curvature averaged over ranks (the
+        curvature None unless every rank measured one); lr and batch as the Preserver saw them; the
+        optimizer as the stability model sees it. A collective on the control link (every rank calls it)."""
         local_batch = preserver.local_batch if preserver is not None and preserver.local_batch else 1
         mu, sigma = gradient_statistics(self.projections, self.squared_norms, local_batch)
         loss = preserver.last_loss if preserver is not None and preserver.last_loss is not None else 0.0
-        agreed = self._control.tensor([loss], torch.float64)
+        measured = [c for c in (preserver.curvatures if preserver is not None else []) if c is not None]
+        whole = bool(measured) and len(measured) == len(preserver.curvatures)
+        agreed = self._control.tensor([loss, statistics.mean(measured) if whole else 0.0, float(whole)], torch.float64)
         self._control.all_reduce(agreed, "deft-loss").wait()
-        return {"mu": mu, "sigma": sigma, "loss": agreed.item() / self._world_size,
-                "batch": local_batch * self._world_size, "lr": self.eta(preserver.last_lr if preserver is not None else 0.0)}
+        total_loss, total_curvature, measuring_ranks = agreed.tolist()
+        if preserver is not None:
+            preserver.curvatures.clear()
+        eta = self.eta(preserver.last_lr if preserver is not None else 0.0)
+        return {"mu": mu, "sigma": sigma, "loss": total_loss / self._world_size,
+                "batch": local_batch * self._world_size, "lr": eta,
+                "curvature": total_curvature / self._world_size if measuring_ranks == self._world_size else None,
+                "stepper": Stepper.of(self.optimizer, None if isinstance(self.optimizer, torch.optim.SGD) else eta)
+                if self.optimizer is not None else None}

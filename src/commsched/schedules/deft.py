@@ -97,6 +97,7 @@ class DeFTSchedule(Schedule):
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
         self._replan = False
+        self._curvature_step = False
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -108,7 +109,7 @@ class DeFTSchedule(Schedule):
         guard = options.preserver
         if preserver is None and guard.enabled:
             preserver = Preserver(guard.eps, guard.max_tries, guard.growth, recheck_every_n_steps=guard.recheck_every_n_steps,
-                                  max_staleness=guard.max_staleness)
+                                  max_staleness=guard.max_staleness, curvature_margin=guard.curvature_margin)
             trainer.callbacks.append(preserver)
         return DeFTSettings(options.deft, preserver, advance_schedulers)
 
@@ -175,6 +176,7 @@ class DeFTSchedule(Schedule):
         self._launch(FORWARD, lambda launch: True)
         if self._measuring:
             self._meter.forward_started()
+            self._ask_for_curvature()
 
     def after_forward(self) -> None:
         if self._now is None or not self.sync_enabled:
@@ -203,7 +205,7 @@ class DeFTSchedule(Schedule):
             generation.used[b] = [u or f for u, f in zip(generation.used[b], flags)]
         self._due = list(self._now.steps)
         if self._due:
-            self._generations[self._due[0]].hand_to_optimizer(self.plan)
+            self._generations[self._due[0]].hand_to_optimizer(self.plan, len(self.deft_plan.items))
             if self._measuring and self.link.world_size > 1:
                 self._probes.record([b.buffer for b in self.plan.buckets], self._generations[self._due[0]].buffers)
 
@@ -249,7 +251,7 @@ class DeFTSchedule(Schedule):
         self._stepper = (optimizer, real_step)
         for position, number in enumerate(self._due):
             if position > 0:  # a second generation completes in this iteration
-                self._generations[number].hand_to_optimizer(self.plan)
+                self._generations[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
                 if self._clip is not None:
                     super().clip_gradients(optimizer, *self._clip)
                 self.settings.advance_schedulers()
@@ -267,9 +269,23 @@ class DeFTSchedule(Schedule):
         generation = self._generations.pop(number)
         self._pool.give_back(generation.buffers)
 
+    CURVATURE_PROBES = 2
+    """Probe steps whose loss also gives the top curvature (left out of the stage times)."""
+
+    def _ask_for_curvature(self) -> None:
+        """The first measured steps, all but the last, when the Preserver may judge a stale plan."""
+        guard = self.settings.preserver
+        probe = self.seen - self.options.warmup_steps
+        if guard is not None and guard.needs_curvature and probe < min(self.CURVATURE_PROBES, self.options.measure_steps - 1):
+            guard.curvature_wanted = True
+            self._curvature_step = True
+
     def _end_iteration(self) -> None:
         if self._now is None:
             return
+        if self._curvature_step:
+            self._meter.forget_last()
+            self._curvature_step = False
         self._now = None
         if self.decided:
             self.iteration += 1
@@ -298,7 +314,7 @@ class DeFTSchedule(Schedule):
             for index in range(len(self.deft_plan.items)):
                 if index not in generation.sent:
                     self._send(generation, index, 0)
-            generation.hand_to_optimizer(self.plan)
+            generation.hand_to_optimizer(self.plan, len(self.deft_plan.items))
             real_step()
             self._release(number)
         for p in params_of(optimizer):
