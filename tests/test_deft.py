@@ -220,6 +220,24 @@ def test_gradient_statistics_land_within_ten_percent_of_the_truth(dims, ranks):
     assert sigma == pytest.approx(1.5 * 2.0, rel=0.1)  # sd of a sample's progress <grad L, g_i> = |g| * noise
 
 
+def test_the_walk_predicts_the_loss_decrease_of_a_real_run(tmp_path):
+    """Least squares over 64 noisy dimensions, two ranks, SGD with momentum 0.5: the walk's inputs as
+    DeFT measured them predict the drop of the whole data set's loss over the next 12 steps. The
+    gradient noise would inflate mu by half (tr(Sigma)/B against |grad L|^2) and forgetting momentum
+    would halve eta: either misses the drop by far more than the 12% allowed."""
+    from commsched.deft.walk import expected_after
+
+    proc = run_worker("run_walk.py", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = torch.load(tmp_path / "walk.pt", weights_only=False)
+    walk, t, n = WalkState(**run["walk"]), run["read_at"], run["after"]
+    assert walk.lr == pytest.approx(run["lr"] / (1 - run["momentum"]))
+    assert walk.mu == pytest.approx(run["gradient_norm2"][t], rel=0.15)
+    predicted_drop = walk.loss - expected_after(walk, [1] * n)
+    measured_drop = run["loss"][t] - run["loss"][t + n]
+    assert predicted_drop == pytest.approx(measured_drop, rel=0.12), (predicted_drop, measured_drop)
+
+
 def test_the_effective_step_is_read_from_sgd_and_measured_for_others():
     from torch import nn
 
@@ -365,7 +383,7 @@ def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
     proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved", "preserved-stale",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
-                      "handed-wfbp", "undelayed-two-links")
+                      "handed-wfbp", "confirmed-dear", "undelayed-two-links")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -481,6 +499,21 @@ def test_ddps_schedule_is_handed_to_wfbp_when_dear_is_slower(deft_runs):
     assert result["report"]["predicted"]["dear_ms"] > result["report"]["predicted"]["plan_ms"]
     after_decision = [op for link, op, tag, *_ in result["trace"] if link == "primary" and tag.startswith("bucket")]
     assert after_decision and set(after_decision) == {"all_reduce"}
+    assert max_abs_diff(replay(result), result["state"])[0] <= 1e-5
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert per_link(result["trace"]) == per_link(other["trace"])
+
+
+def test_real_steps_overrule_a_wrong_prediction(deft_runs):
+    """Predicted slower, DeAR is timed on real steps against WFBP, whose steps a callback slows down by
+    0.3 s: the measurement wins, every rank agrees, and the switches keep training exact."""
+    result, other = deft_runs("confirmed-dear"), deft_runs("confirmed-dear", 1)
+    report = result["report"]
+    assert report["predicted"]["dear_ms"] > report["predicted"]["plan_ms"]
+    assert report["runs"] == "dear" and report == other["report"]
+    assert report["measured"]["wfbp"] > report["measured"]["dear"] + 250, report["measured"]
+    reduce_scatters = [tag for link, op, tag, *_ in result["trace"] if op == "reduce_scatter"]
+    assert reduce_scatters, "DeAR never ran"
     assert max_abs_diff(replay(result), result["state"])[0] <= 1e-5
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
     assert per_link(result["trace"]) == per_link(other["trace"])

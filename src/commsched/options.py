@@ -213,6 +213,10 @@ class DeFTOptions:
     whenever the plan delays nothing; "never": the plan. DeAR never when callbacks read gradients
     or weights every step (it gives up its overlap then); with a timings file, only if the file
     gives DeAR's halves too."""
+    confirm_steps: int = option(3, non_negative_int)
+    """With fallback "when_faster": real steps each of the predicted choice and its runner-up (plan or
+    WFBP against DeAR) run and are timed, every rank agreeing, before one is kept; the runner-up
+    replaces the prediction when measured at least 2% faster. 0: the prediction alone decides."""
 
 
 def eps_value(name: str, value: Any) -> float:

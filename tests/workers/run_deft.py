@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -96,6 +97,8 @@ CASES = {
     "handed-two-links": ("adamw", 12, None, None, None),
     # nothing delayed, DeAR's halves (from the timings file) too slow: WFBP runs DDP's schedule
     "handed-wfbp": ("sgd", 12, None, None, None),
+    # the same prediction, but WFBP's real steps are slow (a callback sleeps in them): timing both overrules it
+    "confirmed-dear": ("sgd", 14, None, None, None),
 }
 
 
@@ -107,6 +110,18 @@ class ReadsWeights(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.norms.append(float(sum(p.detach().norm() for p in pl_module.parameters())))
+
+
+class SlowUnder(pl.Callback):
+    """Sleeps in every step the named schedule runs: a cost the prediction cannot see."""
+
+    def __init__(self, schedule: str, seconds: float) -> None:
+        self.schedule, self.seconds = schedule, seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        running = trainer.strategy._engine.schedule
+        if running is not None and running.name == self.schedule:
+            time.sleep(self.seconds)
 
 
 def halves(buckets: int, seconds: float = 0.4) -> dict:
@@ -125,11 +140,11 @@ def fit(out: Path, name: str, world: int) -> None:
     if name == "handed-two-links":
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets)}))
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
-                                        timings_file=str(timings_file))
-    elif name == "handed-wfbp":
+                                        timings_file=str(timings_file), confirm_steps=0)
+    elif name in ("handed-wfbp", "confirmed-dear"):
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets, seconds=30.0)}))
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
-                                        timings_file=str(timings_file))
+                                        timings_file=str(timings_file), confirm_steps=2 if name == "confirmed-dear" else 0)
     elif name == "undelayed-two-links":
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
                                         timings_file=str(timings_file), fallback="never")
@@ -148,7 +163,9 @@ def fit(out: Path, name: str, world: int) -> None:
     preserver = commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness) if preserve is not None else None
     if preserver is not None:
         callbacks.append(preserver)
-    if name.startswith("handed"):  # DeAR stays exact (and keeps its overlap) whatever a callback reads
+    if name == "confirmed-dear":
+        callbacks.append(SlowUnder("wfbp", 0.3))
+    if name.startswith("handed") or name == "confirmed-dear":  # DeAR stays exact (and keeps its overlap) whatever a callback reads
         callbacks.append(ReadsWeights())
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,

@@ -50,7 +50,7 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
     halves = _dear_halves(plan, links, control, options, shared)
     mine = _solve(plan, timings, stats, halves, options, preserver) if control.rank == 0 else None
     decided = control.broadcast_object(mine, src=0, tag="deft-plan")
-    decision = Decision(DeFTPlan.from_json(decided["plan"]), timings, Choice(**decided["choice"]), decided["preserver"])
+    decision = Decision(DeFTPlan.from_json(decided["plan"]), timings, Choice.from_json(decided["choice"]), decided["preserver"])
     _check_same_plan(decision.plan, control)
     if preserver is None and decision.plan.delayed and decision.choice.runs == "plan":
         rank_zero_warn(f"commsched deft: running a delayed plan without the Preserver ({decision.plan.describe()}): "
@@ -88,7 +88,7 @@ def _solve(plan: BucketPlan, timings: Timings, stats: dict[str, float], halves: 
     else:
         solved, decisions = solve(options.capacity), []
     choice = choose_schedule(solved, timings, numels, options.fallback, halves)
-    return {"plan": solved.to_json(), "preserver": decisions, "choice": vars(choice)}
+    return {"plan": solved.to_json(), "preserver": decisions, "choice": choice.to_json()}
 
 
 def _check_same_plan(plan: DeFTPlan, control: Link) -> None:
@@ -101,6 +101,8 @@ def describe(choice: Choice, fallback: str, world_size: int) -> str:
     """What runs the iterations, and why: the fallback setting and the predictions it compared."""
     if choice.predicted:
         compared = f"DeAR predicted {choice.predicted['dear_ms']:.0f} ms/step against {choice.predicted['plan_ms']:.0f} ms for the plan"
+        if choice.measured:
+            compared += "; measured " + ", ".join(f"{runs} {ms:.0f} ms" for runs, ms in choice.measured.items())
     else:
         compared = "DeAR not considered: " + ("deft.fallback=never" if fallback == "never" else
                                               "one process" if world_size == 1 else "no DeAR timings")

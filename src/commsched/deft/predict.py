@@ -135,6 +135,26 @@ class Choice:
     """Under DeAR, the link of each bucket's halves."""
     predicted: dict = field(default_factory=dict)
     """plan_ms and dear_ms: the two predicted steady iterations (empty when DeAR was not predicted)."""
+    alternative: Optional[tuple[str, tuple[str, ...]]] = None
+    """The runner-up of the prediction (`runs`, `dear_links`), timed against this choice on real steps
+    (`commsched.deft.confirm`); None when nothing else was a candidate."""
+    measured: dict = field(default_factory=dict)
+    """Median milliseconds per real step of each candidate timed, by `runs` (empty until confirmed)."""
+
+    def runner_up(self) -> "Choice":
+        assert self.alternative is not None
+        runs, links = self.alternative
+        return Choice(runs, tuple(links))
+
+    def to_json(self) -> dict:
+        return {**vars(self), "dear_links": list(self.dear_links),
+                "alternative": [self.alternative[0], list(self.alternative[1])] if self.alternative else None}
+
+    @classmethod
+    def from_json(cls, saved: dict) -> "Choice":
+        alternative = saved.get("alternative")
+        return cls(saved["runs"], tuple(saved.get("dear_links", ())), dict(saved.get("predicted", {})),
+                   (alternative[0], tuple(alternative[1])) if alternative else None, dict(saved.get("measured", {})))
 
 
 def choose_schedule(plan: DeFTPlan, timings: Timings, numels: Sequence[int], mode: str,
@@ -155,6 +175,10 @@ def choose_schedule(plan: DeFTPlan, timings: Timings, numels: Sequence[int], mod
                               for c in candidates)
         plan_s = plan_seconds(plan, timings, numels)
         predicted = {"plan_ms": plan_s * 1e3, "dear_ms": dear_s * 1e3}
+        dear_links = tuple(LINK_NAMES[l] for l in link_of)
+        own = "wfbp" if plan.is_ddp else "plan"
         if (not plan.delayed) if mode == "when_undelayed" else dear_is_faster(plan_s, dear_s):
-            return Choice("dear", tuple(LINK_NAMES[l] for l in link_of), predicted)
+            return Choice("dear", dear_links, predicted, (own, ()) if mode == "when_faster" else None)
+        if mode == "when_faster":
+            return Choice(own, (), predicted, ("dear", dear_links))
     return Choice("wfbp" if plan.is_ddp else "plan", (), predicted)

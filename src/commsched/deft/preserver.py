@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -60,6 +61,8 @@ class Preserver(pl.Callback):
         self.curvature_margin = non_negative_number("Preserver.curvature_margin", curvature_margin)
         self.curvature_wanted = False
         """Set by DeFT for a probe step: measure the top curvature from this step's loss."""
+        self.walk: Optional[WalkState] = None
+        """What the walk started from at the last decision: loss, eta, mu, sigma, batch, as measured."""
         self.curvatures: list[Optional[float]] = []
         """This rank's measurements since the last decision (None: the loss has no second derivative)."""
 
@@ -104,6 +107,7 @@ class Preserver(pl.Callback):
         times, else the plan without delay. Every decision is logged and returned."""
         state = WalkState(loss=stats["loss"], lr=stats["lr"], mu=stats["mu"], sigma=stats["sigma"],
                           batch=max(1, int(stats["batch"])), optimum=self.optimum)
+        self.walk = state
         decisions = []
         for attempt in range(self.max_tries):
             plan = solve(capacity)
@@ -134,7 +138,7 @@ class Preserver(pl.Callback):
     def _say(self, attempt: int, plan: DeFTPlan, capacity: Optional[float], ratio: float, accepted: bool,
              curvature: Optional[float] = None, stable_below: Optional[float] = None) -> dict[str, Any]:
         decision = {"attempt": attempt, "capacity": capacity, "k": list(plan.k), "n": plan.n, "ratio": ratio,
-                    "staleness": plan.staleness, "accepted": accepted}
+                    "staleness": plan.staleness, "accepted": accepted, "walk": asdict(self.walk) if self.walk else None}
         judged = ""
         if stable_below is not None:
             decision.update(curvature=curvature, stable_below=stable_below, margin=self.curvature_margin)

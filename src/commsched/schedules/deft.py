@@ -32,6 +32,7 @@ import torch
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
+from commsched.deft.confirm import Confirmation
 from commsched.deft.decide import decide, describe
 from commsched.deft.generations import BufferPool, Generation
 from commsched.deft.measure import StageMeter
@@ -98,6 +99,8 @@ class DeFTSchedule(Schedule):
         self.steps_this_iteration = 0
         self._replan = False
         self._curvature_step = False
+        self._confirmation: Optional[Confirmation] = None
+        """While the predicted choice and its runner-up are timed on real steps."""
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -128,9 +131,18 @@ class DeFTSchedule(Schedule):
             self._restart_measuring()
         if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
             self._decide()
-        if self.decided and self.choice.runs == "dear":
-            return Handover("dear", DeARSettings(tuple(self.choice.dear_links)))
-        if self.decided and self.choice.runs == "wfbp":
+        if self._confirmation is not None:
+            confirmed = self._confirmation.at_boundary()
+            if confirmed is not None:
+                self.choice, self._confirmation = confirmed, None
+        if not self.decided:
+            return None
+        running = self._confirmation.running if self._confirmation is not None else self.choice
+        if running.runs != "plan" and self._generations:
+            self.drain()  # a delayed plan timed before an exact schedule: its generations step now
+        if running.runs == "dear":
+            return Handover("dear", DeARSettings(tuple(running.dear_links)))
+        if running.runs == "wfbp":
             return Handover("wfbp")
         return None
 
@@ -143,6 +155,7 @@ class DeFTSchedule(Schedule):
         self._replan = False
         self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
         self.choice = Choice("plan")
+        self._confirmation = None
         self.seen = self.options.warmup_steps
         self._meter = StageMeter(self.plan.buckets[0].buffer.device)
         self._probes.projections.clear()
@@ -154,16 +167,23 @@ class DeFTSchedule(Schedule):
                           self._meter, self._probes)
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
+        self._confirm_later()
         self._probes.projections.clear()
         self._probes.squared_norms.clear()
         self._probes.steps.clear()
+
+    def _confirm_later(self) -> None:
+        """The predicted choice and its runner-up run real steps before one is kept (`deft.confirm`)."""
+        if self.options.confirm_steps and self.choice.alternative is not None and self.links.control.world_size > 1:
+            self._confirmation = Confirmation(self.choice, self.options.confirm_steps, self.links.control,
+                                              self.plan.buckets[0].buffer.device)
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
         described = self.deft_plan.describe() + (f"; {describe(self.choice, self.options.fallback, self.links.control.world_size)}" if self.decided else "")
         return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
                 "staleness": self.deft_plan.staleness, "runs": self.choice.runs, "dear_links": list(self.choice.dear_links),
-                "predicted": self.choice.predicted, "mu": self.timings.mu if self.timings is not None else None,
+                "predicted": self.choice.predicted, "measured": self.choice.measured, "mu": self.timings.mu if self.timings is not None else None,
                 "preserver": self.decisions}
 
     # ---------------------------------------------------------------- iteration
@@ -326,14 +346,15 @@ class DeFTSchedule(Schedule):
         measuring_again = self._replan  # asked to solve again: what is carried over starts measuring
         return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided and not measuring_again,
                            "iteration": self.iteration, "seen": self.options.warmup_steps if measuring_again else self.seen,
-                           "decisions": self.decisions, "choice": vars(self.choice),
+                           "decisions": self.decisions, "choice": self.choice.to_json(),
+                           "confirmed": self._confirmation is None,
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         refuse_unknown(self.name, state, ("deft_plan", "decided", "iteration", "seen", "decisions", "choice",
-                                          "bucket_numels", "generations", "meter", "projections"))
+                                          "bucket_numels", "generations", "meter", "projections", "confirmed"))
         if not state:
             return
         if state.get("bucket_numels") != [b.buffer.numel() for b in self.plan.buckets]:
@@ -348,7 +369,9 @@ class DeFTSchedule(Schedule):
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
         self.decisions = list(state.get("decisions", []))
-        self.choice = Choice(**state.get("choice", {"runs": "plan"}))
+        self.choice = Choice.from_json(state.get("choice", {"runs": "plan"}))
+        if self.decided and not state.get("confirmed", True):
+            self._confirm_later()  # saved while timing the candidates: time them again
         for saved in state.get("generations", []):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
