@@ -84,6 +84,11 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("schedule=deft preserver.max_staleness=-1", "preserver.max_staleness=-1; allowed: an integer >= 0"),
         ("schedule=deft link.secondary_backend=mpi", "link.secondary_backend='mpi'; allowed: one of 'gloo', 'nccl'"),
         ("schedule=deft deft.fallback=sometimes", "deft.fallback='sometimes'; allowed: one of 'when_faster', 'when_undelayed', 'never'"),
+        ("schedule=deft deft.confirm_steps=-1", "deft.confirm_steps=-1; allowed: an integer >= 0"),
+        ("schedule=wfbp compression=mstopk compression.density=2", "compression.density=2.0; allowed: a number in (0, 1]"),
+        ("schedule=wfbp compression.method=gzip", "compression.method='gzip'; allowed: one of 'none', 'mstopk', 'topk'"),
+        ("schedule=dear compression=mstopk", "compression.method='mstopk'; allowed: none with schedule dear"),
+        ("schedule=ddp compression=topk", "compression.method='topk'; allowed: none with schedule=ddp"),
     ],
 )
 def test_bad_values_are_refused_with_allowed_values(override, message):

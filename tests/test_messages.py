@@ -46,3 +46,15 @@ def test_python_and_hydra_defaults_are_the_same():
     assert dataclasses.asdict(options.preserver) == OmegaConf.to_container(cfg.preserver)
     assert dataclasses.asdict(options.deft) == OmegaConf.to_container(cfg.deft)
     assert options.preserver.enabled
+
+
+def test_compression_defaults_are_the_same_from_python_and_hydra():
+    """`compression=mstopk` in Hydra, `compression="mstopk"` in Python and `strategy="topk"` build the same options."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    cfg = composed("schedule=wfbp", "compression=mstopk")
+    from_python = commsched.WFBPStrategy(compression="mstopk").options.compression
+    registered = StrategyRegistry.get("topk").options.compression
+    assert dataclasses.asdict(from_python) == OmegaConf.to_container(cfg.compression) == dataclasses.asdict(registered)
+    assert (from_python.method, from_python.density, from_python.error_feedback) == ("mstopk", 0.01, True)
+    assert OmegaConf.to_container(composed("schedule=wfbp").compression)["method"] == "none"

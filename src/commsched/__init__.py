@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
-from commsched.options import DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
 
 __version__ = "0.2.0"
 
@@ -44,7 +44,7 @@ if "commsched_cli" not in sys.modules:
     _register()
 
 __all__ = [
-    "CommSchedConfigError", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
+    "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
     "LinkOptions", "PeerFailureError", "Preserver", "PreserverOptions", "ProfileOptions", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
     "StopAndSave", "StoppedBySignal", "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
 ]

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import OmegaConf
 
 import commsched
-from commsched.options import DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
 from commsched.models import ImageClassifier, LanguageModel
 from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
 
@@ -59,5 +59,6 @@ def build_strategy(cfg: Any, out: Optional[Path] = None) -> Strategy:
         links=LinkOptions(**OmegaConf.to_container(cfg.link, resolve=True)),
         deft=DeFTOptions(**OmegaConf.to_container(cfg.deft, resolve=True)),
         preserver=PreserverOptions(**OmegaConf.to_container(cfg.preserver, resolve=True)),
+        compression=CompressionOptions(**OmegaConf.to_container(cfg.compression, resolve=True)),
         profile=profile, timeout=timeout,
     )

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from commsched.errors import CommSchedConfigError
+from commsched.errors import CommSchedConfigError, bad_value
 
 _CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
 
@@ -46,3 +46,13 @@ def refuse_optimizers(optimizers: list[Any], name: str) -> None:
             f"cannot be used with strategy='{name}'; allowed: torch.optim optimizers "
             "that step once per closure (SGD, Adam, AdamW, RMSprop, Adagrad, ...)."
         )
+
+
+def refuse_compression(compression: Any, schedule: Any) -> None:
+    """Sparse exchanges only where the schedule builds them (`Schedule.compresses`), refused at construction."""
+    if compression.method != "none" and not schedule.compresses:
+        raise bad_value("compression.method", compression.method,
+                        f"none with schedule {schedule.name}: sparse exchanges run on wfbp (strategy=\"topk\" is wfbp "
+                        "with MSTopK). DeAR splits a bucket's all-reduce into a reduce-scatter and an all-gather it "
+                        "defers; a flat sparse exchange is one all-gather, with nothing to defer. DeFT's generations "
+                        "sum dense buffers over iterations")

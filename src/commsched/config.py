@@ -16,8 +16,10 @@ from omegaconf import OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
+from commsched.checks import refuse_compression
 from commsched.plugins import schedule_names
-from commsched.options import DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.registry import SCHEDULES
+from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
@@ -103,6 +105,7 @@ class TrainConfig:
     link: LinkOptions = field(default_factory=LinkOptions)
     deft: DeFTOptions = field(default_factory=DeFTOptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
+    compression: CompressionOptions = field(default_factory=CompressionOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     plugins: list[str] = field(default_factory=list)  # modules imported first (and by every worker): the schedules they register
@@ -119,7 +122,8 @@ def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCH
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, node in (("fusion", FusionOptions), ("model", ModelConfig),
-                        ("data", DataConfig), ("trainer", TrainerConfig), ("link", LinkOptions)):
+                        ("data", DataConfig), ("trainer", TrainerConfig), ("link", LinkOptions),
+                        ("compression", CompressionOptions)):
         store.store(group=group, name=f"{group}_schema", node=node)
     for name in schedules:
         store.store(group="schedule", name=name, node=ScheduleConfig(name=name))
@@ -128,9 +132,14 @@ def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCH
 def validate(cfg: Any) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
     for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions),
-                         ("deft", DeFTOptions)):
+                         ("deft", DeFTOptions), ("compression", CompressionOptions)):
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
+    if str(cfg.schedule.name) != "ddp":
+        refuse_compression(cfg.compression, SCHEDULES[str(cfg.schedule.name)])
+    elif cfg.compression.method != "none":
+        raise bad_value("compression.method", cfg.compression.method, "none with schedule=ddp (Lightning's DDP all-reduces "
+                        "dense gradients); schedule=wfbp runs the same schedule with sparse exchanges")
     if cfg.fusion.plan_file is not None:
         check_plan_file(cfg)
     if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("fixed",) or cfg.fusion.plan_file is not None):

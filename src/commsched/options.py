@@ -23,6 +23,7 @@ FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
 FALLBACKS = ("when_faster", "when_undelayed", "never")
+COMPRESSION_METHODS = ("none", "mstopk", "topk")
 
 Check = Callable[[str, Any], Any]
 OptionsT = TypeVar("OptionsT")
@@ -257,6 +258,38 @@ class PreserverOptions:
     """> 0: measure and solve again every N steps."""
 
 
+def density_value(name: str, value: Any) -> float:
+    if positive_number(name, value) > 1:
+        raise bad_value(name, value, "a number in (0, 1]")
+    return float(value)
+
+
+@dataclass
+class CompressionOptions:
+    """Sparse gradient exchanges ([cloud-topk], DESIGN.md §9): each rank sends the `density` share of
+    each bucket's elements of largest magnitude; what it did not send is kept and sent later."""
+
+    method: str = option("none", one_of(*COMPRESSION_METHODS))
+    """"mstopk": the paper's threshold search (no sort, fixed-size outputs, GPU friendly); "topk":
+    torch.topk, the exact selection it approximates; "none": dense all-reduce."""
+    density: float = option(0.01, density_value)
+    """The share of each bucket's elements a rank sends (0 < density <= 1; at least one element)."""
+    samplings: int = option(30, positive_int)
+    """MSTopK's threshold bisection rounds (the paper's N)."""
+    error_feedback: bool = option(True, flag)
+    """Keep what a rank did not send (its residual) and add it before the next selection. Without it
+    the unsent gradient is lost every step and training converges worse."""
+
+
+def compression_from(compression: Any) -> CompressionOptions:
+    """The strategy's `compression=`: a method name or options (None: dense)."""
+    if compression is None:
+        return CompressionOptions()
+    if isinstance(compression, str):
+        return validated(CompressionOptions(method=compression), "compression.")
+    return validated(typed("compression", compression, CompressionOptions), "compression.")
+
+
 def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:
     """`value` if it is a `cls`, else the error naming the argument."""
     if not isinstance(value, cls):
@@ -289,16 +322,18 @@ class StrategyOptions:
     links: LinkOptions
     deft: DeFTOptions = field(default_factory=DeFTOptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
+    compression: CompressionOptions = field(default_factory=CompressionOptions)
 
     @classmethod
     def from_arguments(cls, fusion: Any, bucket_cap_mb: Optional[float], tuning: Any, profile: Any, links: Any,
-                       deft: Any = None, preserver: Any = None) -> "StrategyOptions":
+                       deft: Any = None, preserver: Any = None, compression: Any = None) -> "StrategyOptions":
         return cls(fusion_from(fusion, bucket_cap_mb),
                    validated(typed("tuning", tuning or TuningOptions(), TuningOptions), "tuning."),
                    profile_from(profile),
                    validated(typed("links", links or LinkOptions(), LinkOptions), "links."),
                    validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."),
-                   validated(typed("preserver", preserver or PreserverOptions(), PreserverOptions), "preserver."))
+                   validated(typed("preserver", preserver or PreserverOptions(), PreserverOptions), "preserver."),
+                   compression_from(compression))
 
 
 def check_preserver_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:

@@ -54,3 +54,6 @@ for _builtin in list(SCHEDULES.values()):
 WFBPStrategy = STRATEGIES["wfbp"]
 DeARStrategy = STRATEGIES["dear"]
 DeFTStrategy = STRATEGIES["deft"]
+
+StrategyRegistry.register("topk", WFBPStrategy, description="commsched WFBP with MSTopK sparse exchanges (density 0.01, "
+                          "error feedback)", override=True, compression="mstopk")

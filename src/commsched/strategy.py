@@ -35,7 +35,7 @@ from commsched.engine import Engine
 from commsched.errors import PeerFailureError
 from commsched.interrupt import StoppedBySignal
 from commsched.lr_follow import FollowOptimizerSteps
-from commsched.options import DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
 from commsched.run_reports import RunReports
 from commsched.schedules import SCHEDULES, Schedule
 
@@ -58,6 +58,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         links: Optional[LinkOptions] = None,
         deft: Optional[DeFTOptions] = None,
         preserver: Optional[PreserverOptions] = None,
+        compression: Union[str, CompressionOptions, None] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -81,13 +82,17 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             deft: `DeFTOptions` for ``schedule="deft"``.
             preserver: `PreserverOptions` for ``schedule="deft"``: the guard of delayed plans, on unless
                 ``PreserverOptions(enabled=False)``; a `commsched.Preserver` among the callbacks replaces it.
+            compression: a method name ("mstopk", "topk", "none") or `CompressionOptions`: sparse
+                exchanges of each bucket (schedules that support them: wfbp).
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
         """
         name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
         self.schedule_class: type[Schedule] = SCHEDULES[name]
-        self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver)
+        self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
+                                                              compression)
+        checks.refuse_compression(self.options.compression, self.schedule_class)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,

@@ -65,8 +65,11 @@ def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
 
 
 def _untimed(schedule: str, spec: dict) -> int:
-    """Steps left out of the timing: the warm-up, and deft's synchronous measured steps and first planned one."""
-    return spec["warmup"] + (spec["deft_measure_steps"] + 1 if schedule == "deft" else 0)
+    """Steps left out of the timing: the warm-up, and deft's synchronous measured steps, the timed
+    trial of its two candidates (each a switch step and `confirm_steps`) and the first step after."""
+    if schedule != "deft":
+        return spec["warmup"]
+    return spec["warmup"] + spec["deft_measure_steps"] + 2 * (DeFTOptions().confirm_steps + 1) + 1
 
 
 def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:

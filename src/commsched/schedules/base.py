@@ -60,6 +60,8 @@ class Schedule:
     mask_link: ClassVar[str] = "primary"
     """The link of the per-step used-mask all-reduce ("control": the default group, when the primary
     carries traffic that must not be waited for at the end of backward)."""
+    compresses: ClassVar[bool] = False
+    """True: the schedule builds sparse reducers when the strategy's `compression` asks for them."""
     skips_steps: ClassVar[bool] = False
     """True: some iterations take no optimizer step (`steps_this_iteration` says how many were taken);
     per-step LR schedulers then follow the optimizer steps, not the iterations."""

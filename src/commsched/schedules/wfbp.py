@@ -8,11 +8,13 @@ would see under DDP.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from commsched.buckets import BucketPlan
-from commsched.links import Links, Pending
+from commsched.links import Links
+from commsched.options import CompressionOptions
 from commsched.reducers import AllReduce
+from commsched.reducers.topk import SparseExchange, TopKAllReduce, selector
 from commsched.schedules.base import Schedule
 from commsched.sim import schedules
 from commsched.sim.network import CostModel
@@ -24,11 +26,22 @@ class WFBPSchedule(Schedule):
     name = "wfbp"
     description = "commsched WFBP: bucketed all-reduce launched during backward"
     step_collectives = ("all_reduce",)
+    compresses = True
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
-        self.reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
-        self._works: list[Optional[Pending]] = [None] * len(plan.buckets)
+        compression = settings if isinstance(settings, CompressionOptions) else CompressionOptions()
+        if compression.method == "none":
+            self.reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
+        else:
+            select = selector(compression.method, compression.samplings)
+            self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback)
+                             for b in plan.buckets]
+        self._works: list[Optional[SparseExchange | Any]] = [None] * len(plan.buckets)
+
+    @classmethod
+    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
+        return options.compression
 
     def _bucket_ready(self, b: int) -> None:
         self._works[b] = self.reducers[b].start(f"bucket{b}")

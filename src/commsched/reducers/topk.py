@@ -1,0 +1,97 @@
+"""A bucket reduced as a sparse top-k exchange ([cloud-topk] §3.2, one node): each rank selects k
+elements of its bucket, every rank gathers every rank's (values, indices) and adds them into a
+zeroed bucket. The capture scaled the gradients by 1/P, so the sum is the average of what was sent.
+
+Error feedback (DESIGN.md §9: the paper cites DGC and does not specify it): what this rank did not
+send stays in its residual, in the bucket's units (gradient / P), and is added to the bucket before
+the next selection, so applied + residual always sums to the dense gradients. The residual is this
+rank's communication state, saved by parameter name (`reducers.base`).
+
+Values and indices travel in one all-gather: float32 values and int32 indices side by side, the
+indices reinterpreted bit for bit as float32 (one latency instead of two on a slow link).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from commsched.buckets import Bucket
+from commsched.compression.mstopk import mstopk
+from commsched.links import Link, Pending
+from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
+
+Selector = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def exact_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk by magnitude: the reference MSTopK approximates."""
+    indices = torch.topk(x.abs(), k, sorted=False).indices
+    return x[indices], indices
+
+
+def selector(method: str, samplings: int) -> Selector:
+    if method == "topk":
+        return exact_topk
+    return lambda x, k: mstopk(x, k, samplings)
+
+
+def k_of(density: float, numel: int) -> int:
+    """Elements a rank sends for a bucket of `numel`: at least one, at most all."""
+    return min(numel, max(1, math.ceil(density * numel))) if numel else 0
+
+
+class SparseExchange:
+    """The all-gather in flight; `wait` adds what every rank sent into the zeroed bucket."""
+
+    def __init__(self, pending: Pending, finish: Callable[[], None]) -> None:
+        self._pending = pending
+        self._finish = finish
+
+    def wait(self) -> None:
+        self._pending.wait()
+        self._finish()
+
+
+class TopKAllReduce(Reducer):
+    kinds = ("residual",)
+
+    def __init__(self, bucket: Bucket, link: Link, density: float, select: Selector, error_feedback: bool = True) -> None:
+        if bucket.buffer.dtype != torch.float32:
+            raise TypeError(f"commsched compression: sparse exchanges carry float32 gradients, this bucket holds {bucket.buffer.dtype}")
+        self.bucket = bucket
+        self.link = link
+        self.k = k_of(density, bucket.buffer.numel())
+        self._select = select
+        self.residual: Optional[torch.Tensor] = torch.zeros_like(bucket.buffer) if error_feedback else None
+        self.kinds = ("residual",) if error_feedback else ()
+        self._mine = torch.empty(2 * self.k, dtype=torch.float32, device=link.device)
+        self._everyone = torch.empty(link.world_size * 2 * self.k, dtype=torch.float32, device=link.device)
+
+    def start(self, tag: str) -> SparseExchange:
+        buffer = self.bucket.buffer
+        if self.residual is not None:
+            buffer.add_(self.residual)
+        values, indices = self._select(buffer, self.k)
+        if self.residual is not None:
+            self.residual.copy_(buffer)
+            self.residual[indices] = 0.0
+        self._mine[: self.k].copy_(values)
+        self._mine[self.k :].copy_(indices.to(torch.int32).view(torch.float32))
+        pending = self.link.all_gather(self._everyone, self._mine, tag)
+        return SparseExchange(pending, self._add_everyones)
+
+    def _add_everyones(self) -> None:
+        sent = self._everyone.view(self.link.world_size, 2, self.k).to(self.bucket.buffer.device)
+        values = sent[:, 0].reshape(-1)
+        indices = sent[:, 1].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        self.bucket.buffer.zero_().index_add_(0, indices, values)
+
+    def state_dict(self) -> ReducerState:
+        return {"residual": by_parameter(self.bucket, self.residual)} if self.residual is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        if self.residual is not None:
+            into_bucket(self.bucket, state.get("residual", {}), self.residual)

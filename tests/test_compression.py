@@ -1,0 +1,197 @@
+"""Sparse exchanges: MSTopK against torch.topk, and wfbp with top-k against a single-process reference
+of the exchange (every rank's selection, residual and the sum of what was sent), written apart from
+the engine."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+import commsched
+from commsched.compression import mstopk
+from conftest import WORKERS, max_abs_diff, per_link, run_worker
+
+
+# ------------------------------------------------------------------ MSTopK
+def heavy_tailed(d: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(d, generator=g) / torch.rand(d, generator=g).clamp_min(1e-3)
+
+
+@pytest.mark.parametrize("d, density", [(1000, 0.01), (100_000, 0.01), (100_000, 0.001), (1_000_000, 0.001), (4096, 0.5)])
+@pytest.mark.parametrize("draw", ["normal", "heavy_tailed"])
+def test_mstopk_returns_exactly_k_unique_indices_and_recalls_topk(d, density, draw):
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(d, generator=g) if draw == "normal" else heavy_tailed(d, g)
+    k = math.ceil(density * d)
+    values, indices = mstopk(x, k)
+    assert indices.numel() == k and indices.unique().numel() == k
+    assert torch.equal(values, x[indices])
+    exact = set(torch.topk(x.abs(), k).indices.tolist())
+    assert len(exact & set(indices.tolist())) / k >= 0.99
+
+
+def test_mstopk_recalls_topk_on_real_gradients():
+    from commsched.models.resnet import ResNet
+
+    torch.manual_seed(0)
+    model = ResNet(18, num_classes=10, cifar_stem=True, width=8)
+    F.cross_entropy(model(torch.randn(16, 3, 16, 16)), torch.randint(0, 10, (16,))).backward()
+    gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    for density in (0.01, 0.001):
+        k = math.ceil(density * gradient.numel())
+        _, indices = mstopk(gradient, k)
+        exact = set(torch.topk(gradient.abs(), k).indices.tolist())
+        assert indices.unique().numel() == k
+        assert len(exact & set(indices.tolist())) / k >= 0.99, density
+
+
+@pytest.mark.parametrize("x, k", [
+    (torch.ones(100), 7),  # every element ties
+    (torch.zeros(100), 7),  # nothing to choose between
+    (torch.cat([torch.full((20,), 5.0), torch.randn(80)]), 7),  # more than k tie at the maximum: no threshold keeps <= k
+    (torch.randn(50), 50),  # k = d
+    (torch.randn(50), 0),  # k = 0
+    (torch.tensor([3.0, -3.0, 1.0, -1.0, 0.5]), 3),  # signs: magnitude counts
+])
+def test_mstopk_edge_cases_give_exactly_k(x, k):
+    values, indices = mstopk(x, k)
+    assert indices.numel() == k and indices.unique().numel() == k
+    assert torch.equal(values, x[indices])
+    others = torch.ones_like(x, dtype=torch.bool)
+    others[indices] = False
+    if k and others.any():  # these are small enough for the bisection to land on the exact k-th magnitude
+        assert x.abs()[indices].min() >= x.abs()[others].max()
+
+
+def test_mstopk_window_moves_with_the_data_and_is_reproducible():
+    ties = torch.ones(1000)
+    first = mstopk(ties, 10)[1]
+    assert torch.equal(first, mstopk(ties.clone(), 10)[1])
+    assert not torch.equal(first, mstopk(ties * 2, 10)[1])
+
+
+def test_bad_compression_values_are_refused_before_spawning():
+    with pytest.raises(commsched.CommSchedConfigError, match="compression.density"):
+        commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", density=0.0))
+    with pytest.raises(commsched.CommSchedConfigError, match="compression.method='gzip'; allowed: one of 'none', 'mstopk', 'topk'"):
+        commsched.WFBPStrategy(compression="gzip")
+    with pytest.raises(commsched.CommSchedConfigError, match="compression.method.*schedule dear"):
+        commsched.DeARStrategy(compression="mstopk")
+    with pytest.raises(commsched.CommSchedConfigError, match="compression.samplings"):
+        commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", samplings=0))
+
+
+# ------------------------------------------------------------ exchanges
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compression")
+    proc = run_worker("run_compression.py", str(out), "2", "topk", "topk-part", "topk-resumed", "topk-no-feedback",
+                      "mstopk", "mstopk-whole", "dense", "dense-from-topk")
+    if proc.returncode != 0:
+        pytest.fail(f"compression runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+
+
+def reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
+    """One process: each rank's gradient / P plus its residual, its k largest magnitudes sent, the
+    rest kept; the sum of what every rank sent is the step's gradient. Returns the final weights and
+    each rank's final residual (the whole model's gradient as one vector: a single bucket)."""
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import BATCH, MLP, data, make_optimizer
+
+    world, compression = result["world"], result["compression"]
+    model = MLP("sgd")
+    model.load_state_dict(result["initial"])
+    configured = make_optimizer("sgd", model.parameters())
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    x, y = data().tensors
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    k = min(numel, max(1, math.ceil(compression["density"] * numel)))
+    shares = []
+    for r in range(world):
+        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
+        sampler.set_epoch(0)
+        shares.append(list(sampler))
+    residuals = [torch.zeros(numel) for _ in range(world)]
+    for t in range(result["steps"]):
+        total = torch.zeros(numel)
+        for r in range(world):
+            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), params)
+            mine = torch.cat([g.reshape(-1) for g in grads]) / world
+            if compression["error_feedback"]:
+                mine = mine + residuals[r]
+            chosen = torch.topk(mine.abs(), k).indices
+            sent = torch.zeros(numel)
+            sent[chosen] = mine[chosen]
+            if compression["error_feedback"]:
+                residuals[r] = mine - sent
+            total += sent
+        offset = 0
+        for p in params:
+            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+        scheduler.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}, residuals
+
+
+def flat_residual(result: dict, params: list[str]) -> torch.Tensor:
+    return torch.cat([result["residuals"][name].reshape(-1) for name in params])
+
+
+@pytest.mark.parametrize("case", ["topk", "topk-no-feedback"])
+def test_topk_exchange_equals_the_single_process_reference(runs, case):
+    result, other = runs(case), runs(case, 1)
+    expected, residuals = reference(result)
+    diff, key = max_abs_diff(expected, result["state"])
+    assert diff <= 1e-5, f"{case}: {diff} at {key}"
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert per_link(result["trace"]) == per_link(other["trace"])
+    gathers = [(op, numel) for link, op, tag, numel, dtype in result["trace"] if tag.startswith("bucket")]
+    assert gathers and all(op == "all_gather" for op, _ in gathers)
+    if case == "topk":
+        names = [n for n, _ in torch.nn.Module.named_parameters(__import__("run_deft").MLP("sgd"))]
+        for rank, run in enumerate((result, other)):
+            assert torch.allclose(flat_residual(run, names), residuals[rank], atol=1e-6)
+            assert flat_residual(run, names).abs().sum() > 0
+    else:
+        assert result["residuals"] == {}
+
+
+def test_error_feedback_changes_the_result(runs):
+    assert max_abs_diff(runs("topk")["state"], runs("topk-no-feedback")["state"])[0] > 1e-4
+
+
+def test_density_one_equals_a_dense_all_reduce(runs):
+    assert max_abs_diff(runs("mstopk-whole")["state"], runs("dense")["state"])[0] <= 1e-6
+
+
+def test_mstopk_keeps_ranks_identical_and_sends_k_per_rank(runs):
+    result, other = runs("mstopk"), runs("mstopk", 1)
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert max_abs_diff(result["state"], result["initial"])[0] > 1e-3  # it trained
+    numel = sum(v.numel() for v in result["initial"].values())
+    k = math.ceil(0.05 * numel)
+    sent = {numel_ for link, op, tag, numel_, dtype in result["trace"] if tag.startswith("bucket")}
+    assert sent == {2 * 2 * k}  # 2 ranks x (k values + k indices)
+
+
+def test_resumed_run_with_residuals_equals_uninterrupted(runs):
+    for rank in (0, 1):
+        whole, resumed = runs("topk", rank), runs("topk-resumed", rank)
+        assert max_abs_diff(whole["state"], resumed["state"])[0] == 0.0
+        assert set(whole["residuals"]) == set(resumed["residuals"])
+        for name in whole["residuals"]:
+            assert torch.equal(whole["residuals"][name], resumed["residuals"][name])
+
+
+def test_a_dense_run_refuses_a_checkpoint_with_residuals(runs):
+    refused = runs("dense-from-topk")["refused"]
+    assert "residual" in refused

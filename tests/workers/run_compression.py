@@ -1,0 +1,74 @@
+"""wfbp runs with sparse exchanges, for the single-process reference in test_compression.py.
+
+Usage: python run_compression.py OUT_DIR WORLD_SIZE CASE [CASE ...]
+
+The model and data are run_deft's (a small MLP on fixed data without shuffling, one bucket), so the
+test can recompute every rank's gradient of every step in one process. Each rank writes
+OUT_DIR/<case>.rank<r>.pt: initial and final weights, the collective trace, its residuals.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import commsched
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from run_deft import MLP, SEED
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*Checkpoint directory.*exists.*")
+
+CASES = {
+    # name: (compression, steps, resume_from)
+    "topk": (commsched.CompressionOptions(method="topk", density=0.1), 12, None),
+    "topk-part": (commsched.CompressionOptions(method="topk", density=0.1), 5, None),
+    "topk-resumed": (commsched.CompressionOptions(method="topk", density=0.1), 12, "topk-part"),
+    "topk-no-feedback": (commsched.CompressionOptions(method="topk", density=0.1, error_feedback=False), 12, None),
+    "mstopk": (commsched.CompressionOptions(method="mstopk", density=0.05), 12, None),
+    "mstopk-whole": (commsched.CompressionOptions(method="mstopk", density=1.0), 12, None),
+    "dense": (None, 12, None),
+    "dense-from-topk": (None, 12, "topk-part"),  # a dense run cannot take residuals: refused, not dropped
+}
+
+
+def fit(out: Path, name: str, world: int) -> None:
+    compression, steps, resume_from = CASES[name]
+    pl.seed_everything(SEED, verbose=False)
+    model = MLP("sgd")
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    strategy = commsched.WFBPStrategy(compression=compression, trace_collectives=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out / name,
+                         callbacks=[ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)])
+    ckpt = str(out / f"{resume_from}-ckpt" / f"epoch=0-step={CASES[resume_from][1]}.ckpt") if resume_from else None
+    try:
+        trainer.fit(model, ckpt_path=ckpt)
+    except commsched.CommSchedConfigError as error:
+        torch.save({"refused": str(error)}, out / f"{name}.rank{trainer.global_rank}.pt")
+        return
+    schedule = trainer.strategy.last_schedule
+    residuals = {name: tensor for reducer in schedule.reducers for name, tensor in reducer.state_dict().get("residual", {}).items()}
+    result = {
+        "initial": initial,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
+        "residuals": residuals,
+        "steps": steps,
+        "world": world,
+        "seed": SEED,
+        "compression": vars(compression) if compression is not None else None,
+    }
+    torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    out_dir, world_size = Path(sys.argv[1]), int(sys.argv[2])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for case in sys.argv[3:]:
+        fit(out_dir, case, world_size)
