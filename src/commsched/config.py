@@ -16,9 +16,7 @@ from omegaconf import OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
-from commsched.checks import refuse_compression
 from commsched.plugins import schedule_names
-from commsched.registry import SCHEDULES
 from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
@@ -136,6 +134,9 @@ def validate(cfg: Any) -> None:
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
     if str(cfg.schedule.name) != "ddp":
+        from commsched.checks import refuse_compression  # torch: only once a run is composed, never for --help
+        from commsched.registry import SCHEDULES
+
         refuse_compression(cfg.compression, SCHEDULES[str(cfg.schedule.name)])
     elif cfg.compression.method != "none":
         raise bad_value("compression.method", cfg.compression.method, "none with schedule=ddp (Lightning's DDP all-reduces "

@@ -177,20 +177,27 @@ def main() -> None:
                 "wire_mb": best[s][2] / 1e6 if best[s][2] == best[s][2] else None,  # this rank, per step (ddp: not counted)
                 "rounds_ms": [step * 1e3 for step, _, _ in rounds[s]],
                 # deft's delayed updates are another trajectory by design: not compared
-                "weights_vs_ddp": _max_difference(final[s], final["ddp"]) if "ddp" in final and not s.startswith("deft") else None,
+                "weights_vs_ddp": _max_difference(final[s], final[ddp]) if ddp in final and not s.startswith("deft") else None,
                 "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
-                "speedup_vs_ddp": measured["ddp"] / measured[s] if "ddp" in measured else None,
+                "speedup_vs_ddp": measured[ddp] / measured[s] if ddp in measured else None,
                 # round by round (the schedules ran interleaved): the median ratio, steadier than best against best
-                "median_speedup_vs_ddp": statistics.median(d[0] / r[0] for d, r in zip(rounds["ddp"], rounds[s])) if "ddp" in rounds else None,
+                "median_speedup_vs_ddp": statistics.median(d[0] / r[0] for d, r in zip(rounds[ddp], rounds[s])) if ddp in rounds else None,
                 "theoretical_ms": theory[base] * 1e3 if base in theory else None,  # ddp: not ours to bound
                 "measured_over_theoretical": measured[s] / theory[base] if base in theory else None,
                 "predicted_ms": predicted[base] * 1e3 if base in predicted else None,
                 "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
-            } for s, base in ((s, s.partition("+")[0]) for s in spec["schedules"])],
+            } for s, base, ddp in ((s, s.partition("+")[0], _ddp_beside(s, rounds)) for s in spec["schedules"])],
         })
     end_process_group()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def _ddp_beside(schedule: str, rounds: dict) -> str:
+    """The ddp run each schedule is compared with: with the same user callback (`ddp+clock` for
+    `dear+clock`) where one ran, else plain `ddp`."""
+    _, plus, user = schedule.partition("+")
+    return f"ddp+{user}" if plus and f"ddp+{user}" in rounds else "ddp"
 
 
 if __name__ == "__main__":
