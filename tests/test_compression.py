@@ -195,3 +195,114 @@ def test_resumed_run_with_residuals_equals_uninterrupted(runs):
 def test_a_dense_run_refuses_a_checkpoint_with_residuals(runs):
     refused = runs("dense-from-topk")["refused"]
     assert "residual" in refused
+
+
+# ------------------------------------------------------- two-level (HiTopKComm) on 2 nodes x 2 workers
+from commsched import netns  # noqa: E402
+
+needs_root = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=f"no emulated cluster here: {netns.unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    import subprocess
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("hierarchical")
+    command = [str(Path(sys.executable).parent / "commsched-cluster"), "--nodes", "2", "--workers-per-node", "2", "--rate", "1gbit",
+               "--", sys.executable, str(WORKERS / "run_hierarchical.py"), str(out), "2", "2",
+               "flat-dense", "hier-dense", "hier-topk", "hier-mstopk"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=WORKERS)
+    if proc.returncode != 0:
+        pytest.fail(f"two-node runs failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}")
+    return lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+
+
+def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
+    """One process, 4 ranks on 2 nodes: each node sums its ranks' gradients / P per shard (the shard
+    of local rank j is the j-th half of the padded bucket), adds that rank's residual, sends its k
+    largest magnitudes; the shards' sums over nodes make the step's gradient."""
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import BATCH, MLP, data, make_optimizer
+
+    world, nodes, compression = result["world"], result["nodes"], result["compression"]
+    per_node = world // nodes
+    names, padded, buckets = result["layout"]
+    assert buckets == 1
+    model = MLP("sgd")
+    model.load_state_dict(result["initial"])
+    configured = make_optimizer("sgd", model.parameters())
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    by_name = dict(model.named_parameters())
+    ordered = [by_name[n] for n in names]
+    x, y = data().tensors
+    shares = []
+    for r in range(world):
+        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
+        sampler.set_epoch(0)
+        shares.append(list(sampler))
+    shard = padded // per_node
+    k = min(shard, max(1, math.ceil(compression["density"] * shard)))
+    residuals = [torch.zeros(shard) for _ in range(world)]
+    for t in range(result["steps"]):
+        flats = []
+        for r in range(world):
+            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), ordered)
+            flat = torch.zeros(padded)
+            flat[:sum(p.numel() for p in ordered)] = torch.cat([g.reshape(-1) for g in grads]) / world
+            flats.append(flat)
+        total = torch.zeros(padded)
+        for node in range(nodes):
+            for j in range(per_node):
+                part = sum(flats[node * per_node + l][j * shard:(j + 1) * shard] for l in range(per_node))
+                rank = node * per_node + j
+                part = part + residuals[rank]
+                chosen = torch.topk(part.abs(), k).indices
+                sent = torch.zeros(shard)
+                sent[chosen] = part[chosen]
+                residuals[rank] = part - sent
+                total[j * shard:(j + 1) * shard] += sent
+        offset = 0
+        for p in ordered:
+            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+        scheduler.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}, residuals
+
+
+@needs_root
+def test_the_dense_two_level_all_reduce_equals_the_flat_one(two_nodes):
+    for rank in range(4):
+        assert max_abs_diff(two_nodes("hier-dense", rank)["state"], two_nodes("flat-dense", rank)["state"])[0] <= 1e-5
+    ops = {(link, op) for link, op, tag, *_ in two_nodes("hier-dense")["trace"] if tag.startswith("bucket")}
+    assert ops == {("intra", "reduce_scatter"), ("inter", "all_reduce"), ("intra", "all_gather")}
+
+
+@needs_root
+def test_hitopkcomm_equals_the_single_process_reference(two_nodes):
+    result = two_nodes("hier-topk")
+    expected, residuals = hierarchical_reference(result)
+    diff, key = max_abs_diff(expected, result["state"])
+    assert diff <= 1e-5, f"{diff} at {key}"
+    names, padded, _ = result["layout"]
+    for rank in range(4):
+        mine = two_nodes("hier-topk", rank)
+        assert max_abs_diff(mine["state"], result["state"])[0] == 0.0
+        assert per_link(mine["trace"]) == per_link(result["trace"])
+        whole = torch.zeros(padded)
+        whole[:sum(mine["residuals"][n].numel() for n in names)] = torch.cat([mine["residuals"][n].reshape(-1) for n in names])
+        local = rank % 2
+        assert torch.allclose(whole.view(2, -1)[local], residuals[rank], atol=1e-6)
+        assert whole.view(2, -1)[1 - local].abs().sum() == 0  # a rank keeps the residual of its own shard only
+    ops = {(link, op) for link, op, tag, *_ in result["trace"] if tag.startswith("bucket")}
+    assert ops == {("intra", "reduce_scatter"), ("inter", "all_gather"), ("intra", "all_gather")}
+
+
+@needs_root
+def test_hierarchical_mstopk_keeps_every_rank_identical(two_nodes):
+    first = two_nodes("hier-mstopk")
+    assert max_abs_diff(first["state"], first["initial"])[0] > 1e-3
+    for rank in range(1, 4):
+        assert max_abs_diff(two_nodes("hier-mstopk", rank)["state"], first["state"])[0] == 0.0

@@ -50,6 +50,9 @@ def refuse_optimizers(optimizers: list[Any], name: str) -> None:
 
 def refuse_compression(compression: Any, schedule: Any) -> None:
     """Sparse exchanges only where the schedule builds them (`Schedule.compresses`), refused at construction."""
+    if compression.hierarchical and not schedule.compresses:
+        raise bad_value("compression.hierarchical", compression.hierarchical, f"None or False with schedule {schedule.name}: "
+                        "the two-level exchange runs on wfbp")
     if compression.method != "none" and not schedule.compresses:
         raise bad_value("compression.method", compression.method,
                         f"none with schedule {schedule.name}: sparse exchanges run on wfbp (strategy=\"topk\" is wfbp "

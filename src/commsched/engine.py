@@ -61,7 +61,7 @@ class Engine:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
         `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
         processes per node (the sub-group links: one group per node, one per local rank)."""
-        log.debug(f"commsched: creating links {self.schedule_class.links_used}")
+        log.debug(f"commsched: creating links {self.schedule_class.links_for(self.settings)}")
         if self.trace is not None:
             self.trace.clear()
         self.links = Links(self._link_specs(default_backend, world_size, per_node), timeout, self.trace, device)
@@ -84,7 +84,8 @@ class Engine:
         primary's backend and interface."""
         o = self._link_options
         secondary_ifname = o.secondary_ifname or os.environ.get(SECONDARY_IFNAME_ENV) or None
-        if "secondary" in self.schedule_class.links_used and secondary_ifname is None:
+        names = self.schedule_class.links_for(self.settings)
+        if "secondary" in names and secondary_ifname is None:
             say("commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
                            "the secondary link is a second gloo group on the primary's network")
         primary = o.primary_backend or default_backend
@@ -92,7 +93,7 @@ class Engine:
                  "secondary": LinkSpec("secondary", o.secondary_backend, secondary_ifname),
                  "intra": LinkSpec("intra", primary, o.primary_ifname, groups=node_groups(world_size, per_node)),
                  "inter": LinkSpec("inter", primary, o.primary_ifname, groups=local_rank_groups(world_size, per_node))}
-        return [specs[name] for name in self.schedule_class.links_used]  # names checked by register_schedule
+        return [specs[name] for name in names]  # names checked by register_schedule
 
     def build(self, module: nn.Module, world_size: int) -> None:
         assert self.links is not None

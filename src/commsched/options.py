@@ -274,6 +274,11 @@ class CompressionOptions:
     torch.topk, the exact selection it approximates; "none": dense all-reduce."""
     density: float = option(0.01, density_value)
     """The share of each bucket's elements a rank sends (0 < density <= 1; at least one element)."""
+    hierarchical: Optional[bool] = option(None, optional(flag))
+    """Reduce each bucket node first (HiTopKComm; with method "none" the dense two-level all-reduce):
+    a reduce-scatter inside each node, the shard combined across nodes among the ranks of the same
+    local rank, an all-gather inside the node. None: for sparse methods when the run has more than
+    one node (dense runs stay flat unless True)."""
     samplings: int = option(30, positive_int)
     """MSTopK's threshold bisection rounds (the paper's N)."""
     error_feedback: bool = option(True, flag)

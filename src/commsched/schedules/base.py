@@ -148,6 +148,11 @@ class Schedule:
         self.flush()
 
     @classmethod
+    def links_for(cls, settings: Any) -> tuple[str, ...]:
+        """The links this schedule needs with these settings (default: `links_used`)."""
+        return cls.links_used
+
+    @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
         """Schedule-specific settings built from the strategy's options and the Trainer (None: none)."""
         return None

@@ -8,12 +8,14 @@ would see under DDP.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 from commsched.buckets import BucketPlan
 from commsched.links import Links
 from commsched.options import CompressionOptions
 from commsched.reducers import AllReduce
+from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.reducers.topk import SparseExchange, TopKAllReduce, selector
 from commsched.schedules.base import Schedule
 from commsched.sim import schedules
@@ -31,17 +33,32 @@ class WFBPSchedule(Schedule):
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
         compression = settings if isinstance(settings, CompressionOptions) else CompressionOptions()
-        if compression.method == "none":
-            self.reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
-        else:
-            select = selector(compression.method, compression.samplings)
+        sparse = compression.method != "none"
+        select = selector(compression.method, compression.samplings) if sparse else None
+        if compression.hierarchical:
+            intra, inter = links["intra"], links["inter"]
+            self.reducers = [HierarchicalReduce(b, intra, inter, compression.density if sparse else None, select,
+                                                compression.error_feedback) for b in plan.buckets]
+        elif sparse:
             self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback)
                              for b in plan.buckets]
+        else:
+            self.reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
         self._works: list[Optional[SparseExchange | Any]] = [None] * len(plan.buckets)
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
-        return options.compression
+        """The compression options, `hierarchical` resolved: by default, sparse exchanges go node first
+        when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked."""
+        compression = options.compression
+        if compression.hierarchical is None:
+            compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and trainer.num_nodes > 1)
+        return compression
+
+    @classmethod
+    def links_for(cls, settings: Any) -> tuple[str, ...]:
+        hierarchical = isinstance(settings, CompressionOptions) and bool(settings.hierarchical)
+        return (*cls.links_used, "intra", "inter") if hierarchical else cls.links_used
 
     def _bucket_ready(self, b: int) -> None:
         self._works[b] = self.reducers[b].start(f"bucket{b}")

@@ -1,0 +1,89 @@
+"""A bucket reduced in two levels, node first ([cloud-topk] §3.2, HiTopKComm; DESIGN.md §9).
+
+On m nodes of n workers: (1) a reduce-scatter among the node's n ranks (fast links) leaves each
+worker the node's sum of one n-th of the bucket, its shard; (2) the shard is combined across nodes
+among the m ranks of the same local rank, over the slow network: densely by an all-reduce (the
+paper's strong 2D baseline), or sparsely: MSTopK on the shard plus its residual, an all-gather of
+(values, indices) and a scatter-add into the zeroed shard; (3) an all-gather among the node's ranks
+puts every shard back into the bucket. The capture scaled by 1/P: the result is the average.
+
+Every stage is requested on the training thread when the bucket is ready, each `after=` the one
+before, so each link issues them in the same order on every rank; the selection and the
+scatter-add run as continuations of the stage they follow. The residual lives on the shard (where
+the selection happens) and is kept by parameter name over the whole bucket (zeros outside the
+shard), so a checkpoint holds it with every other rank's state.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from commsched.buckets import Bucket
+from commsched.links import Link, Pending
+from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
+from commsched.reducers.sharded import ShardedReduce
+from commsched.reducers.topk import Selector, k_of
+
+
+class HierarchicalReduce(Reducer):
+    def __init__(self, bucket: Bucket, intra: Link, inter: Link, density: Optional[float] = None,
+                 select: Optional[Selector] = None, error_feedback: bool = True) -> None:
+        """`density` None: the dense two-level all-reduce; else HiTopKComm with `select`."""
+        self.bucket = bucket
+        self.intra, self.inter = intra, inter
+        self._node = ShardedReduce(bucket.buffer, intra)
+        shard = self._node.shard
+        self.sparse = density is not None
+        self.kinds: tuple[str, ...] = ("residual",) if self.sparse and error_feedback else ()
+        self.residual: Optional[torch.Tensor] = torch.zeros_like(shard) if self.kinds else None
+        if self.sparse:
+            assert select is not None
+            self._select = select
+            self.k = k_of(density, shard.numel())
+            self._mine = torch.empty(2 * self.k, dtype=torch.float32, device=inter.device)
+            self._everyone = torch.empty(inter.world_size * 2 * self.k, dtype=torch.float32, device=inter.device)
+
+    def start(self, tag: str) -> Pending:
+        scattered = self._node.scatter(tag)
+        if self.sparse:
+            scattered.then(self._select_from_shard)
+            across = self.inter.all_gather(self._everyone, self._mine, tag, after=scattered).then(self._add_everyones)
+        else:
+            across = self.inter.all_reduce(self._node.shard, tag, after=scattered)
+        return self._node.gather(tag, after=across)
+
+    def _select_from_shard(self) -> None:
+        shard = self._node.shard
+        if self.residual is not None:
+            shard.add_(self.residual)
+        values, indices = self._select(shard, self.k)
+        if self.residual is not None:
+            self.residual.copy_(shard)
+            self.residual[indices] = 0.0
+        self._mine[: self.k].copy_(values)
+        self._mine[self.k :].copy_(indices.to(torch.int32).view(torch.float32))
+
+    def _add_everyones(self) -> None:
+        sent = self._everyone.view(self.inter.world_size, 2, self.k)
+        values = sent[:, 0].reshape(-1)
+        indices = sent[:, 1].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        self._node.shard.zero_().index_add_(0, indices.to(self._node.shard.device), values.to(self._node.shard.device))
+
+    def _whole(self) -> torch.Tensor:
+        """The residual placed at this rank's shard of a bucket-sized tensor."""
+        whole = torch.zeros_like(self.bucket.buffer)
+        assert self.residual is not None
+        whole.view(self.intra.world_size, -1)[self.intra.rank].copy_(self.residual)
+        return whole
+
+    def state_dict(self) -> ReducerState:
+        return {"residual": by_parameter(self.bucket, self._whole())} if self.residual is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        if self.residual is None:
+            return
+        whole = torch.zeros_like(self.bucket.buffer)
+        into_bucket(self.bucket, state.get("residual", {}), whole)
+        self.residual.copy_(whole.view(self.intra.world_size, -1)[self.intra.rank])

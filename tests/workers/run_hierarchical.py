@@ -1,0 +1,60 @@
+"""wfbp with two-level exchanges on a real multi-node run, for the reference in test_compression.py.
+
+Usage (every node runs it, e.g. under commsched-cluster): python run_hierarchical.py OUT_DIR NUM_NODES DEVICES CASE [CASE ...]
+
+run_deft's MLP and data, one bucket. Every global rank writes OUT_DIR/<case>.rank<r>.pt: initial
+and final weights, its residuals, the bucket's parameter order and padded size, the collective trace.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import commsched
+import lightning.pytorch as pl
+
+from run_deft import MLP, SEED
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+STEPS = 10
+CASES = {
+    "flat-dense": None,
+    "hier-dense": commsched.CompressionOptions(method="none", hierarchical=True),
+    "hier-topk": commsched.CompressionOptions(method="topk", density=0.1),  # hierarchical by default on 2 nodes
+    "hier-mstopk": commsched.CompressionOptions(method="mstopk", density=0.1),
+}
+
+
+def fit(out: Path, name: str, nodes: int, devices: int) -> None:
+    pl.seed_everything(SEED, verbose=False)
+    model = MLP("sgd")
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    strategy = commsched.WFBPStrategy(compression=CASES[name], trace_collectives=True)
+    trainer = pl.Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(model)
+    schedule = trainer.strategy.last_schedule
+    bucket = schedule.plan.buckets[0]
+    torch.save({
+        "initial": initial,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "residuals": {n: t for r in schedule.reducers for n, t in r.state_dict().get("residual", {}).items()},
+        "layout": (list(bucket.names), bucket.buffer.numel(), len(schedule.plan.buckets)),
+        "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
+        "steps": STEPS, "world": trainer.world_size, "nodes": nodes, "seed": SEED,
+        "compression": vars(CASES[name]) if CASES[name] is not None else None,
+    }, out / f"{name}.rank{trainer.global_rank}.pt")
+    if trainer.global_rank == 0:
+        print(f"run_hierarchical: {name} done, world size {trainer.world_size}", flush=True)
+
+
+if __name__ == "__main__":
+    out_dir, num_nodes, per_node = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for case in sys.argv[4:]:
+        fit(out_dir, case, num_nodes, per_node)
