@@ -284,6 +284,12 @@ class CompressionOptions:
     error_feedback: bool = option(True, flag)
     """Keep what a rank did not send (its residual) and add it before the next selection. Without it
     the unsent gradient is lost every step and training converges worse."""
+    dense_warmup_steps: int = option(0, non_negative_int)
+    """The first optimizer steps exchange dense gradients (early training is the most sensitive)."""
+    dense_final_steps: int = option(0, non_negative_int)
+    """The last optimizer steps of the run (`Trainer.estimated_stepping_batches`) are dense again: the
+    paper kept its last epochs dense because top-k cost accuracy there. Entering a dense phase, each
+    rank's residual joins that step's gradient, so nothing kept back is lost."""
 
 
 def compression_from(compression: Any) -> CompressionOptions:

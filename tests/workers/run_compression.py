@@ -31,6 +31,7 @@ CASES = {
     "topk-resumed": (commsched.CompressionOptions(method="topk", density=0.1), 12, "topk-part"),
     "topk-no-feedback": (commsched.CompressionOptions(method="topk", density=0.1, error_feedback=False), 12, None),
     "mstopk": (commsched.CompressionOptions(method="mstopk", density=0.05), 12, None),
+    "topk-dense-phases": (commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=3, dense_final_steps=3), 12, None),
     "mstopk-whole": (commsched.CompressionOptions(method="mstopk", density=1.0), 12, None),
     "dense": (None, 12, None),
     "dense-from-topk": (None, 12, "topk-part"),  # a dense run cannot take residuals: refused, not dropped

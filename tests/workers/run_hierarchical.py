@@ -27,6 +27,7 @@ CASES = {
     "hier-dense": commsched.CompressionOptions(method="none", hierarchical=True),
     "hier-topk": commsched.CompressionOptions(method="topk", density=0.1),  # hierarchical by default on 2 nodes
     "hier-mstopk": commsched.CompressionOptions(method="mstopk", density=0.1),
+    "hier-topk-phases": commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=2, dense_final_steps=3),
 }
 
 

@@ -44,15 +44,26 @@ class HierarchicalReduce(Reducer):
             self.k = k_of(density, shard.numel())
             self._mine = torch.empty(2 * self.k, dtype=torch.float32, device=inter.device)
             self._everyone = torch.empty(inter.world_size * 2 * self.k, dtype=torch.float32, device=inter.device)
+        self.dense = False
+        """A dense phase of a sparse exchange: the shard all-reduced across nodes, the residual added once."""
 
     def start(self, tag: str) -> Pending:
         scattered = self._node.scatter(tag)
-        if self.sparse:
+        if self.sparse and self.dense:
+            if self.residual is not None:
+                scattered.then(self._empty_residual_into_shard)
+            across = self.inter.all_reduce(self._node.shard, tag, after=scattered)
+        elif self.sparse:
             scattered.then(self._select_from_shard)
             across = self.inter.all_gather(self._everyone, self._mine, tag, after=scattered).then(self._add_everyones)
         else:
             across = self.inter.all_reduce(self._node.shard, tag, after=scattered)
         return self._node.gather(tag, after=across)
+
+    def _empty_residual_into_shard(self) -> None:
+        assert self.residual is not None
+        self._node.shard.add_(self.residual)
+        self.residual.zero_()
 
     def _select_from_shard(self) -> None:
         shard = self._node.shard

@@ -21,6 +21,7 @@ import torch
 from commsched.buckets import Bucket
 from commsched.compression.mstopk import mstopk
 from commsched.links import Link, Pending
+from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
 
 Selector = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -69,11 +70,19 @@ class TopKAllReduce(Reducer):
         self.kinds = ("residual",) if error_feedback else ()
         self._mine = torch.empty(2 * self.k, dtype=torch.float32, device=link.device)
         self._everyone = torch.empty(link.world_size * 2 * self.k, dtype=torch.float32, device=link.device)
+        self.dense = False
+        """A dense phase (`CompressionOptions.dense_warmup_steps`, `dense_final_steps`): all-reduce the
+        bucket, the residual added to it once and emptied."""
+        self._dense = AllReduce(bucket.buffer, link)
 
-    def start(self, tag: str) -> SparseExchange:
+    def start(self, tag: str) -> SparseExchange | Pending:
         buffer = self.bucket.buffer
         if self.residual is not None:
             buffer.add_(self.residual)
+        if self.dense:
+            if self.residual is not None:
+                self.residual.zero_()
+            return self._dense.start(tag)
         values, indices = self._select(buffer, self.k)
         if self.residual is not None:
             self.residual.copy_(buffer)

@@ -9,6 +9,8 @@ would see under DDP.
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from commsched.buckets import BucketPlan
@@ -22,6 +24,17 @@ from commsched.sim import schedules
 from commsched.sim.network import CostModel
 from commsched.sim.schedules import Buckets, Result
 from commsched.sim.workload import Workload
+from commsched.say import say
+
+
+@dataclass
+class WFBPSettings:
+    """What the strategy hands WFBP: how buckets are exchanged, and where the run is."""
+
+    compression: CompressionOptions = field(default_factory=CompressionOptions)
+    """`hierarchical` resolved (never None here)."""
+    progress: Callable[[], tuple[int, float]] = lambda: (0, math.inf)
+    """(optimizer steps taken, steps the run will take): where the dense phases of a sparse exchange are."""
 
 
 class WFBPSchedule(Schedule):
@@ -32,7 +45,9 @@ class WFBPSchedule(Schedule):
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
-        compression = settings if isinstance(settings, CompressionOptions) else CompressionOptions()
+        self.settings: WFBPSettings = settings if isinstance(settings, WFBPSettings) else WFBPSettings()
+        compression = self.settings.compression
+        self._dense_phase: Optional[bool] = None
         sparse = compression.method != "none"
         select = selector(compression.method, compression.samplings) if sparse else None
         if compression.hierarchical:
@@ -53,12 +68,28 @@ class WFBPSchedule(Schedule):
         compression = options.compression
         if compression.hierarchical is None:
             compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and trainer.num_nodes > 1)
-        return compression
+        return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches))
 
     @classmethod
     def links_for(cls, settings: Any) -> tuple[str, ...]:
-        hierarchical = isinstance(settings, CompressionOptions) and bool(settings.hierarchical)
+        hierarchical = isinstance(settings, WFBPSettings) and bool(settings.compression.hierarchical)
         return (*cls.links_used, "intra", "inter") if hierarchical else cls.links_used
+
+    def at_boundary(self) -> None:
+        """A sparse exchange's dense phases begin and end at iteration starts (every rank at the same step)."""
+        compression = self.settings.compression
+        if compression.method == "none" or not (compression.dense_warmup_steps or compression.dense_final_steps):
+            return None
+        step, total = self.settings.progress()
+        dense = step < compression.dense_warmup_steps or step >= total - compression.dense_final_steps
+        if dense != self._dense_phase:
+            if self._dense_phase is not None or dense:
+                say(f"commsched wfbp: step {step}: {'dense all-reduce' if dense else f'{compression.method} at density {compression.density:g}'}"
+                    + (" (residuals join this step's gradient)" if dense and self._dense_phase is False and compression.error_feedback else ""))
+            self._dense_phase = dense
+            for reducer in self.reducers:
+                reducer.dense = dense  # type: ignore[attr-defined]
+        return None
 
     def _bucket_ready(self, b: int) -> None:
         self._works[b] = self.reducers[b].start(f"bucket{b}")
