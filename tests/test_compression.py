@@ -94,7 +94,12 @@ def runs(tmp_path_factory):
                       "mstopk", "topk-dense-phases", "mstopk-whole", "dense", "dense-from-topk")
     if proc.returncode != 0:
         pytest.fail(f"compression runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+    alone = run_worker("run_compression.py", str(out), "3", "topk-resharded")
+    if alone.returncode != 0:
+        pytest.fail(f"the three-process resume failed:\n{alone.stdout[-3000:]}\n{alone.stderr[-6000:]}")
+    load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
+    load.said = proc.stdout + proc.stderr + alone.stdout + alone.stderr
+    return load
 
 
 def reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
@@ -196,9 +201,29 @@ def test_resumed_run_with_residuals_equals_uninterrupted(runs):
             assert torch.equal(whole["residuals"][name], resumed["residuals"][name])
 
 
-def test_a_dense_run_refuses_a_checkpoint_with_residuals(runs):
-    refused = runs("dense-from-topk")["refused"]
-    assert "residual" in refused
+def test_a_dense_run_resumed_from_a_compressed_one_applies_its_residuals(runs):
+    """Steps 0-4 top-k with error feedback, then dense from the checkpoint: what the ranks still owed
+    joins step 5's gradient, as the reference's dense phase does."""
+    resumed = runs("dense-from-topk")
+    assert "refused" not in resumed
+    expected, _ = reference({**resumed, "compression": {"density": 0.1, "error_feedback": True, "dense_final_steps": 7}})
+    assert max_abs_diff(expected, resumed["state"])[0] <= 1e-5
+    dropped, _ = reference({**resumed, "compression": {"density": 0.1, "error_feedback": False, "dense_final_steps": 7}})
+    assert max_abs_diff(dropped, resumed["state"])[0] > 1e-4  # the residuals mattered
+    assert "residuals join the first step's gradient" in runs.said
+
+
+def test_a_resume_at_another_world_size_keeps_the_residuals_sum(runs):
+    """Written by 2 processes, resumed by 3 (no step taken): each new rank holds a third of the sum."""
+    parts = [runs("topk-part", rank)["residuals"] for rank in (0, 1)]
+    now = [runs("topk-resharded", rank)["residuals"] for rank in (0, 1, 2)]
+    assert set(now[0]) == set(parts[0])
+    for name in parts[0]:
+        owed = parts[0][name] + parts[1][name]
+        assert owed.abs().sum() > 0
+        assert torch.allclose(now[0][name] + now[1][name] + now[2][name], owed, atol=1e-6)
+        assert torch.allclose(now[2][name], owed / 3, atol=1e-7)
+    assert "re-sharded over 3" in runs.said
 
 
 # ------------------------------------------------------- two-level (HiTopKComm) on 2 nodes x 2 workers

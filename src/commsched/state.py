@@ -77,7 +77,8 @@ class Restored:
         per_rank = saved.get("per_rank")
         saved_world = saved.get("world_size")
         same_world = saved_world in (None, world_size)
-        if not same_world and per_rank is not None and any(has_tensors(state) for state in per_rank):
+        resharded = summed_residuals(per_rank) if not same_world and per_rank is not None else None
+        if not same_world and per_rank is not None and any(has_tensors(state) for state in per_rank) and resharded is None:
             raise CommSchedConfigError(
                 f"commsched: this checkpoint was written by {saved_world} processes and holds per-rank communication "
                 f"state of schedule '{saved.get('schedule')}' (delayed gradients or residuals that differ per rank); "
@@ -95,6 +96,29 @@ class Restored:
         self.plan: Any = saved.get("plan") if same_world else None
         self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
         self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}
+        if resharded and same_schedule:
+            say(f"commsched: the checkpoint's error-feedback residuals of {saved_world} processes are re-sharded over "
+                f"{world_size}: their sum is kept, each rank takes its share")
+            self.mine = {"reducers": {RESIDUAL_TOTAL: resharded}}
+
+
+RESIDUAL_TOTAL = "residual_total"
+"""Every old rank's residuals summed, per parameter name: what a resume at another world size hands each rank."""
+
+
+def summed_residuals(per_rank: list[Any]) -> Optional[dict[str, torch.Tensor]]:
+    """The sum over ranks of the reducers' residuals, when they are the only tensors of the per-rank
+    state (None otherwise: other state cannot be re-sharded). Error feedback only needs their sum
+    to be kept: it is what the ranks together still owe the model."""
+    total: dict[str, torch.Tensor] = {}
+    for state in per_rank:
+        state = state or {}
+        reducers = state.get("reducers", {})
+        if has_tensors({k: v for k, v in state.items() if k != "reducers"}) or set(reducers) - {"residual"}:
+            return None
+        for name, tensor in reducers.get("residual", {}).items():
+            total[name] = total[name] + tensor if name in total else tensor.clone()
+    return total
 
 
 def refuse_unknown(schedule: str, state: dict[str, Any], known: Iterable[str]) -> None:

@@ -34,7 +34,9 @@ CASES = {
     "topk-dense-phases": (commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=3, dense_final_steps=3), 12, None),
     "mstopk-whole": (commsched.CompressionOptions(method="mstopk", density=1.0), 12, None),
     "dense": (None, 12, None),
-    "dense-from-topk": (None, 12, "topk-part"),  # a dense run cannot take residuals: refused, not dropped
+    "dense-from-topk": (None, 12, "topk-part"),  # a dense run takes the residuals into its first step
+    # run by three processes: resumes the 2-process checkpoint (no step taken), its residuals re-sharded
+    "topk-resharded": (commsched.CompressionOptions(method="topk", density=0.1), 5, "topk-part"),
 }
 
 

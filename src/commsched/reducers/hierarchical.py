@@ -93,8 +93,16 @@ class HierarchicalReduce(Reducer):
         return {"residual": by_parameter(self.bucket, self._whole())} if self.residual is not None else {}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        self._load_whole(state.get("residual", {}), 1)
+
+    def load_total(self, total: Mapping[str, torch.Tensor]) -> None:
+        """Every old rank's residuals summed (a resume at another world size): a shard's residual is
+        owed once per node, so each rank takes its shard of the sum over the number of nodes."""
+        self._load_whole(total, self.inter.world_size)
+
+    def _load_whole(self, saved: Mapping[str, torch.Tensor], share: int) -> None:
         if self.residual is None:
             return
         whole = torch.zeros_like(self.bucket.buffer)
-        into_bucket(self.bucket, state.get("residual", {}), whole)
-        self.residual.copy_(whole.view(self.intra.world_size, -1)[self.intra.rank])
+        into_bucket(self.bucket, saved, whole)
+        self.residual.copy_(whole.view(self.intra.world_size, -1)[self.intra.rank]).div_(share)

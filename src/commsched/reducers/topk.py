@@ -104,3 +104,9 @@ class TopKAllReduce(Reducer):
     def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         if self.residual is not None:
             into_bucket(self.bucket, state.get("residual", {}), self.residual)
+
+    def load_total(self, total: Mapping[str, torch.Tensor]) -> None:
+        """Every old rank's residuals summed (a resume at another world size): each rank takes 1/P."""
+        if self.residual is not None:
+            into_bucket(self.bucket, total, self.residual)
+            self.residual.div_(self.link.world_size)

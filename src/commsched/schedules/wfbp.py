@@ -13,10 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
+
 from commsched.buckets import BucketPlan
 from commsched.links import Links
 from commsched.options import CompressionOptions
-from commsched.reducers import AllReduce
+from commsched.reducers import AllReduce, into_bucket
 from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.reducers.topk import SparseExchange, TopKAllReduce, selector
 from commsched.schedules.base import Schedule
@@ -25,6 +27,7 @@ from commsched.sim.network import CostModel
 from commsched.sim.schedules import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.say import say
+from commsched.state import RESIDUAL_TOTAL
 
 
 @dataclass
@@ -48,6 +51,8 @@ class WFBPSchedule(Schedule):
         self.settings: WFBPSettings = settings if isinstance(settings, WFBPSettings) else WFBPSettings()
         compression = self.settings.compression
         self._dense_phase: Optional[bool] = None
+        self._carry: list[Optional[torch.Tensor]] = []
+        """Residuals of a compressed run resumed dense: added to the first step's gradient."""
         sparse = compression.method != "none"
         select = selector(compression.method, compression.samplings) if sparse else None
         if compression.hierarchical:
@@ -91,7 +96,32 @@ class WFBPSchedule(Schedule):
                 reducer.dense = dense  # type: ignore[attr-defined]
         return None
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Residuals move with the run: by name (same world), re-sharded (`residual_total`, another
+        world size), or, where this run exchanges dense gradients, into the first step's gradient."""
+        saved = dict(state.get("reducers", {}))
+        total = saved.pop(RESIDUAL_TOTAL, None)
+        keeps = any("residual" in reducer.kinds for reducer in self.reducers)
+        if not keeps and (total or "residual" in saved):
+            owed, share = (total, self.link.world_size) if total else (saved.pop("residual"), 1)
+            self._carry = [self._into_bucket(bucket, owed, share) for bucket in self.plan.buckets]
+            say("commsched wfbp: this run exchanges dense gradients; the checkpoint's error-feedback residuals "
+                "join the first step's gradient")
+        super().load_state_dict({**state, "reducers": saved} if "reducers" in state else state)
+        if keeps and total:
+            for reducer in self.reducers:
+                reducer.load_total(total)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _into_bucket(bucket: Any, saved: Any, share: int) -> torch.Tensor:
+        flat = torch.zeros_like(bucket.buffer)
+        into_bucket(bucket, saved, flat)
+        return flat.div_(share)
+
     def _bucket_ready(self, b: int) -> None:
+        if self._carry and self._carry[b] is not None:
+            self.plan.buckets[b].buffer.add_(self._carry[b])
+            self._carry[b] = None
         self._works[b] = self.reducers[b].start(f"bucket{b}")
 
     def _backward_end(self) -> None:
