@@ -138,6 +138,31 @@ def test_help_answers_without_torch_or_lightning():
     assert "_schema" not in proc.stdout  # the typed schema nodes are how the config is checked, not choices
 
 
+def test_compression_input_is_checked_without_torch():
+    """Refused input answers at once, and nothing a Ctrl-C could interrupt inside torch's import runs."""
+    code = ("import sys, commsched_cli\n"  # as the console scripts do: the package without torch
+            "from hydra import compose, initialize_config_module\n"
+            "from commsched.config import register_configs, validate\n"
+            "register_configs()\n"
+            "with initialize_config_module(config_module='commsched.conf', version_base=None):\n"
+            "    validate(compose(config_name='train', overrides=['schedule=wfbp', 'compression=mstopk']))\n"
+            "    try:\n"
+            "        validate(compose(config_name='train', overrides=['schedule=dear', 'compression=mstopk']))\n"
+            "    except ValueError as error:\n"
+            "        print(error)\n"
+            "assert 'torch' not in sys.modules, 'torch imported while checking input'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "compression.method='mstopk'; allowed: none with schedule dear" in proc.stdout
+
+
+def test_the_builtin_table_of_compressing_schedules_is_the_registry():
+    import commsched
+    from commsched.options import BUILTIN_SCHEDULES, COMPRESSING_SCHEDULES
+
+    assert COMPRESSING_SCHEDULES == tuple(n for n in BUILTIN_SCHEDULES if commsched.SCHEDULES[n].compresses)
+
+
 def test_bench_help_lists_only_its_own_options(tmp_path):
     proc = script("commsched-bench", "--help", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +80,57 @@ def test_synthetic_samples_are_deterministic():
     assert torch.equal(SyntheticImages(4, seed=1)[2][0], SyntheticImages(4, seed=1)[2][0])
     inputs, targets = SyntheticTokens(4, block_size=8)[1]
     assert torch.equal(inputs[1:], targets[:-1])
+
+
+# ----------------------------------------------------------------- data caching
+class NpyFiles(torch.utils.data.Dataset):
+    """A map-style dataset that reads (and 'decodes') one file per sample, as image folders do."""
+
+    def __init__(self, root):
+        self.files = sorted(Path(root).glob("*.npy"))
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, index):
+        import numpy as np
+
+        return torch.from_numpy(np.load(self.files[index])).float() / 255.0
+
+
+def write_samples(root: Path, n: int = 12) -> None:
+    import numpy as np
+
+    root.mkdir(parents=True)
+    for i in range(n):
+        np.save(root / f"{i:03d}.npy", np.full((3, 4, 4), i, dtype=np.uint8))
+
+
+def test_cached_samples_are_read_once_and_survive_the_files(tmp_path):
+    from commsched.data.cache import CachedDataset
+
+    write_samples(tmp_path / "slow")
+    cached = CachedDataset(NpyFiles(tmp_path / "slow"))
+    first = [cached[i] for i in range(len(cached))]
+    shutil.rmtree(tmp_path / "slow")  # the second epoch reads nothing from disk
+    loader = torch.utils.data.DataLoader(cached, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    second = torch.cat([batch for batch in loader])
+    assert sorted(float(x[0, 0, 0]) for x in second) == sorted(float(x[0, 0, 0]) for x in first)
+    assert (cached.misses, cached.hits) == (12, 12)
+
+
+def test_local_copy_copies_once_even_when_ranks_ask_together(tmp_path):
+    import multiprocessing
+
+    from commsched.data.cache import local_copy
+
+    write_samples(tmp_path / "slow")
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(3) as pool:
+        targets = pool.starmap(local_copy, [(tmp_path / "slow", tmp_path / "cache")] * 3)
+    assert len(set(targets)) == 1 and sorted(p.name for p in Path(targets[0]).iterdir()) == [f"{i:03d}.npy" for i in range(12)]
+    (tmp_path / "slow" / "000.npy").unlink()  # kept: a later run does not copy again
+    assert (local_copy(tmp_path / "slow", tmp_path / "cache") / "000.npy").is_file()
+    assert not [p for p in (tmp_path / "cache").iterdir() if "partial" in p.name]
+    with pytest.raises(Exception, match="local_copy.source"):
+        local_copy(tmp_path / "missing", tmp_path / "cache")

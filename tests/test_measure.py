@@ -69,6 +69,8 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     ("schedules=[ddp,fast]", "schedules='fast'"),
     ("link.rate=fast", "link.rate='fast'"),
     ("devices=1", "devices=1"),
+    ("schedules=[ddp,topk@2]", "allowed: topk@D with 0 < D <= 1"),
+    ("schedules=[ddp,hier@0.1]", "a density after @ only for topk"),
 ])
 def test_benchmark_refuses_bad_input_before_starting_workers(tmp_path, override, field):
     proc = run("commsched.bench.cli", override, f"hydra.run.dir={tmp_path}", timeout=120)

@@ -230,3 +230,31 @@ def test_deft_hides_a_slow_link_by_delaying_and_uses_both_links() -> None:
     assert {span.lane for span in result.spans} >= {"compute", "link: primary", "link: secondary"}
     fast = deft(workload, AlphaBeta(0.0, 0.0), 8)
     assert fast.plan.k == (1,) and fast.iteration_s == pytest.approx(workload.forward_s + workload.backward_s)
+
+
+def test_compressed_exchanges_match_their_closed_forms():
+    """One 4 MB bucket ready at the end of a 10 ms backward: the exchange's cost in closed form."""
+    from commsched.sim.compressed import sent_bytes
+
+    work = Workload("one", (Layer("only", 4_000_000, 0.005, 0.010),), batch_size=1)
+    inter, intra = AlphaBeta(alpha=1e-4, beta=1e-8), AlphaBeta(alpha=1e-6, beta=1e-10)
+    k = 10_000  # density 0.01 of 1 M floats
+    assert sent_bytes(4_000_000, 0.01) == 8 * k
+    topk = simulate("topk", work, inter, 16, density=0.01)
+    assert topk.iteration_s == pytest.approx(0.015 + 15 * (1e-4 + 8 * k * 1e-8))
+    # 4 nodes x 4: intra RS + AG of 4 MB among 4, all-gather of a quarter's k among 4 nodes
+    halves = 2 * 3 * (1e-6 + 1_000_000 * 1e-10)
+    hitopk = simulate("hitopk", work, inter, 16, density=0.01, per_node=4, intra=intra)
+    assert hitopk.iteration_s == pytest.approx(0.015 + halves + 3 * (1e-4 + 8 * (k // 4) * 1e-8))
+    dense = simulate("hier_dense", work, inter, 16, per_node=4, intra=intra)
+    assert dense.iteration_s == pytest.approx(0.015 + halves + 2 * 3 * (1e-4 + 1_000_000 / 4 * 1e-8))
+    assert hitopk.iteration_s < dense.iteration_s < simulate("wfbp", work, inter, 16).iteration_s
+
+
+def test_simulate_cli_takes_the_compression_options(capsys):
+    cli.main(["--workload", "vgg16", "--schedules", "wfbp,topk,hitopk,hier_dense", "--workers", "16,2048",
+              "--density", "0.001", "--gpus-per-node", "8"])
+    out = capsys.readouterr().out
+    assert "hitopk" in out and "2048" in out
+    with pytest.raises(SystemExit):
+        cli.main(["--schedules", "topk", "--density", "2"])

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
-from commsched.errors import CommSchedConfigError, bad_value
+from commsched.errors import CommSchedConfigError
+from commsched.options import check_compression
 
 _CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
 
@@ -35,7 +36,7 @@ def refuse_manual_optimization(module: Any, name: str) -> None:
         )
 
 
-def refuse_optimizers(optimizers: list[Any], name: str) -> None:
+def refuse_optimizers(optimizers: list[Any], name: str, steps_whole: bool = True) -> None:
     if len(optimizers) != 1:
         raise CommSchedConfigError(
             f"commsched: strategy='{name}' supports exactly one optimizer; configure_optimizers returned {len(optimizers)}."
@@ -46,16 +47,13 @@ def refuse_optimizers(optimizers: list[Any], name: str) -> None:
             f"cannot be used with strategy='{name}'; allowed: torch.optim optimizers "
             "that step once per closure (SGD, Adam, AdamW, RMSprop, Adagrad, ...)."
         )
+    if not steps_whole and getattr(optimizers[0], "parallel_norms", False):
+        raise CommSchedConfigError(
+            f"commsched: LARS(parallel_norms=True) all-reduces its per-layer norms inside step(), which needs every "
+            f"rank to hold whole gradients and step at once; strategy='{name}' steps parts of the model at different "
+            "times. Use LARS(parallel_norms=False) here, or strategy='wfbp' (or 'topk', or Lightning's 'ddp').")
 
 
 def refuse_compression(compression: Any, schedule: Any) -> None:
-    """Sparse exchanges only where the schedule builds them (`Schedule.compresses`), refused at construction."""
-    if compression.hierarchical and not schedule.compresses:
-        raise bad_value("compression.hierarchical", compression.hierarchical, f"None or False with schedule {schedule.name}: "
-                        "the two-level exchange runs on wfbp")
-    if compression.method != "none" and not schedule.compresses:
-        raise bad_value("compression.method", compression.method,
-                        f"none with schedule {schedule.name}: sparse exchanges run on wfbp (strategy=\"topk\" is wfbp "
-                        "with MSTopK). DeAR splits a bucket's all-reduce into a reduce-scatter and an all-gather it "
-                        "defers; a flat sparse exchange is one all-gather, with nothing to defer. DeFT's generations "
-                        "sum dense buffers over iterations")
+    """Sparse and two-level exchanges only where the schedule builds them (`Schedule.compresses`)."""
+    check_compression(compression, schedule.name, schedule.compresses)

@@ -133,12 +133,13 @@ def validate(cfg: Any) -> None:
                          ("deft", DeFTOptions), ("compression", CompressionOptions)):
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
-    if str(cfg.schedule.name) != "ddp":
-        from commsched.checks import refuse_compression  # torch: only once a run is composed, never for --help
+    if str(cfg.schedule.name) in options.BUILTIN_SCHEDULES:  # checked before torch is imported
+        options.check_compression(cfg.compression, str(cfg.schedule.name), str(cfg.schedule.name) in options.COMPRESSING_SCHEDULES)
+    elif str(cfg.schedule.name) != "ddp":  # a plugin's schedule: the plugin imported the registry already
         from commsched.registry import SCHEDULES
 
-        refuse_compression(cfg.compression, SCHEDULES[str(cfg.schedule.name)])
-    elif cfg.compression.method != "none":
+        options.check_compression(cfg.compression, str(cfg.schedule.name), SCHEDULES[str(cfg.schedule.name)].compresses)
+    elif cfg.compression.method != "none" or cfg.compression.hierarchical:
         raise bad_value("compression.method", cfg.compression.method, "none with schedule=ddp (Lightning's DDP all-reduces "
                         "dense gradients); schedule=wfbp runs the same schedule with sparse exchanges")
     if cfg.fusion.plan_file is not None:

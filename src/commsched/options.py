@@ -24,6 +24,7 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
 FALLBACKS = ("when_faster", "when_undelayed", "never")
 COMPRESSION_METHODS = ("none", "mstopk", "topk")
+COMPRESSING_SCHEDULES = ("wfbp",)  # the built-in schedules whose `Schedule.compresses` is True (tested equal)
 
 Check = Callable[[str, Any], Any]
 OptionsT = TypeVar("OptionsT")
@@ -290,6 +291,21 @@ class CompressionOptions:
     """The last optimizer steps of the run (`Trainer.estimated_stepping_batches`) are dense again: the
     paper kept its last epochs dense because top-k cost accuracy there. Entering a dense phase, each
     rank's residual joins that step's gradient, so nothing kept back is lost."""
+
+
+def check_compression(compression: Any, schedule: str, compresses: bool) -> None:
+    """Sparse and two-level exchanges only on schedules that build them, refused before anything starts
+    (torch-free: `commsched-train` checks its input before importing torch)."""
+    if compression.hierarchical and not compresses:
+        raise bad_value("compression.hierarchical", compression.hierarchical, f"None or False with schedule {schedule}: "
+                        "the two-level exchange runs on wfbp")
+    if compression.method != "none" and not compresses:
+        raise bad_value("compression.method", compression.method,
+                        f"none with schedule {schedule}: sparse exchanges run on wfbp (strategy=\"topk\" is wfbp "
+                        "with MSTopK). DeAR splits a bucket's all-reduce into a reduce-scatter and an all-gather it "
+                        "defers; a flat sparse exchange is one all-gather, with nothing to defer, and the two-level one's "
+                        "deferrable stage is its all-gather inside the node, on the fast link, where there is little to hide. DeFT's generations "
+                        "sum dense buffers over iterations")
 
 
 def compression_from(compression: Any) -> CompressionOptions:

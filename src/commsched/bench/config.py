@@ -13,6 +13,9 @@ from commsched.plugins import import_plugins, schedule_names
 from commsched.sim.network import parse_rate
 
 DEFAULT_SCHEDULES = ("ddp", "wfbp", "dear")
+EXCHANGES = ("topk", "hier")
+"""wfbp with another exchange: "topk" MSTopK at density 0.01 ("topk@0.001": another density; two-level
+on several nodes), "hier" the dense two-level all-reduce."""
 USER_CALLBACKS = ("clock", "weights")
 """`schedule+callback` runs the schedule with a callback of a user's in the Trainer: "clock" reads a clock
 after every step (touches nothing), "weights" reads a weight's norm after every step (touches it)."""
@@ -70,7 +73,17 @@ def validate_bench(cfg: Any) -> None:
         raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(names)}")
     for entry in cfg.schedules:
         name, _, callback = str(entry).partition("+")
-        options.choice("schedules", name, names)
+        name, at, density = name.partition("@")
+        options.choice("schedules", name, (*names, *EXCHANGES))
+        if at:
+            if name != "topk":
+                raise bad_value(f"schedules ({entry})", entry, "a density after @ only for topk, e.g. topk@0.001")
+            try:
+                valid = 0 < float(density) <= 1
+            except ValueError:
+                valid = False
+            if not valid:
+                raise bad_value(f"schedules ({entry})", entry, "topk@D with 0 < D <= 1")
         if callback:
             options.choice(f"schedules ({entry})", callback, USER_CALLBACKS)
     if cfg.cluster.nodes:

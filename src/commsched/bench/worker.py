@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import commsched
-from commsched.options import DeFTOptions, ProfileOptions
+from commsched.options import CompressionOptions, DeFTOptions, ProfileOptions
 from commsched.plugins import import_plugins
 from commsched.quiet import exit_silently_on_interrupt, quiet_lightning
 import lightning.pytorch as pl
@@ -61,7 +61,13 @@ def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
         return DDPStrategy(bucket_cap_mb=spec["bucket_cap_mb"])
     if schedule == "deft":
         extra["deft"] = DeFTOptions(warmup_steps=spec["warmup"], measure_steps=spec["deft_measure_steps"])
-    return commsched.STRATEGIES[schedule](bucket_cap_mb=spec["bucket_cap_mb"], **extra)
+    if schedule == "hier":
+        extra["compression"] = CompressionOptions(method="none", hierarchical=True)
+    if schedule.startswith("topk"):
+        density = schedule.partition("@")[2]
+        extra["compression"] = CompressionOptions(method="mstopk", density=float(density) if density else 0.01)
+    name = "wfbp" if schedule == "hier" or schedule.startswith("topk") else schedule
+    return commsched.STRATEGIES[name](bucket_cap_mb=spec["bucket_cap_mb"], **extra)
 
 
 def _untimed(schedule: str, spec: dict) -> int:
@@ -177,7 +183,7 @@ def main() -> None:
                 "wire_mb": best[s][2] / 1e6 if best[s][2] == best[s][2] else None,  # this rank, per step (ddp: not counted)
                 "rounds_ms": [step * 1e3 for step, _, _ in rounds[s]],
                 # deft's delayed updates are another trajectory by design: not compared
-                "weights_vs_ddp": _max_difference(final[s], final[ddp]) if ddp in final and not s.startswith("deft") else None,
+                "weights_vs_ddp": _max_difference(final[s], final[ddp]) if ddp in final and not s.startswith(("deft", "topk")) else None,
                 "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
                 "speedup_vs_ddp": measured[ddp] / measured[s] if ddp in measured else None,
                 # round by round (the schedules ran interleaved): the median ratio, steadier than best against best

@@ -61,6 +61,9 @@ class Schedule:
     """The link of the per-step used-mask all-reduce ("control": the default group, when the primary
     carries traffic that must not be waited for at the end of backward)."""
     compresses: ClassVar[bool] = False
+    steps_whole: ClassVar[bool] = True
+    """True: `optimizer.step()` runs once per step with every gradient in place on every rank (an
+    optimizer may issue its own collectives there, e.g. `commsched.optim.LARS`'s parallel norms)."""
     """True: the schedule builds sparse reducers when the strategy's `compression` asks for them."""
     skips_steps: ClassVar[bool] = False
     """True: some iterations take no optimizer step (`steps_this_iteration` says how many were taken);

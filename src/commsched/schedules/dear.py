@@ -87,6 +87,7 @@ class DeARSchedule(Schedule):
     name = "dear"
     description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
     step_collectives = ("reduce_scatter", "all_gather")
+    steps_whole = False  # each bucket's update is applied when its all-gather lands, in the next forward
     grads_complete_after_closure = False
     mask_link = "control"  # the primary is busy with the reduce-scatters when the mask goes out
 

@@ -69,6 +69,7 @@ class DeFTSchedule(Schedule):
     name = "deft"
     description = "commsched DeFT: delayed updates solved by knapsacks over a primary and a secondary link"
     links_used = ("primary", "secondary")
+    steps_whole = False  # generations step while other generations are in flight on the links
     step_collectives = ("all_reduce",)
     grads_complete_after_closure = False  # iterations without a step: an fp16 GradScaler would see no gradients
     skips_steps = True

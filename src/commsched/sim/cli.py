@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from commsched.errors import CommSchedConfigError, bad_value
+from commsched.options import density_value, positive_int
 from commsched.sim.network import AlphaBeta, CostModel, Fitted, parse_rate
 from commsched.plugins import import_plugins
 from commsched.sim.simulate import SIM_SCHEDULES, schedule_names, simulate
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mu", type=float, default=1.65,
                         help="deft: the secondary link's all-reduce time over the primary's (a run measures it)")
     parser.add_argument("--partition-mb", type=float, default=4.0, help="bytescheduler partition size")
+    parser.add_argument("--density", type=float, default=0.01, help="topk, hitopk: the share of each bucket a rank sends")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="hitopk, hier_dense: workers per node")
+    parser.add_argument("--intra-bandwidth", default="100gbit", help="hitopk, hier_dense: the node-local link's rate")
+    parser.add_argument("--intra-alpha", type=float, default=5e-6, help="hitopk, hier_dense: the node-local link's latency")
     parser.add_argument("--out", type=Path, default=None, help="directory for simulate.csv, speedup.png, traces")
     parser.add_argument("--plugins", default="", help="modules to import first: the schedules they register can be simulated")
     args = parser.parse_args(argv)
@@ -115,13 +120,17 @@ def main(argv: list[str] | None = None) -> None:
         workers = parse_workers(args.workers)
         import_plugins([m.strip() for m in args.plugins.split(",") if m.strip()])
         names = parse_list(args.schedules, "--schedules", schedule_names())
+        density = density_value("--density", args.density)
+        per_node = positive_int("--gpus-per-node", args.gpus_per_node)
+        intra = AlphaBeta.from_rate(parse_rate(args.intra_bandwidth), args.intra_alpha)
     except CommSchedConfigError as error:
         parser.error(str(error))
 
     rows = []
     for p in workers:
         for name in names:
-            result = simulate(name, workload, network, p, args.bucket_mb * 2**20, args.partition_mb * 2**20, args.mu)
+            result = simulate(name, workload, network, p, args.bucket_mb * 2**20, args.partition_mb * 2**20, args.mu,
+                              density, per_node, intra)
             rows.append({"workers": p, "schedule": name, "iteration_ms": result.iteration_s * 1e3,
                          "speedup": result.speedup(workload, p), "messages": result.buckets, "result": result})
 

@@ -7,16 +7,20 @@ never imports a schedule (nor torch)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from commsched.errors import bad_value
-from commsched.sim import schedules
-from commsched.sim.network import CostModel
+from commsched.sim import compressed, schedules
+from commsched.sim.network import AlphaBeta, CostModel
 from commsched.sim.priority import bytescheduler
 from commsched.sim.schedules import Result
 from commsched.sim.workload import Workload
 
 SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp_greedy", "mgwfbp", "dear", "dear_fused", "dear_model", "bytescheduler", "deft")
+COMPRESSED = ("topk", "hitopk", "hier_dense")
+"""Exchanges of `commsched.sim.compressed` (wfbp's overlap, fixed `bucket_bytes` buckets): not run by default."""
+NVLINK = AlphaBeta.from_rate(100e9, 5e-6)
+"""The node-local link of the two-level exchanges unless given: 100 Gbit/s, 5 us."""
 
 Simulate = Callable[[Workload, CostModel, int, list[list[int]]], Result]
 REGISTERED: dict[str, Simulate] = {}
@@ -29,15 +33,25 @@ def register(name: str, simulate: Simulate) -> None:
 
 def schedule_names() -> tuple[str, ...]:
     """What `simulate` accepts: the simulator's own variants, then the registered schedules."""
-    return (*SIM_SCHEDULES, *(n for n in REGISTERED if n not in SIM_SCHEDULES))
+    return (*SIM_SCHEDULES, *COMPRESSED, *(n for n in REGISTERED if n not in SIM_SCHEDULES))
 
 
 def simulate(name: str, workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20,
-             partition_bytes: float = 4 * 2**20, mu: float = 1.65) -> Result:
-    """`bucket_bytes` sizes dear_fused's and deft's buckets; `partition_bytes` ByteScheduler's partitions;
-    `mu` is deft's secondary link's all-reduce time over the primary's."""
+             partition_bytes: float = 4 * 2**20, mu: float = 1.65, density: float = 0.01, per_node: int = 8,
+             intra: Optional[CostModel] = None) -> Result:
+    """`bucket_bytes` sizes dear_fused's, deft's and the compressed exchanges' buckets; `partition_bytes`
+    ByteScheduler's partitions; `mu` is deft's secondary link's all-reduce time over the primary's;
+    `density`, `per_node` and `intra` (default `NVLINK`) shape the compressed and two-level exchanges,
+    whose inter-node link is `network`."""
     if workers < 1:
         raise bad_value("workers", workers, "an integer >= 1")
+    if name in COMPRESSED:
+        buckets = schedules.fixed_size(workload, bucket_bytes)
+        if name == "topk":
+            return compressed.topk(workload, network, workers, density, buckets)
+        if name == "hitopk":
+            return compressed.hitopk(workload, network, intra or NVLINK, workers, per_node, density, buckets)
+        return compressed.hier_dense(workload, network, intra or NVLINK, workers, per_node, buckets)
     if name == "syncea":
         return schedules.sync_easgd(workload, network, workers)
     if name == "wfbp":

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sparse exchanges on real data: dense wfbp, MSTopK at DENSITY with error feedback, and without it,
+# SEEDS seeds each, 2 local CPU processes (accuracy does not depend on the network). Prints final
+# val_acc and train_loss per run and the mean per variant (recipes/deft_table.py, "ddp" = dense).
+#   recipes/compression_convergence.sh                           # digits (scikit-learn), ResNet-18 w8, 4 epochs
+#   DENSITY=0.001 recipes/compression_convergence.sh +recipe=digits model=vgg model.width=8
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+bin="$here/../.venv/bin"
+DENSITY="${DENSITY:-0.01}"
+SEEDS="${SEEDS:-0 1 2}"
+OUT="${OUT:-outputs/compression_convergence/$DENSITY}"
+RECIPE=("${@:-+recipe=digits}")
+for seed in $SEEDS; do
+  for variant in ddp mstopk mstopk-no-feedback; do
+    case "$variant" in
+      ddp) extra=(schedule=wfbp) ;;
+      mstopk) extra=(schedule=wfbp compression=mstopk compression.density="$DENSITY") ;;
+      mstopk-no-feedback) extra=(schedule=wfbp compression=mstopk compression.density="$DENSITY" compression.error_feedback=false) ;;
+    esac
+    "$bin/commsched-train" "${RECIPE[@]}" "${extra[@]}" seed="$seed" trainer.devices=2 \
+      checkpoint.enabled=false hydra.run.dir="$OUT/$variant/seed$seed"
+  done
+done
+"$bin/python" "$here/deft_table.py" "$OUT"
