@@ -68,7 +68,7 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
     for result in results:
         parts = "  ".join(f"{k} {v:.1f}" for k, v in result["components_ms"].items())
         console.print(f"[bold]{result['model']}[/bold]: {result['gradient_mb']:.1f} MB of gradients in "
-                      f"{result['buckets']} buckets, {spec['devices']} workers, batch {spec['batch_size']}/worker, "
+                      f"{result['buckets']} buckets, {_workers(spec)} workers, batch {spec['batch_size']}/worker, "
                       f"link {rate}; components (ms): {parts}")
         table = Table()
         for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "median vs ddp", "MB sent/step",
@@ -90,6 +90,11 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
             console.print("ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
                           "is wfbp's (the same bound and simulation).")
         warn_if_noisy(result, console)
+
+
+def _workers(spec: dict) -> int:
+    cluster = spec.get("cluster") or {}
+    return cluster["nodes"] * cluster["workers_per_node"] if cluster.get("nodes") else spec["devices"]
 
 
 def warn_if_noisy(result: dict, console: Console) -> None:
