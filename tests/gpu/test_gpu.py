@@ -17,7 +17,9 @@ from conftest import max_abs_diff, per_link, run_worker  # noqa: E402
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU suite needs one")]
 
-CASES = ["ddp", "wfbp", "dear", "deft", "deft-plan", "dear-profiled", "dear-mgwfbp", "wfbp-dear-model", "dear-bayes"]
+CASES = ["ddp", "wfbp", "dear", "deft", "deft-plan", "dear-profiled", "dear-mgwfbp", "wfbp-dear-model", "dear-bayes",
+         "topk-whole", "mstopk-whole", "topk-sparse"]
+EXACT = [c for c in CASES if c not in ("ddp", "topk-sparse")]
 WORLDS = [1] + ([2] if GPUS >= 2 else [])
 
 
@@ -31,7 +33,7 @@ def runs(request, tmp_path_factory):
     return world, lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False), out
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "ddp"])
+@pytest.mark.parametrize("case", EXACT)
 def test_every_schedule_and_planner_equals_ddp_on_cuda(runs, case):
     world, load, _ = runs
     for rank in range(world):
@@ -41,13 +43,26 @@ def test_every_schedule_and_planner_equals_ddp_on_cuda(runs, case):
             assert per_link(load(case, rank)["trace"]) == per_link(load(case, 0)["trace"])
 
 
+def test_sparse_exchange_keeps_its_residuals_on_the_device(runs):
+    """Top-k at density 0.1 on CUDA: every residual lives on the rank's GPU, the weights stay finite
+    and differ from ddp's (something was held back)."""
+    world, load, _ = runs
+    result = load("topk-sparse")
+    assert result["residual_devices"] and all(d.startswith("cuda") for d in result["residual_devices"])
+    assert all(torch.isfinite(v).all() for v in result["state"].values() if v.is_floating_point())
+    assert max_abs_diff(result["state"], load("ddp")["state"])[0] > 1e-4
+
+
 def test_profiled_times_are_completion_times(runs):
     """The profiler's per-bucket all-reduce against a synchronised wall clock: both > 0, within 2x (a
-    future-timed figure on NCCL measures the enqueue, orders of magnitude below)."""
+    future-timed figure on NCCL measures the enqueue, orders of magnitude below). Under a millisecond
+    (one GPU: NCCL has nothing to move, so both figures are launch overheads of tens of microseconds,
+    measured through different code) the band widens to 4x either way."""
     world, load, out = runs
     clock = torch.load(out / "clock.rank0.pt")
     profile = load("dear-profiled")["profile"]
     assert profile["summary"]["t_ff"] > 0 and profile["summary"]["t_bp"] > 0
     for profiled, measured in zip(clock["profiled"], clock["clock"]):
         assert profiled > 0 and measured > 0
-        assert 0.5 <= profiled / measured <= 2.0, (profiled, measured)
+        band = 2.0 if measured > 1e-3 else 4.0
+        assert 1 / band <= profiled / measured <= band, (profiled, measured)

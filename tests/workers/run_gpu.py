@@ -45,6 +45,10 @@ CASES = {
         policy="dear-model", profile_steps=2, profile_warmup_steps=1)),
     "dear-bayes": lambda: commsched.DeARStrategy(fusion="bayes", tuning=commsched.TuningOptions(
         trials=2, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20, max_mb=2000 / 2**20, first_mb=600 / 2**20)),
+    # sparse exchanges on the device: at density 1 they must equal ddp; at 0.1 the residuals stay on CUDA
+    "topk-whole": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=1.0)),
+    "mstopk-whole": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", density=1.0)),
+    "topk-sparse": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=0.1)),
 }
 STEPS = 12
 
@@ -59,10 +63,19 @@ def fit(out: Path, case: str, world: int) -> None:
     trainer.fit(model)
     result = {"state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
               "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
-              "profile": getattr(trainer.strategy, "profile", None)}
+              "profile": getattr(trainer.strategy, "profile", None),
+              "residual_devices": residual_devices(trainer)}
     torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
     if case == "dear-profiled":
         clock(out, trainer, result["profile"])
+
+
+def residual_devices(trainer: pl.Trainer) -> list[str]:
+    """Where each sparse reducer keeps its error-feedback residuals (empty for dense exchanges)."""
+    schedule = getattr(trainer.strategy, "last_schedule", None)
+    reducers = getattr(schedule, "reducers", []) if schedule is not None else []
+    return [str(tensor.device) for reducer in reducers
+            for tensor in reducer.state_dict().get("residual", {}).values()]
 
 
 def clock(out: Path, trainer: pl.Trainer, profile: dict) -> None:
