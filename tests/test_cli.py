@@ -89,6 +89,12 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("schedule=wfbp compression.method=gzip", "compression.method='gzip'; allowed: one of 'none', 'mstopk', 'topk'"),
         ("schedule=dear compression=mstopk", "compression.method='mstopk'; allowed: none with schedule dear"),
         ("schedule=ddp compression=topk", "compression.method='topk'; allowed: none with schedule=ddp"),
+        ("schedule=wfbp streams=17", "streams=17; allowed: an integer 1..16 or \"auto\""),
+        ("schedule=dear streams=fast", "streams='fast'; allowed: an integer 1..16 or \"auto\""),
+        ("schedule=deft streams=4", "streams=4; allowed: 1 with schedule deft"),
+        ("schedule=ddp streams=auto", "streams='auto'; allowed: 1 with schedule=ddp"),
+        ("schedule=wfbp streams=2 compression=topk", "streams=2; allowed: 1 with compression.method=topk"),
+        ("schedule=wfbp streams=auto stream_options.budget_steps=0", "stream_options.budget_steps=0; allowed: an integer >= 1"),
     ],
 )
 def test_bad_values_are_refused_with_allowed_values(override, message):

@@ -158,9 +158,10 @@ def test_compression_input_is_checked_without_torch():
 
 def test_the_builtin_table_of_compressing_schedules_is_the_registry():
     import commsched
-    from commsched.options import BUILTIN_SCHEDULES, COMPRESSING_SCHEDULES
+    from commsched.options import BUILTIN_SCHEDULES, COMPRESSING_SCHEDULES, STRIPING_SCHEDULES
 
     assert COMPRESSING_SCHEDULES == tuple(n for n in BUILTIN_SCHEDULES if commsched.SCHEDULES[n].compresses)
+    assert STRIPING_SCHEDULES == tuple(n for n in BUILTIN_SCHEDULES if commsched.SCHEDULES[n].stripes)
 
 
 def test_bench_help_lists_only_its_own_options(tmp_path):

@@ -16,7 +16,8 @@ import sys
 from typing import Any
 
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
-from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.options import (CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
+                               StreamOptions, TuningOptions)
 
 __version__ = "0.2.0"
 
@@ -46,5 +47,5 @@ if "commsched_cli" not in sys.modules:
 __all__ = [
     "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
     "LinkOptions", "PeerFailureError", "Preserver", "PreserverOptions", "ProfileOptions", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
-    "StopAndSave", "StoppedBySignal", "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
+    "StopAndSave", "StoppedBySignal", "StreamOptions", "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
 ]

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import OmegaConf
 
 import commsched
-from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
 from commsched.models import ImageClassifier, LanguageModel
 from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
 
@@ -60,5 +60,6 @@ def build_strategy(cfg: Any, out: Optional[Path] = None) -> Strategy:
         deft=DeFTOptions(**OmegaConf.to_container(cfg.deft, resolve=True)),
         preserver=PreserverOptions(**OmegaConf.to_container(cfg.preserver, resolve=True)),
         compression=CompressionOptions(**OmegaConf.to_container(cfg.compression, resolve=True)),
+        streams=cfg.streams, stream_options=StreamOptions(**OmegaConf.to_container(cfg.stream_options, resolve=True)),
         profile=profile, timeout=timeout,
     )

@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
 from commsched.errors import CommSchedConfigError
-from commsched.options import check_compression
+from commsched.options import check_compression, check_streams
 
 _CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
 
@@ -52,6 +52,11 @@ def refuse_optimizers(optimizers: list[Any], name: str, steps_whole: bool = True
             f"commsched: LARS(parallel_norms=True) all-reduces its per-layer norms inside step(), which needs every "
             f"rank to hold whole gradients and step at once; strategy='{name}' steps parts of the model at different "
             "times. Use LARS(parallel_norms=False) here, or strategy='wfbp' (or 'topk', or Lightning's 'ddp').")
+
+
+def refuse_streams(options: Any, schedule: Any) -> None:
+    """Several streams only where the schedule stripes its buckets, on dense exchanges (`Schedule.stripes`)."""
+    check_streams(options.streams, schedule.name, schedule.stripes, options.compression)
 
 
 def refuse_compression(compression: Any, schedule: Any) -> None:

@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from commsched import options
 from commsched.errors import bad_value
 from commsched.plugins import schedule_names
-from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.options import (CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
+                               StreamOptions, TuningOptions)
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
@@ -104,6 +105,8 @@ class TrainConfig:
     deft: DeFTOptions = field(default_factory=DeFTOptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
     compression: CompressionOptions = field(default_factory=CompressionOptions)
+    streams: Any = 1  # 1..16 concurrent collective streams, or "auto" (searched while training); wfbp and dear
+    stream_options: StreamOptions = field(default_factory=StreamOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     plugins: list[str] = field(default_factory=list)  # modules imported first (and by every worker): the schedules they register
@@ -130,15 +133,21 @@ def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCH
 def validate(cfg: Any) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
     for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions),
-                         ("deft", DeFTOptions), ("compression", CompressionOptions)):
+                         ("deft", DeFTOptions), ("compression", CompressionOptions), ("stream_options", StreamOptions)):
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
-    if str(cfg.schedule.name) in options.BUILTIN_SCHEDULES:  # checked before torch is imported
-        options.check_compression(cfg.compression, str(cfg.schedule.name), str(cfg.schedule.name) in options.COMPRESSING_SCHEDULES)
-    elif str(cfg.schedule.name) != "ddp":  # a plugin's schedule: the plugin imported the registry already
+    name = str(cfg.schedule.name)
+    if name in options.BUILTIN_SCHEDULES:  # checked before torch is imported
+        options.check_compression(cfg.compression, name, name in options.COMPRESSING_SCHEDULES)
+        options.check_streams(cfg.streams, name, name in options.STRIPING_SCHEDULES, cfg.compression)
+    elif name != "ddp":  # a plugin's schedule: the plugin imported the registry already
         from commsched.registry import SCHEDULES
 
-        options.check_compression(cfg.compression, str(cfg.schedule.name), SCHEDULES[str(cfg.schedule.name)].compresses)
+        options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
+        options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression)
+    elif cfg.streams != 1:
+        raise bad_value("streams", cfg.streams, "1 with schedule=ddp (Lightning's DDP has one communicator); "
+                        "schedule=wfbp runs the same schedule on several streams")
     elif cfg.compression.method != "none" or cfg.compression.hierarchical:
         raise bad_value("compression.method", cfg.compression.method, "none with schedule=ddp (Lightning's DDP all-reduces "
                         "dense gradients); schedule=wfbp runs the same schedule with sparse exchanges")

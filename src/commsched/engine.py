@@ -61,7 +61,8 @@ class Engine:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
         `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
         processes per node (the sub-group links: one group per node, one per local rank)."""
-        log.debug(f"commsched: creating links {self.schedule_class.links_for(self.settings)}")
+        log.debug(f"commsched: creating links {self.schedule_class.links_for(self.settings)}, "
+                  f"{self.schedule_class.streams_for(self.settings)} stream(s) each")
         if self.trace is not None:
             self.trace.clear()
         self.links = Links(self._link_specs(default_backend, world_size, per_node), timeout, self.trace, device)
@@ -89,10 +90,12 @@ class Engine:
             say("commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
                            "the secondary link is a second gloo group on the primary's network")
         primary = o.primary_backend or default_backend
-        specs = {"primary": LinkSpec("primary", primary, o.primary_ifname),
+        streams = self.schedule_class.streams_for(self.settings)
+        specs = {"primary": LinkSpec("primary", primary, o.primary_ifname, streams=streams),
                  "secondary": LinkSpec("secondary", o.secondary_backend, secondary_ifname),
-                 "intra": LinkSpec("intra", primary, o.primary_ifname, groups=node_groups(world_size, per_node)),
-                 "inter": LinkSpec("inter", primary, o.primary_ifname, groups=local_rank_groups(world_size, per_node))}
+                 "intra": LinkSpec("intra", primary, o.primary_ifname, groups=node_groups(world_size, per_node), streams=streams),
+                 "inter": LinkSpec("inter", primary, o.primary_ifname, groups=local_rank_groups(world_size, per_node),
+                                   streams=streams)}
         return [specs[name] for name in names]  # names checked by register_schedule
 
     def build(self, module: nn.Module, world_size: int) -> None:

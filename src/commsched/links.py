@@ -267,6 +267,7 @@ class Links:
         self.control = Link("control", None, trace, device, timeout_s)
         self._links: dict[str, Link] = {}
         self._streams: dict[str, list[Link]] = {}
+        self._sent_when_destroyed: Optional[dict[str, float]] = None
         for spec in specs:
             backend = spec.backend or str(dist.get_backend())
             for stream in range(spec.streams):
@@ -310,10 +311,13 @@ class Links:
 
     @property
     def wire_bytes(self) -> dict[str, float]:
-        """Bytes this rank has sent, per link."""
+        """Bytes this rank has sent, per link (each stream is a link); after `destroy`, the final figures."""
+        if self._sent_when_destroyed is not None:
+            return dict(self._sent_when_destroyed)
         return {link.name: link.wire_bytes for link in self}
 
     def destroy(self) -> None:
+        self._sent_when_destroyed = self.wire_bytes
         for link in self:
             link.stop()
         for link in self._links.values():

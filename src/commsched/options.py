@@ -25,6 +25,8 @@ BACKENDS = ("gloo", "nccl")
 FALLBACKS = ("when_faster", "when_undelayed", "never")
 COMPRESSION_METHODS = ("none", "mstopk", "topk")
 COMPRESSING_SCHEDULES = ("wfbp",)  # the built-in schedules whose `Schedule.compresses` is True (tested equal)
+STRIPING_SCHEDULES = ("wfbp", "dear")  # the built-in schedules whose `Schedule.stripes` is True (tested equal)
+MAX_STREAMS = 16
 
 Check = Callable[[str, Any], Any]
 OptionsT = TypeVar("OptionsT")
@@ -293,6 +295,70 @@ class CompressionOptions:
     rank's residual joins that step's gradient, so nothing kept back is lost."""
 
 
+def streams_value(name: str, value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STREAMS:
+        raise bad_value(name, value, f"an integer 1..{MAX_STREAMS} or \"auto\"")
+    return value
+
+
+@dataclass
+class StreamOptions:
+    """Concurrent collectives on several streams ([AIACC] §IV-VI, DESIGN.md §10): each bucket is
+    sliced into units, unit i goes on stream i mod S (a process group of its own: on NCCL its own
+    communicator and CUDA stream), so S transfers share the network at once. One flow often cannot
+    fill a cloud link (per-flow caps, one TCP connection per pair in gloo)."""
+
+    unit_mb: float = option(4.0, positive_number)
+    """Unit size (MB) with a fixed number of streams; "auto" tunes it."""
+    budget_steps: int = option(100, positive_int)
+    """streams="auto": training steps the search may spend (every one a real training step)."""
+    trial_steps: int = option(4, positive_int)
+    """Steps run with each configuration the search tries; the first after a switch is left out, the
+    median of the others counts."""
+    max_streams: int = option(8, positive_int)
+    """streams="auto": the most streams searched (links for that many are made at setup)."""
+    min_unit_mb: float = option(0.5, positive_number)
+    """streams="auto": the smallest unit searched (MB)."""
+    max_unit_mb: float = option(32.0, positive_number)
+    """streams="auto": the largest unit searched (MB)."""
+    window: int = option(25, positive_int)
+    """The bandit's sliding window: its last uses of the search techniques."""
+    exploration: float = option(0.2, non_negative_number)
+    """The bandit's C: weight of exploring a technique used less in the window."""
+    drift: float = option(0.2, non_negative_number)
+    """After tuning, a median step this much slower than the chosen configuration's measurement (0.2:
+    20%) re-opens the search from the best so far. 0: never re-opened."""
+    drift_steps: int = option(20, positive_int)
+    """Steps per median watched for drift after tuning."""
+    retune_steps: int = option(24, positive_int)
+    """Budget (steps) of a search re-opened by drift."""
+    retune_on_resume: bool = option(False, flag)
+    """True: a run resumed from a checkpoint with a decision searches again (default: reuses it)."""
+    seed: int = option(0, non_negative_int)
+    """The search's random seed (rank 0 decides; every rank follows)."""
+
+    def cross_check(self, prefix: str) -> None:
+        if self.max_streams > MAX_STREAMS:
+            raise bad_value(f"{prefix}max_streams", self.max_streams, f"an integer 1..{MAX_STREAMS}")
+        if self.min_unit_mb > self.max_unit_mb:
+            raise bad_value(f"{prefix}min_unit_mb", self.min_unit_mb, f"at most {prefix}max_unit_mb ({self.max_unit_mb})")
+
+
+def check_streams(streams: Any, schedule: str, stripes: bool, compression: Any) -> None:
+    """Several streams only where the schedule stripes its buckets, and on dense exchanges (torch-free)."""
+    streams_value("streams", streams)
+    if streams == 1:
+        return
+    if not stripes:
+        raise bad_value("streams", streams, f"1 with schedule {schedule}: wfbp and dear spread their buckets over "
+                        "streams; DeFT already splits its buckets between two links")
+    if compression.method != "none":
+        raise bad_value("streams", streams, f"1 with compression.method={compression.method}: a sparse bucket "
+                        "is exchanged as one all-gather of its k largest elements, already a small message")
+
+
 def check_compression(compression: Any, schedule: str, compresses: bool) -> None:
     """Sparse and two-level exchanges only on schedules that build them, refused before anything starts
     (torch-free: `commsched-train` checks its input before importing torch)."""
@@ -350,17 +416,22 @@ class StrategyOptions:
     deft: DeFTOptions = field(default_factory=DeFTOptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
     compression: CompressionOptions = field(default_factory=CompressionOptions)
+    streams: int | str = 1
+    """1..16 streams, or "auto" (checked by `streams_value`)."""
+    stream_options: StreamOptions = field(default_factory=StreamOptions)
 
     @classmethod
     def from_arguments(cls, fusion: Any, bucket_cap_mb: Optional[float], tuning: Any, profile: Any, links: Any,
-                       deft: Any = None, preserver: Any = None, compression: Any = None) -> "StrategyOptions":
+                       deft: Any = None, preserver: Any = None, compression: Any = None, streams: Any = 1,
+                       stream_options: Any = None) -> "StrategyOptions":
         return cls(fusion_from(fusion, bucket_cap_mb),
                    validated(typed("tuning", tuning or TuningOptions(), TuningOptions), "tuning."),
                    profile_from(profile),
                    validated(typed("links", links or LinkOptions(), LinkOptions), "links."),
                    validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."),
                    validated(typed("preserver", preserver or PreserverOptions(), PreserverOptions), "preserver."),
-                   compression_from(compression))
+                   compression_from(compression), streams_value("streams", streams),
+                   validated(typed("stream_options", stream_options or StreamOptions(), StreamOptions), "stream_options."))
 
 
 def check_preserver_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:

@@ -35,7 +35,7 @@ from commsched.engine import Engine
 from commsched.errors import PeerFailureError
 from commsched.interrupt import StoppedBySignal
 from commsched.lr_follow import FollowOptimizerSteps
-from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, TuningOptions
+from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
 from commsched.run_reports import RunReports
 from commsched.schedules import SCHEDULES, Schedule
 
@@ -59,6 +59,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         deft: Optional[DeFTOptions] = None,
         preserver: Optional[PreserverOptions] = None,
         compression: Union[str, CompressionOptions, None] = None,
+        streams: Union[int, str] = 1,
+        stream_options: Optional[StreamOptions] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -84,6 +86,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 ``PreserverOptions(enabled=False)``; a `commsched.Preserver` among the callbacks replaces it.
             compression: a method name ("mstopk", "topk", "none") or `CompressionOptions`: sparse
                 exchanges of each bucket (schedules that support them: wfbp).
+            streams: 1..16 concurrent collective streams (process groups) carrying each bucket's units,
+                or ``"auto"``: searched on the run's own steps (schedules: wfbp, dear).
+            stream_options: `StreamOptions`: unit size, and the search's budget and settings.
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
@@ -91,8 +96,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
         self.schedule_class: type[Schedule] = SCHEDULES[name]
         self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
-                                                              compression)
+                                                              compression, streams, stream_options)
         checks.refuse_compression(self.options.compression, self.schedule_class)
+        checks.refuse_streams(self.options, self.schedule_class)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,

@@ -23,6 +23,24 @@ from commsched.options import TuningOptions
 MAX_REPEATED_PROPOSALS = 20
 
 
+class BayesianSearch:
+    """The project's one wrapper of `bayes_opt`: Expected Improvement over a box, minimising seconds.
+    The bucket-size tuner and the stream search (`commsched.streams.techniques`) both use it."""
+
+    def __init__(self, bounds: dict[str, tuple[float, float]], xi: float = 0.1, seed: int = 0) -> None:
+        self._optimizer = BayesianOptimization(
+            f=None, pbounds=bounds, acquisition_function=acquisition.ExpectedImprovement(xi=xi),
+            random_state=seed, verbose=0, allow_duplicate_points=True,
+        )
+
+    def suggest(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._optimizer.suggest().items()}
+
+    def register(self, params: dict[str, float], target: float) -> None:
+        """`target`: the score to maximise (minus the seconds measured)."""
+        self._optimizer.register(params=params, target=target)
+
+
 @dataclass
 class Trial:
     bucket_mb: float
@@ -43,10 +61,7 @@ class BucketSizeTuner:
 
     def __post_init__(self) -> None:
         bounds = (math.log2(self.options.min_mb), math.log2(self.options.max_mb))
-        self._optimizer = BayesianOptimization(
-            f=None, pbounds={"log2_mb": bounds}, acquisition_function=acquisition.ExpectedImprovement(xi=self.options.xi),
-            random_state=self.seed, verbose=0, allow_duplicate_points=True,
-        )
+        self._optimizer = BayesianSearch({"log2_mb": bounds}, xi=self.options.xi, seed=self.seed)
         self._measured: dict[Hashable, float] = {}
         self._exhausted = False
 

@@ -16,9 +16,10 @@ from commsched.reducers.staging import Staging
 
 
 class AllReduce(Reducer):
-    def __init__(self, buffer: torch.Tensor, link: Link) -> None:
+    def __init__(self, buffer: torch.Tensor, link: Link, staging: Optional[Staging] = None) -> None:
+        """`staging`: shared with the bucket's other reducers (streams of one link spec: one host copy)."""
         self.link = link
-        self._staging = Staging(buffer, link)
+        self._staging = staging if staging is not None else Staging(buffer, link)
 
     def start(self, tag: str, start: int = 0, numel: Optional[int] = None) -> Pending:
         """Sum (elements `start..start+numel` of) the bucket over ranks; the result is in the bucket

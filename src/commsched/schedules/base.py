@@ -31,6 +31,8 @@ from commsched.schedules.capture import GradientCapture
 from commsched.state import refuse_unknown
 
 if TYPE_CHECKING:
+    from commsched.streams.control import StreamControl
+    from commsched.streams.units import Striping
     from commsched.sim.network import CostModel
     from commsched.sim.schedules import Buckets, Result
     from commsched.sim.workload import Workload
@@ -61,6 +63,8 @@ class Schedule:
     """The link of the per-step used-mask all-reduce ("control": the default group, when the primary
     carries traffic that must not be waited for at the end of backward)."""
     compresses: ClassVar[bool] = False
+    stripes: ClassVar[bool] = False
+    """True: the schedule spreads its buckets' units over `streams` (`commsched.streams`)."""
     steps_whole: ClassVar[bool] = True
     """True: `optimizer.step()` runs once per step with every gradient in place on every rank (an
     optimizer may issue its own collectives there, e.g. `commsched.optim.LARS`'s parallel norms)."""
@@ -79,6 +83,9 @@ class Schedule:
         self.capture = GradientCapture(plan, mask_link, self.name, self._bucket_ready, self._backward_end)
         self.reducers: list[Reducer] = []
         """One per bucket, if the schedule combines buckets with reducers: their state is saved with the schedule's."""
+        self.streams: Optional[StreamControl] = None
+        """Schedules that spread buckets over streams (`stripes`): the configuration, fixed or searched;
+        its decision is saved with the schedule's state."""
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -156,6 +163,16 @@ class Schedule:
         return cls.links_used
 
     @classmethod
+    def streams_for(cls, settings: Any) -> int:
+        """Streams (process groups) of each of this schedule's links (primary, intra, inter) to make at setup."""
+        control = getattr(settings, "streams", None)
+        return control.links_needed if control is not None else 1
+
+    def _restripe(self, striping: "Striping") -> None:
+        """Build the reducers for another stream configuration (between iterations)."""
+        raise NotImplementedError
+
+    @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
         """Schedule-specific settings built from the strategy's options and the Trainer (None: none)."""
         return None
@@ -183,14 +200,20 @@ class Schedule:
         for reducer in self.reducers:
             for kind, entries in reducer.state_dict().items():
                 kept.setdefault(kind, {}).update(entries)
-        return {"per_rank": {"reducers": kept}} if kept else {}
+        saved: dict[str, Any] = {"per_rank": {"reducers": kept}} if kept else {}
+        streams = self.streams.state_dict() if self.streams is not None else {}
+        if streams:
+            saved["shared"] = {"streams": streams}
+        return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into freshly built buckets (a resume, a rebuild, a re-plan): `state` is the shared
         and this rank's parts of an earlier `state_dict()` merged into one dict. A schedule must
         refuse (`CommSchedConfigError`) state it cannot take rather than drop it: here, reducer state
         of a kind no reducer of this run keeps (residuals of a compression this run does not use)."""
-        refuse_unknown(self.name, state, ("reducers",))
+        refuse_unknown(self.name, state, ("reducers", "streams"))
+        if self.streams is not None and self.streams.load_state_dict(state.get("streams")):
+            self._restripe(self.streams.striping)
         saved = state.get("reducers", {})
         kept = {kind for reducer in self.reducers for kind in reducer.kinds}
         refuse_unknown(self.name, saved, kept)

@@ -39,7 +39,7 @@ from commsched.buckets import BucketPlan
 from commsched.hooks import OwnHook
 from commsched.links import InOrder, Links, Pending
 from commsched.pending import Kind, Watch
-from commsched.reducers import ShardedReduce
+from commsched.reducers.striped import StripedShards, Together
 from commsched.schedules.base import Schedule
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
 from commsched.schedules.step_control import run_with_step_replaced
@@ -47,28 +47,33 @@ from commsched.sim import schedules
 from commsched.sim.network import CostModel
 from commsched.sim.schedules import Buckets, Result
 from commsched.sim.workload import Workload
+from commsched.options import StreamOptions
+from commsched.streams.control import StreamControl
+from commsched.streams.units import Striping, Unit, plan_units
 
 
 @dataclass(frozen=True)
 class DeARSettings:
     bucket_links: Optional[tuple[str, ...]] = None
     """Per bucket, the link of its reduce-scatter and all-gather (None: the primary for every bucket)."""
+    streams: Optional[StreamControl] = None
+    """Units on several streams of the primary (None: one stream; not with `bucket_links`)."""
 
 
 class _Gathers:
-    """One step's all-gathers: a chain per link, each in the order the next forward needs its buckets."""
+    """One step's all-gathers: a chain per link (stream), each in the order the next forward needs
+    its buckets; a bucket's units may lie on several chains."""
 
-    def __init__(self, chains: dict[str, InOrder], position: dict[int, tuple[str, int]]) -> None:
+    def __init__(self, chains: dict[str, InOrder], position: dict[int, list[tuple[str, int]]]) -> None:
         self._chains = chains
-        self._position = position  # bucket -> its link's chain and its place in it
+        self._position = position  # bucket -> its units' chains and their places in them
 
     def wait(self, b: int) -> None:
-        chain, i = self._position[b]
-        self._chains[chain].wait(i)
+        for chain, i in self._position[b]:
+            self._chains[chain].wait(i)
 
     def done(self, b: int) -> bool:
-        chain, i = self._position[b]
-        return self._chains[chain].done(i)
+        return all(self._chains[chain].done(i) for chain, i in self._position[b])
 
 
 @dataclass
@@ -90,20 +95,21 @@ class DeARSchedule(Schedule):
     steps_whole = False  # each bucket's update is applied when its all-gather lands, in the next forward
     grads_complete_after_closure = False
     mask_link = "control"  # the primary is busy with the reduce-scatters when the mask goes out
+    stripes = True
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
-        names = getattr(settings, "bucket_links", None) or ("primary",) * len(plan.buckets)
-        self._bucket_links = [links[name] for name in names]
-        self.reducers = [ShardedReduce(b.buffer, link) for b, link in zip(plan.buckets, self._bucket_links)]
-        self._scatters: list[Optional[Pending]] = [None] * len(plan.buckets)
+        self.settings: DeARSettings = settings if isinstance(settings, DeARSettings) else DeARSettings()
+        self.streams: StreamControl = self.settings.streams or StreamControl(1, StreamOptions())
+        self.reducers: list[StripedShards] = self._build_reducers(self.streams.striping)
+        self._scatters: list[Optional[Together]] = [None] * len(plan.buckets)
         self._gathers: Optional[_Gathers] = None  # this step's all-gathers, started at the end of backward
         self._clip: Optional[Callable[[torch.Tensor], Any]] = None  # clipping, applied to each bucket once gathered
         self._pending: Optional[_PendingUpdate] = None
         self._whole = False  # this step's gradients were made whole (someone read `.grad`)
         self._steps = 0
         self._stepper: Optional[SubsetStepper] = None
-        self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int]]]] = {}
+        self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self.watch = Watch(self._bring_up_to_date)
         self.applied: Counter[str] = Counter()
@@ -125,6 +131,32 @@ class DeARSchedule(Schedule):
         """After a flush (the engine's), or after a failure: nothing pending is applied here."""
         self.watch.unmark_all()
         super().detach()
+
+    def _build_reducers(self, striping: Striping) -> list[StripedShards]:
+        """Each bucket's units on their streams (one unit per bucket with one stream); DeFT's hand-over
+        names a link per bucket instead."""
+        if self.settings.bucket_links is not None:
+            return [StripedShards(b, [Unit(b.index, 0, b.buffer.numel(), 0)], [self.links[name]])
+                    for b, name in zip(self.plan.buckets, self.settings.bucket_links)]
+        streams = self.links.streams("primary")
+        return [StripedShards(b, units, streams) for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
+
+    @classmethod
+    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeARSettings:
+        return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False))
+
+    def at_boundary(self) -> None:
+        """Between trials of the stream search: the pending update is applied (its all-gathers are in
+        flight on the old streams) before the buckets' units move."""
+        chosen = self.streams.at_boundary(self.links.control)
+        if chosen is not None:
+            self._restripe(chosen)
+        return None
+
+    def _restripe(self, striping: Striping) -> None:
+        self.flush()
+        self.reducers = self._build_reducers(striping)
+        self._norm_segments.clear()
 
     # ------------------------------------------------------------------ backward
     def _bucket_ready(self, b: int) -> None:
@@ -161,16 +193,23 @@ class DeARSchedule(Schedule):
         self.applied["whole"] += 1
 
     def _start_gathers(self) -> _Gathers:
-        chains: dict[str, list[int]] = {}
+        chains: dict[str, list[tuple[int, int]]] = {}
+        links: dict[str, Any] = {}
         for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
-            chains.setdefault(self._bucket_links[b].name, []).append(b)
-        started = {name: self.links[name].in_order([partial(self._gather, b) for b in order]) for name, order in chains.items()}
-        return _Gathers(started, {b: (name, i) for name, order in chains.items() for i, b in enumerate(order)})
+            for u, link in enumerate(self.reducers[b].links):
+                chains.setdefault(link.name, []).append((b, u))
+                links[link.name] = link
+        started = {name: links[name].in_order([partial(self._gather, b, u) for b, u in order]) for name, order in chains.items()}
+        position: dict[int, list[tuple[str, int]]] = {}
+        for name, order in chains.items():
+            for i, (b, _) in enumerate(order):
+                position.setdefault(b, []).append((name, i))
+        return _Gathers(started, position)
 
-    def _gather(self, b: int, previous: Optional[Pending]) -> Pending:
+    def _gather(self, b: int, u: int, previous: Optional[Pending]) -> Pending:
         scattered = self._scatters[b]
         assert scattered is not None, "every bucket is scattered before the all-gathers are requested"
-        return self.reducers[b].gather(f"bucket{b}", after=[p for p in (previous, scattered) if p is not None])
+        return self.reducers[b].gather_unit(u, [p for p in (previous, scattered.pending[u]) if p is not None])
 
     def _scattered(self) -> None:
         """Wait for this step's reduce-scatters (clipping reads the shards)."""
@@ -179,20 +218,21 @@ class DeARSchedule(Schedule):
                 work.wait()
 
     # ------------------------------------------------------------------ clipping
-    def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int]]]:
-        """Per bucket, the (start, length) ranges of this rank's slice that belong to `optimizer`'s parameters."""
+    def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int, int]]]:
+        """Per bucket, the (piece, start, length) ranges of this rank's pieces (its shard of each unit)
+        that belong to `optimizer`'s parameters."""
         key = SubsetStepper.key(optimizer)
         if key not in self._norm_segments:
             members = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            rank = self.link.rank
             per_bucket = []
-            for bucket in self.plan.buckets:
-                lo, hi = rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel
+            for bucket, reducer in zip(self.plan.buckets, self.reducers):
                 ranges = []
-                for p, start in zip(bucket.params, bucket.offsets()):
-                    a, z = max(start, lo), min(start + p.numel(), hi)
-                    if id(p) in members and a < z:
-                        ranges.append((a - lo, z - a))
+                for i, (lo, piece) in enumerate(reducer.pieces()):
+                    hi = lo + piece.numel()
+                    for p, start in zip(bucket.params, bucket.offsets()):
+                        a, z = max(start, lo), min(start + p.numel(), hi)
+                        if id(p) in members and a < z:
+                            ranges.append((i, a - lo, z - a))
                 per_bucket.append(ranges)
             self._norm_segments[key] = per_bucket
         return self._norm_segments[key]
@@ -202,13 +242,12 @@ class DeARSchedule(Schedule):
         gradient once someone read `.grad`) and one scalar all-reduce on the control link (the primary
         is busy with the all-gathers). Scaling commutes with the all-gather: whole gradients are
         scaled now, gathered ones when their bucket is applied."""
-        world, rank = self.plan.world_size, self.link.rank
         self._scattered()
-        slices = [b.buffer.view(world, -1)[rank] if self._whole else r.shard for b, r in zip(self.plan.buckets, self.reducers)]
-        squares = torch.zeros(1, dtype=torch.float32, device=slices[0].device)
-        for piece, ranges in zip(slices, self._segments(optimizer)):
-            for start, length in ranges:
-                squares += torch.linalg.vector_norm(piece.narrow(0, start, length), dtype=torch.float32).square()
+        squares = torch.zeros(1, dtype=torch.float32, device=self.plan.buckets[0].buffer.device)
+        for bucket, reducer, ranges in zip(self.plan.buckets, self.reducers, self._segments(optimizer)):
+            pieces = [bucket.buffer.narrow(0, lo, shard.numel()) if self._whole else shard for lo, shard in reducer.pieces()]
+            for i, start, length in ranges:
+                squares += torch.linalg.vector_norm(pieces[i].narrow(0, start, length), dtype=torch.float32).square().to(squares.device)
         control = self.links.control
         squares = squares.to(control.device)
         control.all_reduce(squares, "clip-norm").wait()

@@ -17,8 +17,9 @@ import torch
 
 from commsched.buckets import BucketPlan
 from commsched.links import Links
-from commsched.options import CompressionOptions
-from commsched.reducers import AllReduce, into_bucket
+from commsched.options import CompressionOptions, StreamOptions
+from commsched.reducers import into_bucket
+from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.reducers.topk import SparseExchange, TopKAllReduce, selector
 from commsched.schedules.base import Schedule
@@ -28,6 +29,8 @@ from commsched.sim.schedules import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.say import say
 from commsched.state import RESIDUAL_TOTAL
+from commsched.streams.control import StreamControl
+from commsched.streams.units import Striping, plan_units
 
 
 @dataclass
@@ -38,6 +41,8 @@ class WFBPSettings:
     """`hierarchical` resolved (never None here)."""
     progress: Callable[[], tuple[int, float]] = lambda: (0, math.inf)
     """(optimizer steps taken, steps the run will take): where the dense phases of a sparse exchange are."""
+    streams: Optional[StreamControl] = None
+    """Dense buckets' units on several streams, fixed or searched (None: one stream)."""
 
 
 class WFBPSchedule(Schedule):
@@ -45,6 +50,7 @@ class WFBPSchedule(Schedule):
     description = "commsched WFBP: bucketed all-reduce launched during backward"
     step_collectives = ("all_reduce",)
     compresses = True
+    stripes = True
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
@@ -55,33 +61,53 @@ class WFBPSchedule(Schedule):
         """Residuals of a compressed run resumed dense: added to the first step's gradient."""
         sparse = compression.method != "none"
         select = selector(compression.method, compression.samplings) if sparse else None
-        if compression.hierarchical:
+        if sparse and compression.hierarchical:
             intra, inter = links["intra"], links["inter"]
-            self.reducers = [HierarchicalReduce(b, intra, inter, compression.density if sparse else None, select,
-                                                compression.error_feedback) for b in plan.buckets]
+            self.reducers = [HierarchicalReduce(b, intra, inter, compression.density, select, compression.error_feedback)
+                             for b in plan.buckets]
         elif sparse:
             self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback)
                              for b in plan.buckets]
-        else:
-            self.reducers = [AllReduce(b.buffer, self.link) for b in plan.buckets]
+        self.streams = self.settings.streams or StreamControl(1, StreamOptions(), two_level=bool(compression.hierarchical))
+        if not sparse:
+            self.reducers = self._dense_reducers(self.streams.striping)
         self._works: list[Optional[SparseExchange | Any]] = [None] * len(plan.buckets)
+
+    def _dense_reducers(self, striping: Striping) -> list[StripedAllReduce]:
+        """Each bucket's units on their streams, flat or node first (one unit per bucket with one stream)."""
+        two_level = (self.links.streams("intra"), self.links.streams("inter")) if striping.hierarchical else None
+        return [StripedAllReduce(b, units, self.links.streams("primary"), two_level)
+                for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
+
+    def _restripe(self, striping: Striping) -> None:
+        self.reducers = self._dense_reducers(striping)
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
         """The compression options, `hierarchical` resolved: by default, sparse exchanges go node first
-        when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked."""
+        when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked, or unless
+        `streams="auto"` finds node first faster (searched on several nodes when not set)."""
         compression = options.compression
+        searched = options.streams == "auto" and compression.hierarchical is None and compression.method == "none" \
+            and trainer.num_nodes > 1
         if compression.hierarchical is None:
             compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and trainer.num_nodes > 1)
-        return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches))
+        streams = StreamControl.of(options.streams, options.stream_options, trainer,
+                                   two_level=None if searched else bool(compression.hierarchical))
+        return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams)
 
     @classmethod
     def links_for(cls, settings: Any) -> tuple[str, ...]:
-        hierarchical = isinstance(settings, WFBPSettings) and bool(settings.compression.hierarchical)
+        hierarchical = isinstance(settings, WFBPSettings) and (
+            bool(settings.compression.hierarchical) or (settings.streams is not None and settings.streams.may_use_two_level))
         return (*cls.links_used, "intra", "inter") if hierarchical else cls.links_used
 
     def at_boundary(self) -> None:
-        """A sparse exchange's dense phases begin and end at iteration starts (every rank at the same step)."""
+        """The stream search's switches, and a sparse exchange's dense phases, at iteration starts
+        (every rank at the same step; nothing is in flight)."""
+        chosen = self.streams.at_boundary(self.links.control) if self.streams is not None else None
+        if chosen is not None:
+            self._restripe(chosen)
         compression = self.settings.compression
         if compression.method == "none" or not (compression.dense_warmup_steps or compression.dense_final_steps):
             return None

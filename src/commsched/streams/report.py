@@ -1,0 +1,49 @@
+"""The stream search's trials as a table (JSON) and a plot (step time per trial, by technique)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from commsched.streams.units import Striping
+
+
+def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[Striping], name: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps({"chosen": chosen.to_json() if chosen else None, "trials": trials}, indent=1))
+    plot_trials(trials, path.with_suffix(".png"))
+
+
+def table(trials: list[dict[str, Any]]) -> str:
+    """Markdown: one row per trial."""
+    rows = ["| trial | technique | streams | unit (MB) | two-level | ms/step | new best |", "|---|---|---|---|---|---|---|"]
+    for i, t in enumerate(trials):
+        unit = "-" if t["streams"] == 1 else f"{t['unit_mb']:g}"
+        rows.append(f"| {i} | {t['technique']} | {t['streams']} | {unit} | {'yes' if t['hierarchical'] else 'no'} | "
+                    f"{t['step_s'] * 1e3:.1f} | {'*' if t['new_best'] else ''} |")
+    return "\n".join(rows)
+
+
+def plot_trials(trials: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for technique in dict.fromkeys(t["technique"] for t in trials):
+        points = [(i, t["step_s"] * 1e3) for i, t in enumerate(trials) if t["technique"] == technique]
+        ax.scatter(*zip(*points), label=technique, s=18)
+    best, so_far = [], float("inf")
+    for t in trials:
+        so_far = min(so_far, t["step_s"] * 1e3)
+        best.append(so_far)
+    ax.step(range(len(best)), best, where="post", color="black", linewidth=1, label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

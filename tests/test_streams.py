@@ -1,0 +1,204 @@
+"""Several streams (DESIGN.md §10): units dispatched deterministically, weights equal to ddp with any
+S and U and through the search itself, identical unit-to-stream records on every rank under random
+per-rank delays, the decision kept in checkpoints, drift re-opening the search; the bandit's formula
+against hand-computed values, and the search against brute force on synthetic cost surfaces."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import commsched
+from commsched.buckets import build_plan
+from commsched.fusion import plan_fixed
+from commsched.options import StreamOptions
+from commsched.streams import Striping, plan_units
+from commsched.streams.bandit import AUCBandit
+from commsched.streams.control import StreamControl
+from commsched.streams.search import StreamSearch
+from commsched.streams.space import Space
+from conftest import max_abs_diff, per_link, run_worker
+
+
+# ------------------------------------------------------------------ units
+@pytest.mark.parametrize("streams, unit_bytes, world", [(1, 64, 2), (3, 64, 2), (4, 100, 3), (2, 4, 4), (16, 4096, 2)])
+def test_units_tile_every_bucket_and_go_round_robin(streams, unit_bytes, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 33), nn.Linear(33, 5), nn.Linear(5, 300))
+    plan = build_plan(model, world, lambda infos: plan_fixed(infos, cap_bytes=2000))
+    units = plan_units(plan, Striping(streams, unit_bytes / 2**20))
+    flat = [u for bucket_units in units for u in bucket_units]
+    assert [u.stream for u in flat] == [i % streams for i in range(len(flat))] if streams > 1 else all(u.stream == 0 for u in flat)
+    for bucket, mine in zip(plan.buckets, units):
+        covered = torch.zeros(bucket.buffer.numel(), dtype=torch.int64)
+        for u in mine:
+            assert u.bucket == bucket.index and u.numel % world == 0 and u.numel > 0
+            assert streams == 1 or u.numel * 4 <= max(unit_bytes, 4 * world)
+            covered[u.start : u.start + u.numel] += 1
+        assert bool((covered == 1).all())
+        if streams == 1:
+            assert len(mine) == 1
+
+
+# ------------------------------------------------------------------ bandit
+def test_the_bandit_scores_as_computed_by_hand():
+    bandit = AUCBandit(["grid", "bayes", "population", "hyperband"], exploration=0.2, window=25)
+    for use in [("grid", True), ("bayes", False), ("grid", False), ("grid", True), ("population", False)]:
+        bandit.record(*use)
+    # grid: wins at its 1st and 3rd use: (1 + 3) * 2 / (3 * 4); explored sqrt(2 log2(5) / 3)
+    assert bandit.auc("grid") == pytest.approx(2 / 3)
+    assert bandit.score("grid") == pytest.approx(2 / 3 + 0.2 * math.sqrt(2 * math.log2(5) / 3))
+    assert bandit.score("bayes") == pytest.approx(0.2 * math.sqrt(2 * math.log2(5)))
+    assert bandit.score("hyperband") == math.inf
+    assert bandit.ranked() == ["hyperband", "grid", "bayes", "population"]  # ties keep the order given
+    small = AUCBandit(["grid", "bayes"], exploration=0.2, window=3)
+    for use in [("bayes", True), ("grid", False), ("grid", True), ("grid", True)]:
+        small.record(*use)
+    # the window holds the last three uses, all grid's: wins at 2 and 3 -> (2 + 3) * 2 / (3 * 4)
+    assert small.uses("bayes") == 0 and small.auc("grid") == pytest.approx(10 / 12)
+    assert small.choose() == "bayes"
+
+
+# ------------------------------------------------------------------ the search, offline
+def capped_network(s: Striping, two_level_gain: float = 1.0) -> float:
+    """60 MB all-reduced over 250 Mbit per flow, 1 Gbit per node: more streams help up to four, each
+    unit costs a latency, each stream an overhead; node first saves 10% where searched."""
+    bandwidth = min(s.streams * 250, 1000) / 8
+    units = math.ceil(60 / s.unit_mb) if s.streams > 1 else 1
+    seconds = 0.3 + 2 * 60 / bandwidth + 0.004 * units / s.streams + 0.003 * s.streams
+    return seconds * (two_level_gain if s.hierarchical else 1.0)
+
+
+def bowl(seed: int):
+    draw = random.Random(seed)
+    s0, u0, a, b = draw.uniform(0, 4), draw.uniform(-1, 5), draw.uniform(0.05, 0.5), draw.uniform(0.02, 0.2)
+    return lambda s: (1 + a * (math.log2(s.streams) - s0) ** 2 + (b * (math.log2(s.unit_mb) - u0) ** 2 if s.streams > 1 else 0)
+                      + (0.3 if s.streams == 1 else 0))
+
+
+def searched(cost, space: Space, seed: int, trials: int = 25) -> float:
+    """The search's final choice's true cost over the optimum (brute force), measurements with 2% noise."""
+    noise = random.Random(seed + 100)
+    search = StreamSearch(space, [Striping(1, 4.0)], seed=seed)
+    for _ in range(trials):
+        technique, proposed = search.propose()
+        search.record(technique, proposed, cost(proposed) * (1 + noise.gauss(0, 0.02)))
+    assert {t.technique for t in search.trials} >= {"start", "grid", "bayes", "population"}
+    return cost(search.best()[0]) / min(cost(s) for s in space.all())
+
+
+@pytest.mark.parametrize("surface", ["capped", "capped-two-level", "bowl"])
+def test_the_search_lands_within_5_percent_of_the_optimum_in_90_percent_of_seeds(surface):
+    space = Space.of(16, 0.5, 32, two_level=surface == "capped-two-level")
+    assert len(space.all()) > 4 * 25  # 25 trials see under a quarter of the space
+    ratios = []
+    for seed in range(10):
+        cost = bowl(seed) if surface == "bowl" else lambda s: capped_network(s, 0.9)
+        ratios.append(searched(cost, space, seed))
+    assert sum(r <= 1.05 for r in ratios) >= 9, ratios
+
+
+def test_a_checkpointed_choice_is_kept_unless_asked_to_search_again():
+    saved = {"chosen": Striping(4, 2.0).to_json(), "chosen_s": 0.5, "trials": [{"technique": "start"}]}
+    kept = StreamControl("auto", StreamOptions())
+    assert kept.load_state_dict(saved) and kept.striping == Striping(4, 2.0) and not kept.searching
+    assert kept.state_dict()["chosen"] == saved["chosen"]
+    again = StreamControl("auto", StreamOptions(retune_on_resume=True))
+    assert not again.load_state_dict(saved) and again.searching and again.striping.streams == 1
+    fixed = StreamControl(3, StreamOptions(unit_mb=1.0))  # the user's fixed choice wins over the checkpoint's
+    assert not fixed.load_state_dict(saved) and fixed.striping == Striping(3, 1.0) and fixed.state_dict() == {}
+
+
+# ------------------------------------------------------------------ real runs
+CASES = ["ddp-s1", "wfbp-s3", "dear-s3", "wfbp-auto", "dear-auto", "wfbp-s4-delayed", "dear-s4-delayed",
+         "ddp-s1-part", "ddp-s1-resumed", "dear-auto-part", "dear-auto-resumed", "wfbp-auto-drift"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("streams")
+    proc = run_worker("run_streams.py", str(out), *CASES, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"stream runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("case", ["wfbp-s3", "dear-s3", "wfbp-auto", "dear-auto", "wfbp-s4-delayed", "dear-s4-delayed"])
+def test_any_streams_and_the_search_itself_equal_ddp(runs, case):
+    for rank in (0, 1):
+        diff, key = max_abs_diff(runs(case, rank)["state"], runs("ddp-s1", rank)["state"])
+        assert diff <= 1e-5, f"{case}, rank {rank}: {key} differs from ddp by {diff:.3g}"
+
+
+@pytest.mark.parametrize("case", ["wfbp-s3", "dear-s3", "wfbp-s4-delayed", "dear-s4-delayed", "wfbp-auto", "dear-auto"])
+def test_every_rank_records_the_same_units_on_the_same_streams(runs, case):
+    traces = [per_link(runs(case, rank)["trace"]) for rank in (0, 1)]
+    assert traces[0] == traces[1]
+    if case.endswith(("s3", "s4-delayed")):
+        streams = int(case.split("-")[1][1:])
+        assert {f"primary.{i}" for i in range(1, streams)} <= set(traces[0])
+        for name in [n for n in traces[0] if n.startswith("primary")]:
+            assert len(traces[0][name]) > 0
+
+
+def test_every_stream_carries_bytes(runs):
+    wire = runs("wfbp-s3")["wire_bytes"]
+    assert all(wire[f"primary{suffix}"] > 0 for suffix in ("", ".1", ".2"))
+
+
+def test_the_search_ends_with_one_choice_on_every_rank_and_keeps_it_on_resume(runs):
+    for case in ("wfbp-auto", "dear-auto", "dear-auto-part"):
+        chosen = [runs(case, rank)["chosen"] for rank in (0, 1)]
+        assert chosen[0] is not None and chosen[0] == chosen[1]
+        assert runs(case, 0)["trials"] == runs(case, 1)["trials"]
+        assert runs(case, 0)["trials"][0]["streams"] == 1  # one stream is measured first: the baseline
+    part, resumed = runs("dear-auto-part"), runs("dear-auto-resumed")
+    assert resumed["chosen"] == part["chosen"] and resumed["trials"] == part["trials"]  # reused, not searched again
+    for rank in (0, 1):
+        diff, key = max_abs_diff(runs("dear-auto-resumed", rank)["state"], runs("ddp-s1-resumed", rank)["state"])
+        assert diff <= 1e-5, f"rank {rank}: {key} differs from ddp resumed by {diff:.3g}"
+
+
+def test_a_slower_network_after_the_search_reopens_it_from_one_stream(runs):
+    trials = runs("wfbp-auto-drift")["trials"]
+    first = next(i for i, t in enumerate(trials) if i > 0 and t["technique"] == "start")  # the re-opened search
+    assert first >= 4 and trials[first - 1]["technique"] != "start"
+    reopened = trials[first:]
+    assert any(t["streams"] == 1 for t in reopened)
+    assert min(t["step_s"] for t in reopened) > 2 * min(t["step_s"] for t in trials[:first])  # measured after the slow-down
+
+
+def test_bad_stream_values_are_refused_before_spawning():
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=0.*1\.\.16"):
+        commsched.WFBPStrategy(streams=0)
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=.fast.*auto"):
+        commsched.DeARStrategy(streams="fast")
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=4.*1 with schedule deft"):
+        commsched.DeFTStrategy(streams=4)
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=2.*compression.method=topk"):
+        commsched.WFBPStrategy(streams=2, compression="topk")
+    with pytest.raises(commsched.CommSchedConfigError, match=r"stream_options.max_streams=17"):
+        commsched.WFBPStrategy(streams="auto", stream_options=StreamOptions(max_streams=17))
+    with pytest.raises(commsched.CommSchedConfigError, match=r"stream_options.min_unit_mb"):
+        commsched.WFBPStrategy(streams="auto", stream_options=StreamOptions(min_unit_mb=8.0, max_unit_mb=1.0))
+
+
+def test_hydra_runs_the_search_and_leaves_its_trials_beside_the_run(tmp_path):
+    import json
+
+    from test_cli_everyday import SMALL, train
+
+    run = tmp_path / "run"
+    proc = train(run, *SMALL, "schedule=dear", "streams=auto", "stream_options.budget_steps=6", "stream_options.trial_steps=2",
+                 "stream_options.max_streams=3", "stream_options.min_unit_mb=0.01", "stream_options.max_unit_mb=0.04",
+                 "trainer.devices=2", "trainer.max_steps=9", "checkpoint.enabled=false")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "commsched streams: trial 0 (start): 1 stream" in output and "commsched streams: chose" in output
+    saved = json.loads((run / "commsched_streams.json").read_text())
+    assert saved["chosen"] is not None and len(saved["trials"]) == 3
+    assert (run / "commsched_streams.png").stat().st_size > 0

@@ -1,0 +1,105 @@
+"""wfbp and dear with several streams, fixed and searched ("auto"), against Lightning's ddp.
+
+Usage: python run_streams.py OUT_DIR CASE [CASE ...]   (2 CPU processes, gloo)
+
+Every rank writes OUT_DIR/<case>.rank<r>.pt: final state, collective trace, the stream control's
+configuration, choice and trials, and the bytes each link (stream) sent. A case ending in
+"-delayed" sleeps a random, per-rank time before every collective request; "-resumed" resumes
+"<case without -resumed>-part"'s last checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import commsched
+import commsched.links
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy import ToyNet  # noqa: E402
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+BUCKET_MB = 2000 / 2**20
+UNIT_MB = 160 / 2**20
+SEARCH = commsched.StreamOptions(unit_mb=UNIT_MB, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
+                                 trial_steps=2, budget_steps=8, drift=0.0)
+DRIFTING = commsched.StreamOptions(unit_mb=UNIT_MB, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
+                                   trial_steps=2, budget_steps=8, drift=0.5, drift_steps=4, retune_steps=6)
+STEPS = 14
+DRIFT_STEPS, SLOWER_FROM = 26, 12
+
+
+class SlowerLater(pl.Callback):
+    """Every step from SLOWER_FROM on takes 60 ms longer (the network got worse, say)."""
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= SLOWER_FROM:
+            time.sleep(0.06)
+
+
+def case_strategy(case: str):
+    base = case.removesuffix("-delayed").removesuffix("-resumed").removesuffix("-part").removesuffix("-drift")
+    schedule, streams = base.split("-")
+    if schedule == "ddp":
+        return DDPStrategy(find_unused_parameters=True)
+    cls = {"wfbp": commsched.WFBPStrategy, "dear": commsched.DeARStrategy}[schedule]
+    count = "auto" if streams == "auto" else int(streams.removeprefix("s"))
+    options = DRIFTING if case.endswith("-drift") else SEARCH if count == "auto" else commsched.StreamOptions(unit_mb=UNIT_MB)
+    return cls(bucket_cap_mb=BUCKET_MB, streams=count, stream_options=options, trace_collectives=True)
+
+
+def delay_every_request(rank: int) -> None:
+    """Sleep 0-4 ms, drawn per rank, before each collective is requested: ranks reach each unit at different times."""
+    draw = random.Random(1000 + rank)
+    original = commsched.links.Link._request
+
+    def delayed(self, *args, **kwargs):
+        time.sleep(draw.uniform(0, 0.004))
+        return original(self, *args, **kwargs)
+
+    commsched.links.Link._request = delayed
+
+
+def fit(out: Path, case: str) -> None:
+    pl.seed_everything(1234, verbose=False)
+    steps = DRIFT_STEPS if case.endswith("-drift") else STEPS - 4 if case.endswith("-part") else STEPS
+    model = ToyNet(optimizer="sgd", batch_size=4, train_size=max(steps, STEPS) * 4 * 2)
+    strategy = case_strategy(case)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                         gradient_clip_val=0.5, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out / case,
+                         callbacks=[ModelCheckpoint(dirpath=out / case / "ckpt", save_last=True, save_top_k=0),
+                                    *([SlowerLater()] if case.endswith("-drift") else [])])
+    if case.endswith("-delayed"):
+        delay_every_request(trainer.global_rank)
+    resume = out / case.replace("-resumed", "-part") / "ckpt" / "last.ckpt" if case.endswith("-resumed") else None
+    trainer.fit(model, ckpt_path=str(resume) if resume else None)
+    result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+              "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])]}
+    schedule = getattr(trainer.strategy, "last_schedule", None)
+    if schedule is not None and schedule.streams is not None:
+        control = schedule.streams
+        result.update(striping=control.striping.to_json(), chosen=control.chosen.to_json() if control.chosen else None,
+                      trials=control.trials, wire_bytes=trainer.strategy.wire_bytes)
+    torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out, cases = Path(sys.argv[1]), sys.argv[2:]
+    out.mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        fit(out, case)
+
+
+if __name__ == "__main__":
+    main()
