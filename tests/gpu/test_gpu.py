@@ -18,7 +18,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU suite needs one")]
 
 CASES = ["ddp", "wfbp", "dear", "deft", "deft-plan", "dear-profiled", "dear-mgwfbp", "wfbp-dear-model", "dear-bayes",
-         "topk-whole", "mstopk-whole", "topk-sparse"]
+         "topk-whole", "mstopk-whole", "topk-sparse", "wfbp-streams", "dear-streams", "dear-streams-auto"]
 EXACT = [c for c in CASES if c not in ("ddp", "topk-sparse")]
 WORLDS = [1] + ([2] if GPUS >= 2 else [])
 

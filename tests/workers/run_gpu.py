@@ -49,6 +49,15 @@ CASES = {
     "topk-whole": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=1.0)),
     "mstopk-whole": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", density=1.0)),
     "topk-sparse": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=0.1)),
+    # several NCCL communicators, each on its own CUDA stream; and the search switching between them
+    "wfbp-streams": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, streams=4, trace_collectives=True,
+                                                   stream_options=commsched.StreamOptions(unit_mb=160 / 2**20)),
+    "dear-streams": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, streams=3, trace_collectives=True,
+                                                   stream_options=commsched.StreamOptions(unit_mb=160 / 2**20)),
+    "dear-streams-auto": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, streams="auto", trace_collectives=True,
+                                                        stream_options=commsched.StreamOptions(
+                                                            unit_mb=160 / 2**20, min_unit_mb=160 / 2**20, max_unit_mb=640 / 2**20,
+                                                            max_streams=4, trial_steps=2, budget_steps=8)),
 }
 STEPS = 12
 
