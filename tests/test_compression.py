@@ -240,7 +240,7 @@ def two_nodes(tmp_path_factory):
     out = tmp_path_factory.mktemp("hierarchical")
     command = [str(Path(sys.executable).parent / "commsched-cluster"), "--nodes", "2", "--workers-per-node", "2", "--rate", "1gbit",
                "--", sys.executable, str(WORKERS / "run_hierarchical.py"), str(out), "2", "2",
-               "flat-dense", "hier-dense", "hier-topk", "hier-mstopk", "hier-topk-phases"]
+               "flat-dense", "hier-dense", "hier-topk", "hier-mstopk", "hier-topk-phases", "hier-dense-streams", "auto-two-level"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=WORKERS)
     if proc.returncode != 0:
         pytest.fail(f"two-node runs failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}")
@@ -337,3 +337,18 @@ def test_hierarchical_mstopk_keeps_every_rank_identical(two_nodes):
     assert max_abs_diff(first["state"], first["initial"])[0] > 1e-3
     for rank in range(1, 4):
         assert max_abs_diff(two_nodes("hier-mstopk", rank)["state"], first["state"])[0] == 0.0
+
+
+@needs_root
+def test_two_levels_on_several_streams_and_their_search_equal_the_flat_all_reduce(two_nodes):
+    """2 nodes x 2 workers: node first on 2 streams (each unit on its stream's intra and inter groups),
+    and `streams="auto"` trying flat and node first, give the flat all-reduce's weights on every rank."""
+    for case in ("hier-dense-streams", "auto-two-level"):
+        for rank in range(4):
+            assert max_abs_diff(two_nodes(case, rank)["state"], two_nodes("flat-dense", rank)["state"])[0] <= 1e-5, (case, rank)
+            assert per_link(two_nodes(case, rank)["trace"]) == per_link(two_nodes(case, 0)["trace"]), (case, rank)
+    links = {link for link, *_ in two_nodes("hier-dense-streams")["trace"]}
+    assert {"intra", "intra.1", "inter", "inter.1"} <= links
+    trials = two_nodes("auto-two-level")["trials"]
+    assert {t["hierarchical"] for t in trials} == {False, True} and trials[0]["streams"] == trials[1]["streams"] == 1
+    assert len({str(two_nodes("auto-two-level", rank)["chosen"]) for rank in range(4)}) == 1

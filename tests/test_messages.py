@@ -58,3 +58,12 @@ def test_compression_defaults_are_the_same_from_python_and_hydra():
     assert dataclasses.asdict(from_python) == OmegaConf.to_container(cfg.compression) == dataclasses.asdict(registered)
     assert (from_python.method, from_python.density, from_python.error_feedback) == ("mstopk", 0.01, True)
     assert OmegaConf.to_container(composed("schedule=wfbp").compression)["method"] == "none"
+
+
+def test_stream_defaults_are_the_same_from_python_and_hydra():
+    """`streams=auto` in Hydra and `streams="auto"` in Python search with the same options; both default to one stream."""
+    cfg = composed("schedule=dear", "streams=auto")
+    from_python = commsched.DeARStrategy(streams="auto").options
+    assert from_python.streams == cfg.streams == "auto"
+    assert dataclasses.asdict(from_python.stream_options) == OmegaConf.to_container(cfg.stream_options)
+    assert commsched.WFBPStrategy().options.streams == composed("schedule=wfbp").streams == 1

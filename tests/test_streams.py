@@ -115,7 +115,7 @@ def test_a_checkpointed_choice_is_kept_unless_asked_to_search_again():
 
 # ------------------------------------------------------------------ real runs
 CASES = ["ddp-s1", "wfbp-s3", "dear-s3", "wfbp-auto", "dear-auto", "wfbp-s4-delayed", "dear-s4-delayed",
-         "ddp-s1-part", "ddp-s1-resumed", "dear-auto-part", "dear-auto-resumed", "wfbp-auto-drift"]
+         "ddp-s1-part", "ddp-s1-resumed", "dear-auto-part", "dear-auto-resumed", "wfbp-auto-drift", "wfbp-s3-profiled"]
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +145,19 @@ def test_every_rank_records_the_same_units_on_the_same_streams(runs, case):
             assert len(traces[0][name]) > 0
 
 
-def test_every_stream_carries_bytes(runs):
+def test_every_stream_carries_bytes_and_the_profiler_shows_each_busy(runs):
+    import json
+
     wire = runs("wfbp-s3")["wire_bytes"]
     assert all(wire[f"primary{suffix}"] > 0 for suffix in ("", ".1", ".2"))
+    profile = runs("wfbp-s3-profiled")["profile"]
+    for name in ("primary", "primary.1", "primary.2"):
+        assert profile["summary"]["wire_bytes"][name] > 0 and profile["summary"]["busy_s"][name] > 0
+    assert 0 < profile["summary"]["busy_s"]["primary"] < profile["summary"]["step_s"]
+    trace = json.loads(open(profile["files"]["trace"]).read())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    lanes = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
+    assert {"link: primary", "link: primary.1", "link: primary.2"} <= lanes  # one row per stream
 
 
 def test_the_search_ends_with_one_choice_on_every_rank_and_keeps_it_on_resume(runs):
@@ -181,6 +191,8 @@ def test_bad_stream_values_are_refused_before_spawning():
         commsched.DeFTStrategy(streams=4)
     with pytest.raises(commsched.CommSchedConfigError, match=r"streams=2.*compression.method=topk"):
         commsched.WFBPStrategy(streams=2, compression="topk")
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams='auto'.*fusion.policy=bayes"):
+        commsched.DeARStrategy(streams="auto", fusion="bayes")
     with pytest.raises(commsched.CommSchedConfigError, match=r"stream_options.max_streams=17"):
         commsched.WFBPStrategy(streams="auto", stream_options=StreamOptions(max_streams=17))
     with pytest.raises(commsched.CommSchedConfigError, match=r"stream_options.min_unit_mb"):
@@ -193,7 +205,7 @@ def test_hydra_runs_the_search_and_leaves_its_trials_beside_the_run(tmp_path):
     from test_cli_everyday import SMALL, train
 
     run = tmp_path / "run"
-    proc = train(run, *SMALL, "schedule=dear", "streams=auto", "stream_options.budget_steps=6", "stream_options.trial_steps=2",
+    proc = train(run, *SMALL, "schedule=dear", "streams=auto", "stream_options.budget_steps=6", "stream_options.trial_steps=2", "stream_options.warmup_steps=1",
                  "stream_options.max_streams=3", "stream_options.min_unit_mb=0.01", "stream_options.max_unit_mb=0.04",
                  "trainer.devices=2", "trainer.max_steps=9", "checkpoint.enabled=false")
     output = proc.stdout + proc.stderr

@@ -56,7 +56,7 @@ def refuse_optimizers(optimizers: list[Any], name: str, steps_whole: bool = True
 
 def refuse_streams(options: Any, schedule: Any) -> None:
     """Several streams only where the schedule stripes its buckets, on dense exchanges (`Schedule.stripes`)."""
-    check_streams(options.streams, schedule.name, schedule.stripes, options.compression)
+    check_streams(options.streams, schedule.name, schedule.stripes, options.compression, options.fusion.policy)
 
 
 def refuse_compression(compression: Any, schedule: Any) -> None:

@@ -139,12 +139,12 @@ def validate(cfg: Any) -> None:
     name = str(cfg.schedule.name)
     if name in options.BUILTIN_SCHEDULES:  # checked before torch is imported
         options.check_compression(cfg.compression, name, name in options.COMPRESSING_SCHEDULES)
-        options.check_streams(cfg.streams, name, name in options.STRIPING_SCHEDULES, cfg.compression)
+        options.check_streams(cfg.streams, name, name in options.STRIPING_SCHEDULES, cfg.compression, cfg.fusion.policy)
     elif name != "ddp":  # a plugin's schedule: the plugin imported the registry already
         from commsched.registry import SCHEDULES
 
         options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
-        options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression)
+        options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression, cfg.fusion.policy)
     elif cfg.streams != 1:
         raise bad_value("streams", cfg.streams, "1 with schedule=ddp (Lightning's DDP has one communicator); "
                         "schedule=wfbp runs the same schedule on several streams")

@@ -312,12 +312,15 @@ class StreamOptions:
 
     unit_mb: float = option(4.0, positive_number)
     """Unit size (MB) with a fixed number of streams; "auto" tunes it."""
+    warmup_steps: int = option(5, non_negative_int)
+    """streams="auto": steps run on one stream before the search starts and left out (a run's first
+    steps are slow: measured first, one stream would look worse than it is)."""
     budget_steps: int = option(100, positive_int)
     """streams="auto": training steps the search may spend (every one a real training step)."""
     trial_steps: int = option(4, positive_int)
     """Steps run with each configuration the search tries; the first after a switch is left out, the
     median of the others counts."""
-    max_streams: int = option(8, positive_int)
+    max_streams: int = option(16, positive_int)
     """streams="auto": the most streams searched (links for that many are made at setup)."""
     min_unit_mb: float = option(0.5, positive_number)
     """streams="auto": the smallest unit searched (MB)."""
@@ -346,11 +349,14 @@ class StreamOptions:
             raise bad_value(f"{prefix}min_unit_mb", self.min_unit_mb, f"at most {prefix}max_unit_mb ({self.max_unit_mb})")
 
 
-def check_streams(streams: Any, schedule: str, stripes: bool, compression: Any) -> None:
+def check_streams(streams: Any, schedule: str, stripes: bool, compression: Any, fusion_policy: str = "fixed") -> None:
     """Several streams only where the schedule stripes its buckets, and on dense exchanges (torch-free)."""
     streams_value("streams", streams)
     if streams == 1:
         return
+    if streams == "auto" and fusion_policy == "bayes":
+        raise bad_value("streams", streams, "a fixed number with fusion.policy=bayes: both searches time the same "
+                        "steps and would read each other's changes as their own; tune the bucket size first, then the streams")
     if not stripes:
         raise bad_value("streams", streams, f"1 with schedule {schedule}: wfbp and dear spread their buckets over "
                         "streams; DeFT already splits its buckets between two links")

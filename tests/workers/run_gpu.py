@@ -57,7 +57,7 @@ CASES = {
     "dear-streams-auto": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, streams="auto", trace_collectives=True,
                                                         stream_options=commsched.StreamOptions(
                                                             unit_mb=160 / 2**20, min_unit_mb=160 / 2**20, max_unit_mb=640 / 2**20,
-                                                            max_streams=4, trial_steps=2, budget_steps=8)),
+                                                            max_streams=4, trial_steps=2, budget_steps=8, warmup_steps=1)),
 }
 STEPS = 12
 

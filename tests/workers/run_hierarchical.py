@@ -28,6 +28,14 @@ CASES = {
     "hier-topk": commsched.CompressionOptions(method="topk", density=0.1),  # hierarchical by default on 2 nodes
     "hier-mstopk": commsched.CompressionOptions(method="mstopk", density=0.1),
     "hier-topk-phases": commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=2, dense_final_steps=3),
+    "hier-dense-streams": commsched.CompressionOptions(method="none", hierarchical=True),
+    "auto-two-level": None,  # dense: the stream search tries flat and node first
+}
+STREAMS = {
+    "hier-dense-streams": {"streams": 2, "stream_options": commsched.StreamOptions(unit_mb=256 / 2**20)},
+    "auto-two-level": {"streams": "auto", "stream_options": commsched.StreamOptions(
+        unit_mb=256 / 2**20, min_unit_mb=256 / 2**20, max_unit_mb=1024 / 2**20, max_streams=3, trial_steps=2, budget_steps=8,
+        warmup_steps=1)},
 }
 
 
@@ -35,7 +43,7 @@ def fit(out: Path, name: str, nodes: int, devices: int) -> None:
     pl.seed_everything(SEED, verbose=False)
     model = MLP("sgd")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    strategy = commsched.WFBPStrategy(compression=CASES[name], trace_collectives=True)
+    strategy = commsched.WFBPStrategy(compression=CASES[name], trace_collectives=True, **STREAMS.get(name, {}))
     trainer = pl.Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(model)
@@ -49,6 +57,8 @@ def fit(out: Path, name: str, nodes: int, devices: int) -> None:
         "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
         "steps": STEPS, "world": trainer.world_size, "nodes": nodes, "seed": SEED,
         "compression": vars(CASES[name]) if CASES[name] is not None else None,
+        "trials": schedule.streams.trials if schedule.streams is not None else [],
+        "chosen": schedule.streams.chosen.to_json() if schedule.streams is not None and schedule.streams.chosen else None,
     }, out / f"{name}.rank{trainer.global_rank}.pt")
     if trainer.global_rank == 0:
         print(f"run_hierarchical: {name} done, world size {trainer.world_size}", flush=True)

@@ -31,9 +31,9 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 BUCKET_MB = 2000 / 2**20
 UNIT_MB = 160 / 2**20
-SEARCH = commsched.StreamOptions(unit_mb=UNIT_MB, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
+SEARCH = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
                                  trial_steps=2, budget_steps=8, drift=0.0)
-DRIFTING = commsched.StreamOptions(unit_mb=UNIT_MB, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
+DRIFTING = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
                                    trial_steps=2, budget_steps=8, drift=0.5, drift_steps=4, retune_steps=6)
 STEPS = 14
 DRIFT_STEPS, SLOWER_FROM = 26, 12
@@ -48,14 +48,15 @@ class SlowerLater(pl.Callback):
 
 
 def case_strategy(case: str):
-    base = case.removesuffix("-delayed").removesuffix("-resumed").removesuffix("-part").removesuffix("-drift")
+    base = case.removesuffix("-delayed").removesuffix("-resumed").removesuffix("-part").removesuffix("-drift").removesuffix("-profiled")
     schedule, streams = base.split("-")
     if schedule == "ddp":
         return DDPStrategy(find_unused_parameters=True)
     cls = {"wfbp": commsched.WFBPStrategy, "dear": commsched.DeARStrategy}[schedule]
     count = "auto" if streams == "auto" else int(streams.removeprefix("s"))
     options = DRIFTING if case.endswith("-drift") else SEARCH if count == "auto" else commsched.StreamOptions(unit_mb=UNIT_MB)
-    return cls(bucket_cap_mb=BUCKET_MB, streams=count, stream_options=options, trace_collectives=True)
+    profile = commsched.ProfileOptions(steps=8) if case.endswith("-profiled") else 0
+    return cls(bucket_cap_mb=BUCKET_MB, streams=count, stream_options=options, trace_collectives=True, profile=profile)
 
 
 def delay_every_request(rank: int) -> None:
@@ -90,7 +91,7 @@ def fit(out: Path, case: str) -> None:
     if schedule is not None and schedule.streams is not None:
         control = schedule.streams
         result.update(striping=control.striping.to_json(), chosen=control.chosen.to_json() if control.chosen else None,
-                      trials=control.trials, wire_bytes=trainer.strategy.wire_bytes)
+                      trials=control.trials, wire_bytes=trainer.strategy.wire_bytes, profile=trainer.strategy.profile)
     torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
 
 

@@ -15,7 +15,8 @@ from commsched.sim.network import parse_rate
 DEFAULT_SCHEDULES = ("ddp", "wfbp", "dear")
 EXCHANGES = ("topk", "hier")
 """wfbp with another exchange: "topk" MSTopK at density 0.01 ("topk@0.001": another density; two-level
-on several nodes), "hier" the dense two-level all-reduce."""
+on several nodes), "hier" the dense two-level all-reduce. `name:S` runs wfbp, dear or hier on S streams
+(`name:auto`: searched with the Python API's defaults; the search's steps are left out of the timing)."""
 USER_CALLBACKS = ("clock", "weights")
 """`schedule+callback` runs the schedule with a callback of a user's in the Trainer: "clock" reads a clock
 after every step (touches nothing), "weights" reads a weight's norm after every step (touches it)."""
@@ -73,6 +74,11 @@ def validate_bench(cfg: Any) -> None:
         raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(names)}")
     for entry in cfg.schedules:
         name, _, callback = str(entry).partition("+")
+        name, colon, streams = name.partition(":")
+        if colon:
+            if name not in options.STRIPING_SCHEDULES and name != "hier":
+                raise bad_value(f"schedules ({entry})", entry, "streams after : only for wfbp, dear and hier, e.g. wfbp:4, dear:auto")
+            options.streams_value(f"schedules ({entry})", int(streams) if streams.isdigit() else streams)
         name, at, density = name.partition("@")
         options.choice("schedules", name, (*names, *EXCHANGES))
         if at:

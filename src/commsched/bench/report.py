@@ -86,6 +86,9 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
                                for d in decided["preserver"])
             console.print(f"deft, round {number}: {decided['plan']}; mu (secondary / primary all-reduce time) {decided['mu']:.2f}"
                           + (f"; Preserver ratios {ratios}" if ratios else "; no Preserver"))
+        for searched in result.get("deft", {}).get("streams", []):
+            console.print(f"{searched['entry']}: the stream search chose {searched['chosen']} after {searched['trials']} "
+                          f"trials ({searched['chosen_ms']:.1f} ms/step when measured)")
         if any(row["schedule"] == "ddp" for row in result["rows"]):
             console.print("ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
                           "is wfbp's (the same bound and simulation).")

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import commsched
-from commsched.options import CompressionOptions, DeFTOptions, ProfileOptions
+from commsched.options import CompressionOptions, DeFTOptions, ProfileOptions, StreamOptions
 from commsched.plugins import import_plugins
 from commsched.quiet import exit_silently_on_interrupt, quiet_lightning
 import lightning.pytorch as pl
@@ -57,6 +57,9 @@ USER_CALLBACKS = {"clock": ReadsClock, "weights": ReadsWeights}
 
 
 def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
+    schedule, colon, streams = schedule.partition(":")
+    if colon:
+        extra["streams"] = int(streams) if streams.isdigit() else streams
     if schedule == "ddp":
         return DDPStrategy(bucket_cap_mb=spec["bucket_cap_mb"])
     if schedule == "deft":
@@ -73,6 +76,8 @@ def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
 def _untimed(schedule: str, spec: dict) -> int:
     """Steps left out of the timing: the warm-up, and deft's synchronous measured steps, the timed
     trial of its two candidates (each a switch step and `confirm_steps`) and the first step after."""
+    if schedule.endswith(":auto"):
+        return max(spec["warmup"], StreamOptions().warmup_steps + StreamOptions().budget_steps + 2)
     if schedule != "deft":
         return spec["warmup"]
     return spec["warmup"] + spec["deft_measure_steps"] + 2 * (DeFTOptions().confirm_steps + 1) + 1
@@ -100,7 +105,16 @@ def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[S
     trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
-    return timer, trainer.global_rank, state, _deft_report(strategy)
+    return timer, trainer.global_rank, state, _deft_report(strategy) or _streams_report(entry, strategy)
+
+
+def _streams_report(entry: str, strategy: Any) -> dict:
+    """What the stream search chose (`name:auto` entries)."""
+    control = getattr(getattr(strategy, "last_schedule", None), "streams", None)
+    if control is None or not control.auto:
+        return {}
+    return {"entry": entry, "chosen": control.chosen.describe() if control.chosen else None, "trials": len(control.trials),
+            "chosen_ms": control.chosen_s * 1e3}
 
 
 def _deft_report(strategy: Any) -> dict:
@@ -166,7 +180,7 @@ def main() -> None:
                 rounds[schedule].append((timer.median, timer.median_cpu, timer.median_wire_bytes))
                 final.setdefault(schedule, state)
                 if decided:
-                    deft.setdefault("rounds", []).append(decided)
+                    deft.setdefault("streams" if "entry" in decided else "rounds", []).append(decided)
         measured = {s: min(step for step, _, _ in r) for s, r in rounds.items()}
         best = {s: min(r) for s, r in rounds.items()}  # CPU time and bytes of the best round
         profile = profile_components(model_name, spec, out / model_name)
@@ -183,7 +197,8 @@ def main() -> None:
                 "wire_mb": best[s][2] / 1e6 if best[s][2] == best[s][2] else None,  # this rank, per step (ddp: not counted)
                 "rounds_ms": [step * 1e3 for step, _, _ in rounds[s]],
                 # deft's delayed updates are another trajectory by design: not compared
-                "weights_vs_ddp": _max_difference(final[s], final[ddp]) if ddp in final and not s.startswith(("deft", "topk")) else None,
+                "weights_vs_ddp": _max_difference(final[s], final[ddp]) if ddp in final and not s.startswith(("deft", "topk"))
+                and ":auto" not in s else None,  # a search runs its own number of steps: compared in the tests
                 "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
                 "speedup_vs_ddp": measured[ddp] / measured[s] if ddp in measured else None,
                 # round by round (the schedules ran interleaved): the median ratio, steadier than best against best
@@ -192,7 +207,7 @@ def main() -> None:
                 "measured_over_theoretical": measured[s] / theory[base] if base in theory else None,
                 "predicted_ms": predicted[base] * 1e3 if base in predicted else None,
                 "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
-            } for s, base, ddp in ((s, s.partition("+")[0], _ddp_beside(s, rounds)) for s in spec["schedules"])],
+            } for s, base, ddp in ((s, s.partition("+")[0].partition(":")[0], _ddp_beside(s, rounds)) for s in spec["schedules"])],
         })
     end_process_group()
     if rank == 0:

@@ -131,6 +131,10 @@ class RunProfiler:
         bucket_times = time_buckets(plan, link, collectives_to_time(), self.repeats)
         fitted, probe_medians = probe_link(link) if self.probe else (None, None)
         result = self._summarise(strategy, timer, plan, bucket_times)
+        skip = min(self.warmup, timer.steps - 1)
+        window = (self._step_starts[skip], self._step_starts[timer.steps])
+        result["summary"]["busy_s"] = {lane.removeprefix("link: "): seconds / max(1, timer.steps - skip)
+                                       for lane, seconds in busy_per_lane(spans, *window).items() if lane.startswith("link: ")}
         if fitted is not None:
             result["link"] = fitted.to_dict()
             result["probe"] = probe_medians
@@ -225,6 +229,25 @@ class RunProfiler:
 
 
 _SHORT = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}
+
+
+def busy_per_lane(spans: list[Span], start: float, end: float) -> dict[str, float]:
+    """Seconds each lane had a collective in flight within [start, end] (overlapping spans counted once):
+    per link, and so per stream, how busy it was."""
+    by_lane: dict[str, list[tuple[float, float]]] = {}
+    for span in spans:
+        a, z = max(span.start, start), min(span.end, end)
+        if a < z:
+            by_lane.setdefault(span.lane, []).append((a, z))
+    busy = {}
+    for lane, intervals in by_lane.items():
+        total, reach = 0.0, -float("inf")
+        for a, z in sorted(intervals):
+            if z > reach:
+                total += z - max(a, reach)
+                reach = z
+        busy[lane] = total
+    return busy
 
 
 def _batch_size(strategy: Any) -> int:

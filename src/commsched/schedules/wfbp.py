@@ -88,10 +88,13 @@ class WFBPSchedule(Schedule):
         when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked, or unless
         `streams="auto"` finds node first faster (searched on several nodes when not set)."""
         compression = options.compression
-        searched = options.streams == "auto" and compression.hierarchical is None and compression.method == "none" \
-            and trainer.num_nodes > 1
+        two_levels = trainer.num_nodes > 1 and trainer.num_devices > 1  # one worker per node: node first is flat
+        searched = options.streams == "auto" and compression.hierarchical is None and compression.method == "none" and two_levels
+        if compression.hierarchical and trainer.num_nodes > 1 and trainer.num_devices == 1:
+            say("commsched wfbp: one worker per node: the two-level exchange is the flat one (hierarchical ignored)")
+            compression = dataclasses.replace(compression, hierarchical=False)
         if compression.hierarchical is None:
-            compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and trainer.num_nodes > 1)
+            compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and two_levels)
         streams = StreamControl.of(options.streams, options.stream_options, trainer,
                                    two_level=None if searched else bool(compression.hierarchical))
         return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams)

@@ -30,6 +30,8 @@ from commsched.streams.space import Space
 from commsched.streams.units import Striping
 
 TRIALS_FILE = "commsched_streams.json"
+MIN_GAIN = 0.02
+"""Several streams are kept only when measured at least this much faster than one (as DeFT's confirmation)."""
 
 
 class StreamControl:
@@ -55,6 +57,7 @@ class StreamControl:
         self._last: Optional[float] = None
         self._durations: list[float] = []
         self._search_began = 0  # the first trial of the search under way (drift re-opens a search)
+        self._warming = 0  # steps run before the search (`warmup_steps`)
         if self.auto:
             self._open(list(self._firsts()))
 
@@ -93,6 +96,10 @@ class StreamControl:
         self._last = now
         if not self.auto:
             return None
+        if self._warming < self.options.warmup_steps:
+            self._warming += 1
+            self._durations = []
+            return None
         if self.searching:
             if len(self._durations) < self.options.trial_steps:
                 return None
@@ -115,9 +122,21 @@ class StreamControl:
         self._spent += len(self._durations)
         technique, proposed = self._search.propose()
         if proposed is None or self._spent + self.options.trial_steps > self._budget:
-            best, best_s = self._search.best()  # type: ignore[misc]
+            best, best_s = self._kept()
             return {"trial": trial.to_json(), "chosen": best.to_json(), "chosen_s": best_s}
         return {"trial": trial.to_json(), "next": proposed.to_json(), "technique": technique}
+
+    def _kept(self) -> tuple[Striping, float]:
+        """The best measured configuration, unless one stream was measured within `MIN_GAIN` of it:
+        a gain inside the noise of a few timed steps is not worth more groups (and may not be one)."""
+        assert self._search is not None
+        best, best_s = self._search.best()  # type: ignore[misc]
+        single = {s: t for s, t in self._search.measured.items() if s.streams == 1}
+        if best.streams > 1 and single:
+            one = min(single, key=single.__getitem__)
+            if best_s > single[one] * (1 - MIN_GAIN):
+                return one, single[one]
+        return best, best_s
 
     def _drifted(self) -> Optional[dict[str, Any]]:
         """Rank 0: the step time watched after the search; re-open it past the drift threshold."""
