@@ -8,6 +8,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="$here/../.venv/bin"
 DENSITY="${DENSITY:-0.01}"
+WARMUP="${WARMUP:-0}"  # compression.dense_warmup_steps of the sparse variants (e.g. one epoch)
 SEEDS="${SEEDS:-0 1 2}"
 OUT="${OUT:-outputs/compression_convergence/$DENSITY}"
 RECIPE=("${@:-+recipe=digits}")
@@ -15,8 +16,9 @@ for seed in $SEEDS; do
   for variant in ddp mstopk mstopk-no-feedback; do
     case "$variant" in
       ddp) extra=(schedule=wfbp) ;;
-      mstopk) extra=(schedule=wfbp compression=mstopk compression.density="$DENSITY") ;;
-      mstopk-no-feedback) extra=(schedule=wfbp compression=mstopk compression.density="$DENSITY" compression.error_feedback=false) ;;
+      mstopk) extra=(schedule=wfbp compression=mstopk compression.density="$DENSITY" compression.dense_warmup_steps="$WARMUP") ;;
+      mstopk-no-feedback) extra=(schedule=wfbp compression=mstopk compression.density="$DENSITY" compression.error_feedback=false
+                                 compression.dense_warmup_steps="$WARMUP") ;;
     esac
     "$bin/commsched-train" "${RECIPE[@]}" "${extra[@]}" seed="$seed" trainer.devices=2 \
       checkpoint.enabled=false hydra.run.dir="$OUT/$variant/seed$seed"
