@@ -102,6 +102,16 @@ def runs(tmp_path_factory):
     return load
 
 
+def step_with(params: list, total: torch.Tensor, optimizer, scheduler) -> None:
+    """The reference's update: each parameter's slice of the summed flat gradient, then one step."""
+    offset = 0
+    for p in params:
+        p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    optimizer.step()
+    scheduler.step()
+
+
 def reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
     """One process: each rank's gradient / P plus its residual, its k largest magnitudes sent, the
     rest kept; the sum of what every rank sent is the step's gradient. Returns the final weights and
@@ -139,12 +149,7 @@ def reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
             if compression["error_feedback"]:
                 residuals[r] = mine - sent
             total += sent
-        offset = 0
-        for p in params:
-            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        optimizer.step()
-        scheduler.step()
+        step_with(params, total, optimizer, scheduler)
     return {k: v.detach() for k, v in model.state_dict().items()}, residuals
 
 
@@ -293,12 +298,7 @@ def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
                 sent[chosen] = part[chosen]
                 residuals[rank] = part - sent
                 total[j * shard:(j + 1) * shard] += sent
-        offset = 0
-        for p in ordered:
-            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        optimizer.step()
-        scheduler.step()
+        step_with(ordered, total, optimizer, scheduler)
     return {k: v.detach() for k, v in model.state_dict().items()}, residuals
 
 

@@ -24,7 +24,7 @@ from commsched.buckets import Bucket
 from commsched.links import Link, Pending
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
 from commsched.reducers.sharded import ShardedReduce
-from commsched.reducers.topk import Selector, k_of
+from commsched.reducers.topk import Selector, SparsePacket, k_of
 
 
 class HierarchicalReduce(Reducer):
@@ -42,8 +42,7 @@ class HierarchicalReduce(Reducer):
             assert select is not None
             self._select = select
             self.k = k_of(density, shard.numel())
-            self._mine = torch.empty(2 * self.k, dtype=torch.float32, device=inter.device)
-            self._everyone = torch.empty(inter.world_size * 2 * self.k, dtype=torch.float32, device=inter.device)
+            self._packet = SparsePacket(self.k, inter)
         self.dense = False
         """A dense phase of a sparse exchange: the shard all-reduced across nodes, the residual added once."""
 
@@ -55,7 +54,8 @@ class HierarchicalReduce(Reducer):
             across = self.inter.all_reduce(self._node.shard, tag, after=scattered)
         elif self.sparse:
             scattered.then(self._select_from_shard)
-            across = self.inter.all_gather(self._everyone, self._mine, tag, after=scattered).then(self._add_everyones)
+            across = self.inter.all_gather(self._packet.everyone, self._packet.mine, tag, after=scattered).then(
+                lambda: self._packet.add_everyones(self._node.shard))
         else:
             across = self.inter.all_reduce(self._node.shard, tag, after=scattered)
         return self._node.gather(tag, after=across)
@@ -69,18 +69,7 @@ class HierarchicalReduce(Reducer):
         shard = self._node.shard
         if self.residual is not None:
             shard.add_(self.residual)
-        values, indices = self._select(shard, self.k)
-        if self.residual is not None:
-            self.residual.copy_(shard)
-            self.residual[indices] = 0.0
-        self._mine[: self.k].copy_(values)
-        self._mine[self.k :].copy_(indices.to(torch.int32).view(torch.float32))
-
-    def _add_everyones(self) -> None:
-        sent = self._everyone.view(self.inter.world_size, 2, self.k)
-        values = sent[:, 0].reshape(-1)
-        indices = sent[:, 1].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
-        self._node.shard.zero_().index_add_(0, indices.to(self._node.shard.device), values.to(self._node.shard.device))
+        self._packet.select(shard, self._select, self.residual)
 
     def _whole(self) -> torch.Tensor:
         """The residual placed at this rank's shard of a bucket-sized tensor."""

@@ -44,6 +44,33 @@ def k_of(density: float, numel: int) -> int:
     return min(numel, max(1, math.ceil(density * numel))) if numel else 0
 
 
+class SparsePacket:
+    """One rank's k (value, index) pairs and every rank's, in the float32 layout one all-gather carries
+    (the int32 indices bit-cast beside the values): shared by the flat and the two-level exchange."""
+
+    def __init__(self, k: int, link: Link) -> None:
+        self.k = k
+        self.world_size = link.world_size
+        self.mine = torch.empty(2 * k, dtype=torch.float32, device=link.device)
+        self.everyone = torch.empty(link.world_size * 2 * k, dtype=torch.float32, device=link.device)
+
+    def select(self, x: torch.Tensor, select: Selector, residual: Optional[torch.Tensor]) -> None:
+        """Pack `x`'s k selected elements; what is not sent stays in `residual` (error feedback)."""
+        values, indices = select(x, self.k)
+        if residual is not None:
+            residual.copy_(x)
+            residual[indices] = 0.0
+        self.mine[: self.k].copy_(values)
+        self.mine[self.k :].copy_(indices.to(torch.int32).view(torch.float32))
+
+    def add_everyones(self, target: torch.Tensor) -> None:
+        """`target` becomes the sum of what every rank sent (zeros elsewhere)."""
+        sent = self.everyone.view(self.world_size, 2, self.k).to(target.device)
+        values = sent[:, 0].reshape(-1)
+        indices = sent[:, 1].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        target.zero_().index_add_(0, indices, values)
+
+
 class SparseExchange:
     """The all-gather in flight; `wait` adds what every rank sent into the zeroed bucket."""
 
@@ -68,8 +95,7 @@ class TopKAllReduce(Reducer):
         self._select = select
         self.residual: Optional[torch.Tensor] = torch.zeros_like(bucket.buffer) if error_feedback else None
         self.kinds = ("residual",) if error_feedback else ()
-        self._mine = torch.empty(2 * self.k, dtype=torch.float32, device=link.device)
-        self._everyone = torch.empty(link.world_size * 2 * self.k, dtype=torch.float32, device=link.device)
+        self._packet = SparsePacket(self.k, link)
         self.dense = False
         """A dense phase (`CompressionOptions.dense_warmup_steps`, `dense_final_steps`): all-reduce the
         bucket, the residual added to it once and emptied."""
@@ -83,20 +109,9 @@ class TopKAllReduce(Reducer):
             if self.residual is not None:
                 self.residual.zero_()
             return self._dense.start(tag)
-        values, indices = self._select(buffer, self.k)
-        if self.residual is not None:
-            self.residual.copy_(buffer)
-            self.residual[indices] = 0.0
-        self._mine[: self.k].copy_(values)
-        self._mine[self.k :].copy_(indices.to(torch.int32).view(torch.float32))
-        pending = self.link.all_gather(self._everyone, self._mine, tag)
-        return SparseExchange(pending, self._add_everyones)
-
-    def _add_everyones(self) -> None:
-        sent = self._everyone.view(self.link.world_size, 2, self.k).to(self.bucket.buffer.device)
-        values = sent[:, 0].reshape(-1)
-        indices = sent[:, 1].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
-        self.bucket.buffer.zero_().index_add_(0, indices, values)
+        self._packet.select(buffer, self._select, self.residual)
+        pending = self.link.all_gather(self._packet.everyone, self._packet.mine, tag)
+        return SparseExchange(pending, lambda: self._packet.add_everyones(buffer))
 
     def state_dict(self) -> ReducerState:
         return {"residual": by_parameter(self.bucket, self.residual)} if self.residual is not None else {}
