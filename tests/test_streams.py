@@ -214,3 +214,4 @@ def test_hydra_runs_the_search_and_leaves_its_trials_beside_the_run(tmp_path):
     saved = json.loads((run / "commsched_streams.json").read_text())
     assert saved["chosen"] is not None and len(saved["trials"]) == 3
     assert (run / "commsched_streams.png").stat().st_size > 0
+    assert (run / "commsched_streams.md").read_text().count("\n| ") == len(saved["trials"])  # one row a trial

@@ -194,12 +194,10 @@ class DeARSchedule(Schedule):
 
     def _start_gathers(self) -> _Gathers:
         chains: dict[str, list[tuple[int, int]]] = {}
-        links: dict[str, Any] = {}
         for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
             for u, link in enumerate(self.reducers[b].links):
                 chains.setdefault(link.name, []).append((b, u))
-                links[link.name] = link
-        started = {name: links[name].in_order([partial(self._gather, b, u) for b, u in order]) for name, order in chains.items()}
+        started = {name: self.links[name].in_order([partial(self._gather, b, u) for b, u in order]) for name, order in chains.items()}
         position: dict[int, list[tuple[str, int]]] = {}
         for name, order in chains.items():
             for i, (b, _) in enumerate(order):

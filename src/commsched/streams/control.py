@@ -17,7 +17,6 @@ decision (unless `retune_on_resume`).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -220,6 +219,3 @@ class StreamControl:
             f"({self.chosen_s * 1e3:.1f} ms/step when measured)")
         return self._switch(self.chosen) is not None
 
-
-def trials_json(trials: list[dict[str, Any]]) -> str:
-    return json.dumps(trials, indent=1)

@@ -1,4 +1,4 @@
-"""The stream search's trials as a table (JSON) and a plot (step time per trial, by technique)."""
+"""The stream search's trials as data (JSON), a table (Markdown) and a plot (step time per trial, by technique)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[St
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
     path.write_text(json.dumps({"chosen": chosen.to_json() if chosen else None, "trials": trials}, indent=1))
+    path.with_suffix(".md").write_text(table(trials) + "\n")
     plot_trials(trials, path.with_suffix(".png"))
 
 
