@@ -5,6 +5,7 @@ anything is created. CI runs as root; without root these tests are skipped, sayi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -47,6 +48,26 @@ def test_a_multi_node_run_equals_a_one_node_run_of_the_same_world_size(tmp_path,
     for schedule in SCHEDULES:
         diff, key = max_abs_diff(torch.load(tmp_path / "cluster" / f"{schedule}.pt"), torch.load(tmp_path / "local" / f"{schedule}.pt"))
         assert diff <= 1e-5, f"{schedule}: {key} differs by {diff:.3g}"
+    assert leftovers() == []
+
+
+@needs_root
+def test_commsched_train_starts_the_ranks_of_each_node(tmp_path):
+    """`commsched-train` with two workers on each of two nodes: each node starts its own two ranks
+    (Lightning would re-launch this command line for them, and `python -c` cannot be), and the run
+    ends where a one-node run of four workers does."""
+    train = [str(BIN / "commsched-train"), "schedule=wfbp", "model=small_cnn", "model.width=8", "data.batch_size=4",
+             "trainer.max_steps=3", "trainer.limit_val_batches=0", "checkpoint.enabled=false"]
+    proc = cluster("--nodes", "2", "--workers-per-node", "2", "--rate", "1gbit",
+                   command=[*train, "trainer.num_nodes=2", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'cluster'}"])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    local = subprocess.run([*train, "trainer.devices=4", f"hydra.run.dir={tmp_path / 'local'}"], capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)
+    assert local.returncode == 0, local.stderr[-3000:]
+    on_cluster, on_one_node = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("cluster", "local"))
+    assert on_cluster["world_size"] == on_one_node["world_size"] == 4
+    assert on_cluster["steps"] == on_one_node["steps"] == 3
+    assert abs(on_cluster["train_loss"] - on_one_node["train_loss"]) <= 1e-5
     assert leftovers() == []
 
 

@@ -8,8 +8,12 @@ launches nothing more, so this module owns them: it waits for all of them, passe
 and ends the others when one fails and they have not followed within a grace period (a peer
 waiting for a dead rank would otherwise wait for the collective timeout).
 
-Only for one node with several processes and no launcher around it; otherwise (a `commsched-cluster`
-node, `torchrun`, SLURM, one process) it starts the one process and Lightning does the rest.
+It starts a node's processes whenever it runs several and nothing started them for it: one node,
+or one node of several launched per node the way Lightning documents (`MASTER_ADDR`, `MASTER_PORT`,
+`NODE_RANK` set on each node, as `commsched-cluster` does). There Lightning would re-launch this
+process's command line for the other local ranks, and `python -c` cannot be re-launched. Under a
+launcher that starts every rank itself (`torchrun`, SLURM, MPI), or with one process, it starts the
+one process and Lightning does the rest.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from typing import Optional
 
 RANK_ENTRY = "import commsched_cli; commsched_cli.run_rank()"
 """What each rank runs: the console module first, so that Ctrl-C while torch imports ends it quietly."""
-_SET_BY_A_LAUNCHER = ("LOCAL_RANK", "RANK", "NODE_RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+_SET_BY_A_LAUNCHER = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+"""Set where every rank was started by a launcher. `NODE_RANK` is not among them: Lightning's own
+multi-node launch sets it on each node and expects the script to start that node's ranks."""
 GRACE_S = 30.0
 """How long the others may take to end by themselves after a rank failed (they report the dead peer)."""
 
@@ -38,10 +44,15 @@ def _free_port() -> int:
 
 def rank_environments(devices: int, num_nodes: int) -> list[Optional[dict[str, str]]]:
     """One environment per process to start; [None]: one process, Lightning launches the rest."""
-    if devices <= 1 or num_nodes != 1 or any(name in os.environ for name in _SET_BY_A_LAUNCHER):
+    if devices <= 1 or any(name in os.environ for name in _SET_BY_A_LAUNCHER):
         return [None]
-    shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(_free_port()),
-              "NODE_RANK": "0", "WORLD_SIZE": str(devices)}
+    if num_nodes == 1:
+        shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(_free_port()),
+                  "NODE_RANK": "0", "WORLD_SIZE": str(devices)}
+    elif all(name in os.environ for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
+        shared = {**os.environ, "WORLD_SIZE": str(devices * num_nodes)}  # every node meets at node 0's address
+    else:
+        return [None]  # Lightning names what a multi-node run is missing
     return [{**shared, "LOCAL_RANK": str(rank)} for rank in range(devices)]
 
 
