@@ -5,6 +5,7 @@ the engine."""
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
@@ -181,6 +182,13 @@ def test_topk_exchange_equals_the_single_process_reference(runs, case):
 
 def test_error_feedback_changes_the_result(runs):
     assert max_abs_diff(runs("topk")["state"], runs("topk-no-feedback")["state"])[0] > 1e-4
+
+
+def test_a_sparse_run_without_warm_up_is_advised_one_epoch_once(runs):
+    """The five fresh sparse runs with no dense warm-up are told this run's epoch in optimizer steps
+    (256 samples / 2 ranks / batch 4 = 32); the resumed, dense and warmed-up runs are not."""
+    advice = re.findall(r"no dense warm-up.*?dense_warmup_steps=(\d+) \(one epoch here\)", runs.said)
+    assert advice == ["32"] * 5, advice
 
 
 def test_density_one_equals_a_dense_all_reduce(runs):

@@ -43,6 +43,12 @@ class WFBPSettings:
     """(optimizer steps taken, steps the run will take): where the dense phases of a sparse exchange are."""
     streams: Optional[StreamControl] = None
     """Dense buckets' units on several streams, fixed or searched (None: one stream)."""
+    epoch_steps: Callable[[], float] = lambda: math.inf
+    """Optimizer steps in one epoch (inf when the data has no length): the warm-up a sparse run is advised."""
+
+
+def _epoch_steps(batches: float, accumulate: int) -> float:
+    return math.ceil(batches / max(1, accumulate)) if math.isfinite(batches) else math.inf
 
 
 class WFBPSchedule(Schedule):
@@ -57,6 +63,7 @@ class WFBPSchedule(Schedule):
         self.settings: WFBPSettings = settings if isinstance(settings, WFBPSettings) else WFBPSettings()
         compression = self.settings.compression
         self._dense_phase: Optional[bool] = None
+        self._advised = False
         self._carry: list[Optional[torch.Tensor]] = []
         """Residuals of a compressed run resumed dense: added to the first step's gradient."""
         sparse = compression.method != "none"
@@ -97,7 +104,8 @@ class WFBPSchedule(Schedule):
             compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and two_levels)
         streams = StreamControl.of(options.streams, options.stream_options, trainer,
                                    two_level=None if searched else bool(compression.hierarchical))
-        return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams)
+        return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams,
+                            lambda: _epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches))
 
     @classmethod
     def links_for(cls, settings: Any) -> tuple[str, ...]:
@@ -112,6 +120,8 @@ class WFBPSchedule(Schedule):
         if chosen is not None:
             self._restripe(chosen)
         compression = self.settings.compression
+        if not self._advised and compression.method != "none" and not compression.dense_warmup_steps:
+            self._advise_warm_up()
         if compression.method == "none" or not (compression.dense_warmup_steps or compression.dense_final_steps):
             return None
         step, total = self.settings.progress()
@@ -124,6 +134,21 @@ class WFBPSchedule(Schedule):
             for reducer in self.reducers:
                 reducer.dense = dense  # type: ignore[attr-defined]
         return None
+
+    def _advise_warm_up(self) -> None:
+        """A sparse run from its first step converges worse (early gradients are large and momentum
+        carries a late residual as one stale update): say so once, with this run's epoch in steps,
+        rather than change what the user asked for."""
+        self._advised = True
+        step, _ = self.settings.progress()
+        if step > 0:
+            return  # a resumed run: it was said when it started
+        epoch = self.settings.epoch_steps()
+        advice = f"compression.dense_warmup_steps={epoch} (one epoch here)" if math.isfinite(epoch) else \
+            "compression.dense_warmup_steps of about one epoch"
+        say(f"commsched wfbp: {self.settings.compression.method} from the first step, with no dense warm-up; sparse "
+            f"exchanges with momentum go wrong early in training (in the README's digits runs a dense first epoch "
+            f"recovered 2-5 of the points top-k lost): consider {advice}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Residuals move with the run: by name (same world), re-sharded (`residual_total`, another
