@@ -4,6 +4,7 @@ every model family trains for real on 2 processes, sweeps are collected, digits 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,24 @@ def test_command_line_fails_before_any_worker_starts(tmp_path, override, message
     assert "Initializing distributed" not in output
     if override.startswith("schedule=fancy"):
         assert all(name in output for name in ("ddp", "wfbp", "dear"))
+
+
+@pytest.mark.parametrize(
+    "env, nodes, message",
+    [
+        ({"NODE_RANK": "1", "MASTER_PORT": "29555"}, 1, "NODE_RANK=1 is set but trainer.num_nodes=1"),
+        ({}, 2, "trainer.num_nodes=2 needs NODE_RANK and MASTER_PORT set on every node"),
+    ],
+)
+def test_a_launch_environment_that_cannot_form_the_run_is_refused_before_workers_start(tmp_path, env, nodes, message):
+    """Each node of a cluster training alone (and ending "successfully"), or a multi-node run with no
+    node rank, would otherwise start; commsched-train names what is missing instead."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "commsched.train", f"hydra.run.dir={tmp_path}/run", *QUIET,
+                           "trainer.devices=2", f"trainer.num_nodes={nodes}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**clean, **env})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Initializing distributed" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(

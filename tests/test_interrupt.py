@@ -93,6 +93,36 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     assert len(said) == 1 and "at once, without saving" in said[0] and "last.ckpt" in said[0], said
 
 
+def test_a_sigterm_arriving_twice_is_one_stop_and_a_later_signal_a_second(tmp_path, capsys):
+    """A scheduler or a cluster's launcher signals the process group: every rank gets SIGTERM, and
+    commsched-train forwards its own copy, which may land after the first was handled. That copy is
+    the same request to stop (the run still saves); a signal after the window is a second one."""
+    from commsched.interrupt import SAME_SIGTERM_S, StopAndSave
+
+    stopper = StopAndSave(dirpath=tmp_path)
+    stopper._install()
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            raise AssertionError("the second copy of one SIGTERM stopped the run at once, without saving") from None
+        assert stopper.signals_seen == 1
+        assert capsys.readouterr().out.count("SIGTERM received") == 1
+        time.sleep(SAME_SIGTERM_S)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("a SIGTERM after the window did not stop at once")
+    finally:
+        stopper._restore()
+
+
 def test_ctrl_c_while_starting_is_one_line(tmp_path):
     for delay in (1.0, 4.0):  # while Hydra composes / while the run imports and starts its workers
         proc = start(tmp_path / f"run{delay}", *SMALL, "trainer.max_steps=100000")

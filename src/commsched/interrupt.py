@@ -18,8 +18,10 @@ the last checkpoint of a failed run is the latest epoch-end or step checkpoint.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 
 STOP_KEY = "commsched/stop_at_step"
 AHEAD = 2
+SAME_SIGTERM_S = 1.0
+"""A SIGTERM this soon after another is the same stop arriving twice (the process group's and the
+launcher's forwarded copy), not a second request to stop at once."""
 """Steps between the signal being seen and the agreed stop: ranks are at most one step apart."""
 
 
@@ -62,6 +67,7 @@ class StopAndSave(pl.Callback):
         self.filename = filename
         self.every_epoch = every_epoch
         self.signals_seen = 0
+        self._last_sigterm = -math.inf
         self.stopped_at: Optional[int] = None
         """The step the run stopped at on a signal (None: it was not interrupted)."""
         self.saved: Optional[Path] = None
@@ -78,6 +84,11 @@ class StopAndSave(pl.Callback):
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if signum == signal.SIGTERM and now - self._last_sigterm < SAME_SIGTERM_S:
+            return  # one stop delivered twice: to the process group (a cluster's launcher, scancel) and forwarded
+        if signum == signal.SIGTERM:
+            self._last_sigterm = now
         self.signals_seen += 1
         if self.signals_seen > 1:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving

@@ -27,11 +27,15 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from commsched.errors import CommSchedConfigError
+
 RANK_ENTRY = "import commsched_cli; commsched_cli.run_rank()"
 """What each rank runs: the console module first, so that Ctrl-C while torch imports ends it quietly."""
-_SET_BY_A_LAUNCHER = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
-"""Set where every rank was started by a launcher. `NODE_RANK` is not among them: Lightning's own
-multi-node launch sets it on each node and expects the script to start that node's ranks."""
+_SET_BY_A_LAUNCHER = ("LOCAL_RANK", "RANK", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
+                      "JSM_NAMESPACE_SIZE")
+"""Set where every rank was started by a launcher (torchrun, SLURM, Open MPI, MPICH/Intel MPI, PMIx,
+LSF). `NODE_RANK` and `WORLD_SIZE` are not among them: Lightning's own multi-node launch sets them on
+each node and expects the script to start that node's ranks."""
 GRACE_S = 30.0
 """How long the others may take to end by themselves after a rank failed (they report the dead peer)."""
 
@@ -46,13 +50,23 @@ def rank_environments(devices: int, num_nodes: int) -> list[Optional[dict[str, s
     """One environment per process to start; [None]: one process, Lightning launches the rest."""
     if devices <= 1 or any(name in os.environ for name in _SET_BY_A_LAUNCHER):
         return [None]
+    node_rank = os.environ.get("NODE_RANK", "0")
     if num_nodes == 1:
+        if node_rank != "0":  # every node would train a run of its own, and each would end "successfully"
+            raise CommSchedConfigError(
+                f"commsched-train: NODE_RANK={node_rank} is set but trainer.num_nodes=1: set trainer.num_nodes to the "
+                "number of nodes (commsched-cluster --nodes N needs trainer.num_nodes=N)")
         shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(_free_port()),
                   "NODE_RANK": "0", "WORLD_SIZE": str(devices)}
-    elif all(name in os.environ for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK")):
-        shared = {**os.environ, "WORLD_SIZE": str(devices * num_nodes)}  # every node meets at node 0's address
     else:
-        return [None]  # Lightning names what a multi-node run is missing
+        missing = [name for name in ("NODE_RANK", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise CommSchedConfigError(
+                f"commsched-train: trainer.num_nodes={num_nodes} needs {' and '.join(missing)} set on every node, and "
+                "MASTER_ADDR (node 0's address) on the others, as Lightning's multi-node launch does; "
+                "commsched-cluster sets them, torchrun and SLURM start the ranks themselves")
+        shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                  "WORLD_SIZE": str(devices * num_nodes)}
     return [{**shared, "LOCAL_RANK": str(rank)} for rank in range(devices)]
 
 

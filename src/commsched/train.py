@@ -128,8 +128,14 @@ def run_training(cfg: DictConfig) -> float:
     warn_if_oversubscribed(cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
     resolved = out / "config.resolved.yaml"
-    OmegaConf.save(cfg, resolved, resolve=True)
-    code = run_to_the_end(resolved, out, cfg.trainer.devices, cfg.trainer.num_nodes)
+    written = resolved.with_name(f"{resolved.name}.{os.getpid()}")
+    OmegaConf.save(cfg, written, resolve=True)
+    os.replace(written, resolved)  # whole, never half-written: every node of a cluster writes it, others' ranks read it
+    try:
+        code = run_to_the_end(resolved, out, cfg.trainer.devices, cfg.trainer.num_nodes)
+    except CommSchedConfigError as error:  # found where the ranks are started: the launch environment
+        print(error, file=sys.stderr)
+        sys.exit(2)
     if code in (130, -signal.SIGINT, -signal.SIGTERM):  # the run said where it stopped and what it saved
         sys.exit(130)
     if code != 0:
