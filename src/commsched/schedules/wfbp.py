@@ -47,6 +47,15 @@ class WFBPSettings:
     """Optimizer steps in one epoch (inf when the data has no length): the warm-up a sparse run is advised."""
 
 
+def warm_up_advice(epoch_steps: float, total_steps: float) -> str:
+    """The dense warm-up suggested to a sparse run: one epoch, or a tenth of a run shorter than that."""
+    if math.isfinite(epoch_steps) and epoch_steps < total_steps:
+        return f"compression.dense_warmup_steps={int(epoch_steps)} (one epoch here)"
+    if math.isfinite(total_steps):
+        return f"compression.dense_warmup_steps={max(1, int(total_steps) // 10)} (a tenth of this run, shorter than an epoch)"
+    return "compression.dense_warmup_steps of about one epoch"
+
+
 def _epoch_steps(batches: float, accumulate: int) -> float:
     return math.ceil(batches / max(1, accumulate)) if math.isfinite(batches) else math.inf
 
@@ -137,18 +146,15 @@ class WFBPSchedule(Schedule):
 
     def _advise_warm_up(self) -> None:
         """A sparse run from its first step converges worse (early gradients are large and momentum
-        carries a late residual as one stale update): say so once, with this run's epoch in steps,
-        rather than change what the user asked for."""
+        carries a late residual as one stale update): say so once, with this run's numbers, rather
+        than change what the user asked for."""
         self._advised = True
-        step, _ = self.settings.progress()
-        if step > 0:
-            return  # a resumed run: it was said when it started
-        epoch = self.settings.epoch_steps()
-        advice = f"compression.dense_warmup_steps={epoch} (one epoch here)" if math.isfinite(epoch) else \
-            "compression.dense_warmup_steps of about one epoch"
+        step, total = self.settings.progress()
+        if step > 0 or self.settings.compression.density >= 1:
+            return  # a resumed run (it was said when it started), or one that sends everything
         say(f"commsched wfbp: {self.settings.compression.method} from the first step, with no dense warm-up; sparse "
             f"exchanges with momentum go wrong early in training (in the README's digits runs a dense first epoch "
-            f"recovered 2-5 of the points top-k lost): consider {advice}")
+            f"recovered 2-5 of the points top-k lost): consider {warm_up_advice(self.settings.epoch_steps(), total)}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Residuals move with the run: by name (same world), re-sharded (`residual_total`, another
