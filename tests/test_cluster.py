@@ -6,7 +6,6 @@ anything is created. CI runs as root; without root these tests are skipped, sayi
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -9,7 +9,6 @@ OUT_DIR/<case>.rank<r>.pt with the final state dict, the collective trace and th
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path
