@@ -76,6 +76,38 @@ def test_mstopk_window_moves_with_the_data_and_is_reproducible():
     assert not torch.equal(first, mstopk(ties * 2, 10)[1])
 
 
+def test_one_dimensional_parameters_are_sent_whole_beside_the_top_k_of_the_rest():
+    """Brute force over every window a rank selects in (the whole bucket, each half-shard): the 1-d
+    parameters' positions all go, and the k largest magnitudes among the other positions."""
+    from commsched.buckets import Bucket
+    from commsched.compression.whole_vectors import WholeVectors
+    from commsched.reducers.topk import exact_topk
+
+    shapes = [(6, 5), (5,), (4, 3, 2), (7,), (3,), (10, 2)]  # 89 elements, padded to 90
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    buffer = torch.zeros(90)
+    buffer[:89] = torch.randn(89, generator=torch.Generator().manual_seed(3))
+    bucket = Bucket(0, [f"p{i}" for i in range(len(params))], params, buffer, [], 89, 45)
+    is_vector = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in params] + [torch.tensor([False])])
+    for start, length in [(0, 90), (0, 45), (45, 45)]:
+        x = buffer[start:start + length]
+        vectors = is_vector[start:start + length].nonzero().flatten().tolist()
+        ranked = (~is_vector[start:start + length]).nonzero().flatten()
+        ranked = ranked[ranked + start < 89]  # the padding is not ranked
+        window = WholeVectors(bucket, start, length)
+        assert window.ranked_numel == ranked.numel() and window.whole_numel == len(vectors)
+        for k, select in [(4, exact_topk), (4, mstopk), (0, exact_topk), (ranked.numel(), mstopk)]:
+            values, indices = window.select(x, select, k)
+            top = ranked[torch.topk(x[ranked].abs(), k).indices].tolist() if k else []
+            assert sorted(indices.tolist()) == sorted(vectors + top), (start, k)
+            assert torch.equal(values, x[indices])
+        plain = WholeVectors(bucket, start, length, enabled=False)
+        assert plain.whole_numel == 0 and plain.ranked_numel == min(length, 89 - start)
+        assert sorted(plain.select(x, exact_topk, 4)[1].tolist()) == sorted(torch.topk(x.abs(), 4).indices.tolist())
+    padding_only = Bucket(0, ["p"], [torch.nn.Parameter(torch.zeros(3, 1))], torch.zeros(4), [], 3, 2)
+    assert WholeVectors(padding_only, 3, 1).ranked_numel == 1  # a window of padding alone still sends one element
+
+
 def test_bad_compression_values_are_refused_before_spawning():
     with pytest.raises(commsched.CommSchedConfigError, match="compression.density"):
         commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", density=0.0))
@@ -92,7 +124,7 @@ def test_bad_compression_values_are_refused_before_spawning():
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("compression")
     proc = run_worker("run_compression.py", str(out), "2", "topk", "topk-part", "topk-resumed", "topk-no-feedback",
-                      "mstopk", "topk-dense-phases", "mstopk-whole", "dense", "dense-from-topk")
+                      "mstopk", "topk-dense-phases", "mstopk-whole", "dense", "dense-from-topk", "topk-every-element")
     if proc.returncode != 0:
         pytest.fail(f"compression runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     alone = run_worker("run_compression.py", str(out), "3", "topk-resharded")
@@ -113,9 +145,20 @@ def step_with(params: list, total: torch.Tensor, optimizer, scheduler) -> None:
     scheduler.step()
 
 
+def sent_whole_and_ranked(vector: torch.Tensor, real: torch.Tensor, compression: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Of a window whose 1-d parameters' positions are `vector` and whose parameters' (not padding)
+    are `real`: the positions always sent, those ranked, and k, the density's share of the ranked
+    ones (at least one)."""
+    if not compression.get("whole_vectors", True):
+        vector = torch.zeros_like(vector)
+    ranked = (~vector & real).nonzero().flatten()
+    return vector.nonzero().flatten(), ranked, min(ranked.numel(), max(1, math.ceil(compression["density"] * ranked.numel())))
+
+
 def reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
-    """One process: each rank's gradient / P plus its residual, its k largest magnitudes sent, the
-    rest kept; the sum of what every rank sent is the step's gradient. Returns the final weights and
+    """One process: each rank's gradient / P plus its residual; every element of the 1-d parameters
+    and the k largest magnitudes among the others sent, the rest kept; the sum of what every rank
+    sent is the step's gradient. Returns the final weights and
     each rank's final residual (the whole model's gradient as one vector: a single bucket)."""
     sys.path.insert(0, str(WORKERS))
     from run_deft import BATCH, MLP, data, make_optimizer
@@ -128,7 +171,8 @@ def reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
     x, y = data().tensors
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
-    k = min(numel, max(1, math.ceil(compression["density"] * numel)))
+    vector = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in params])
+    always, ranked, k = sent_whole_and_ranked(vector, torch.ones_like(vector), compression)
     shares = []
     for r in range(world):
         sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
@@ -144,7 +188,7 @@ def reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
             mine = torch.cat([g.reshape(-1) for g in grads]) / world
             if compression["error_feedback"]:
                 mine = mine + residuals[r]
-            chosen = torch.arange(numel) if dense else torch.topk(mine.abs(), k).indices
+            chosen = torch.arange(numel) if dense else torch.cat([always, ranked[torch.topk(mine[ranked].abs(), k).indices]])
             sent = torch.zeros(numel)
             sent[chosen] = mine[chosen]
             if compression["error_feedback"]:
@@ -158,7 +202,7 @@ def flat_residual(result: dict, params: list[str]) -> torch.Tensor:
     return torch.cat([result["residuals"][name].reshape(-1) for name in params])
 
 
-@pytest.mark.parametrize("case", ["topk", "topk-no-feedback", "topk-dense-phases"])
+@pytest.mark.parametrize("case", ["topk", "topk-no-feedback", "topk-dense-phases", "topk-every-element"])
 def test_topk_exchange_equals_the_single_process_reference(runs, case):
     result, other = runs(case), runs(case, 1)
     expected, residuals = reference(result)
@@ -185,11 +229,11 @@ def test_error_feedback_changes_the_result(runs):
 
 
 def test_a_sparse_run_without_warm_up_is_advised_once(runs):
-    """The four fresh sparse runs with no dense warm-up (12 or 5 steps, shorter than their epoch of
+    """The five fresh sparse runs with no dense warm-up (12 or 5 steps, shorter than their epoch of
     256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
     warmed-up and density-1 runs are not."""
     advice = re.findall(r"no dense warm-up.*?dense_warmup_steps=(\d+) \((.*?)\)", runs.said)
-    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 4, advice
+    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 5, advice
 
 
 def test_the_warm_up_advice_is_one_epoch_or_a_tenth_of_a_shorter_run():
@@ -209,10 +253,10 @@ def test_mstopk_keeps_ranks_identical_and_sends_k_per_rank(runs):
     result, other = runs("mstopk"), runs("mstopk", 1)
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
     assert max_abs_diff(result["state"], result["initial"])[0] > 1e-3  # it trained
-    numel = sum(v.numel() for v in result["initial"].values())
-    k = math.ceil(0.05 * numel)
+    vectors = sum(v.numel() for v in result["initial"].values() if v.dim() == 1)
+    k = math.ceil(0.05 * sum(v.numel() for v in result["initial"].values() if v.dim() > 1))
     sent = {numel_ for link, op, tag, numel_, dtype in result["trace"] if tag.startswith("bucket")}
-    assert sent == {2 * 2 * k}  # 2 ranks x (k values + k indices)
+    assert sent == {2 * (2 * k + vectors)}  # 2 ranks x (k values + k indices + the 1-d parameters' values, positions known)
 
 
 def test_resumed_run_with_residuals_equals_uninterrupted(runs):
@@ -243,7 +287,7 @@ def test_a_resume_at_another_world_size_keeps_the_residuals_sum(runs):
     assert set(now[0]) == set(parts[0])
     for name in parts[0]:
         owed = parts[0][name] + parts[1][name]
-        assert owed.abs().sum() > 0
+        assert (owed.abs().sum() > 0) == (owed.dim() > 1)  # 1-d parameters are sent whole: nothing owed
         assert torch.allclose(now[0][name] + now[1][name] + now[2][name], owed, atol=1e-6)
         assert torch.allclose(now[2][name], owed / 3, atol=1e-7)
     assert "re-sharded over 3" in runs.said
@@ -272,8 +316,9 @@ def two_nodes(tmp_path_factory):
 
 def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
     """One process, 4 ranks on 2 nodes: each node sums its ranks' gradients / P per shard (the shard
-    of local rank j is the j-th half of the padded bucket), adds that rank's residual, sends its k
-    largest magnitudes; the shards' sums over nodes make the step's gradient."""
+    of local rank j is the j-th half of the padded bucket), adds that rank's residual, sends the
+    shard's 1-d parameter elements and its k largest magnitudes among the others; the shards' sums
+    over nodes make the step's gradient."""
     sys.path.insert(0, str(WORKERS))
     from run_deft import BATCH, MLP, data, make_optimizer
 
@@ -294,7 +339,11 @@ def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
         sampler.set_epoch(0)
         shares.append(list(sampler))
     shard = padded // per_node
-    k = min(shard, max(1, math.ceil(compression["density"] * shard)))
+    vector = torch.zeros(padded, dtype=torch.bool)
+    vector[:sum(p.numel() for p in ordered)] = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in ordered])
+    real = torch.arange(padded) < sum(p.numel() for p in ordered)
+    windows = [sent_whole_and_ranked(vector[j * shard:(j + 1) * shard], real[j * shard:(j + 1) * shard], compression)
+               for j in range(per_node)]
     residuals = [torch.zeros(shard) for _ in range(world)]
     for t in range(result["steps"]):
         dense = t < compression["dense_warmup_steps"] or t >= result["steps"] - compression["dense_final_steps"]
@@ -311,7 +360,8 @@ def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
                 part = sum(flats[node * per_node + l][j * shard:(j + 1) * shard] for l in range(per_node))
                 rank = node * per_node + j
                 part = part + residuals[rank]
-                chosen = torch.arange(shard) if dense else torch.topk(part.abs(), k).indices
+                always, ranked, k = windows[j]
+                chosen = torch.arange(shard) if dense else torch.cat([always, ranked[torch.topk(part[ranked].abs(), k).indices]])
                 sent = torch.zeros(shard)
                 sent[chosen] = part[chosen]
                 residuals[rank] = part - sent
@@ -339,7 +389,9 @@ def test_hitopkcomm_equals_the_single_process_reference(two_nodes, case):
     for rank in range(4):
         mine = two_nodes(case, rank)
         assert max_abs_diff(mine["state"], result["state"])[0] == 0.0
-        assert per_link(mine["trace"]) == per_link(result["trace"])
+        # "inter" is one group per local rank: equal within it; the shards' 1-d elements differ between them
+        assert per_link(mine["trace"]) == per_link(two_nodes(case, rank % 2)["trace"])
+        assert [r[:3] for r in mine["trace"]] == [r[:3] for r in result["trace"]]
         whole = torch.zeros(padded)
         whole[:sum(mine["residuals"][n].numel() for n in names)] = torch.cat([mine["residuals"][n].reshape(-1) for n in names])
         local = rank % 2

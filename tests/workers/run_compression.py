@@ -33,6 +33,7 @@ CASES = {
     "mstopk": (commsched.CompressionOptions(method="mstopk", density=0.05), 12, None),
     "topk-dense-phases": (commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=3, dense_final_steps=3), 12, None),
     "mstopk-whole": (commsched.CompressionOptions(method="mstopk", density=1.0), 12, None),
+    "topk-every-element": (commsched.CompressionOptions(method="topk", density=0.1, whole_vectors=False), 12, None),
     "dense": (None, 12, None),
     "dense-from-topk": (None, 12, "topk-part"),  # a dense run takes the residuals into its first step
     # run by three processes: resumes the 2-process checkpoint (no step taken), its residuals re-sharded

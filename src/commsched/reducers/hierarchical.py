@@ -24,12 +24,13 @@ from commsched.buckets import Bucket
 from commsched.links import Link, Pending
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
 from commsched.reducers.sharded import ShardedReduce
-from commsched.reducers.topk import Selector, SparsePacket, k_of
+from commsched.compression.whole_vectors import Selector, WholeVectors
+from commsched.reducers.topk import SparsePacket
 
 
 class HierarchicalReduce(Reducer):
     def __init__(self, bucket: Bucket, intra: Link, inter: Link, density: Optional[float] = None,
-                 select: Optional[Selector] = None, error_feedback: bool = True) -> None:
+                 select: Optional[Selector] = None, error_feedback: bool = True, whole_vectors: bool = True) -> None:
         """`density` None: the dense two-level all-reduce; else HiTopKComm with `select`."""
         self.bucket = bucket
         self.intra, self.inter = intra, inter
@@ -41,8 +42,8 @@ class HierarchicalReduce(Reducer):
         if self.sparse:
             assert select is not None
             self._select = select
-            self.k = k_of(density, shard.numel())
-            self._packet = SparsePacket(self.k, inter)
+            window = WholeVectors(bucket, intra.rank * shard.numel(), shard.numel(), whole_vectors)
+            self._packet = SparsePacket(density, window, inter)
         self.dense = False
         """A dense phase of a sparse exchange: the shard all-reduced across nodes, the residual added once."""
 

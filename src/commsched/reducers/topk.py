@@ -8,7 +8,9 @@ the next selection, so applied + residual always sums to the dense gradients. Th
 rank's communication state, saved by parameter name (`reducers.base`).
 
 Values and indices travel in one all-gather: float32 values and int32 indices side by side, the
-indices reinterpreted bit for bit as float32 (one latency instead of two on a slow link).
+indices reinterpreted bit for bit as float32 (one latency instead of two on a slow link). The
+elements of one-dimensional parameters are always sent, beside the k selected among the others
+(`commsched.compression.whole_vectors`: ranked with the rest they starve).
 """
 
 from __future__ import annotations
@@ -20,12 +22,10 @@ import torch
 
 from commsched.buckets import Bucket
 from commsched.compression.mstopk import mstopk
+from commsched.compression.whole_vectors import Selector, WholeVectors
 from commsched.links import Link, Pending
 from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
-
-Selector = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-
 
 def exact_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk by magnitude: the reference MSTopK approximates."""
@@ -45,30 +45,39 @@ def k_of(density: float, numel: int) -> int:
 
 
 class SparsePacket:
-    """One rank's k (value, index) pairs and every rank's, in the float32 layout one all-gather carries
-    (the int32 indices bit-cast beside the values): shared by the flat and the two-level exchange."""
+    """One rank's selection and every rank's, in the float32 layout one all-gather carries: the k
+    selected values, their int32 indices bit-cast to float32, then the values of the window's
+    one-dimensional parameters (`WholeVectors`), whose positions every rank of the exchange already
+    knows, so they travel without indices. Shared by the flat and the two-level exchange."""
 
-    def __init__(self, k: int, link: Link) -> None:
-        self.k = k
+    def __init__(self, density: float, window: WholeVectors, link: Link) -> None:
+        self.window = window
+        self.k = k_of(density, window.ranked_numel)
+        self.width = 2 * self.k + window.whole_numel
         self.world_size = link.world_size
-        self.mine = torch.empty(2 * k, dtype=torch.float32, device=link.device)
-        self.everyone = torch.empty(link.world_size * 2 * k, dtype=torch.float32, device=link.device)
+        self.mine = torch.empty(self.width, dtype=torch.float32, device=link.device)
+        self.everyone = torch.empty(link.world_size * self.width, dtype=torch.float32, device=link.device)
 
     def select(self, x: torch.Tensor, select: Selector, residual: Optional[torch.Tensor]) -> None:
-        """Pack `x`'s k selected elements; what is not sent stays in `residual` (error feedback)."""
-        values, indices = select(x, self.k)
+        """Pack what `x` sends; what is not sent stays in `residual` (error feedback)."""
+        values, indices = self.window.select(x, select, self.k)
         if residual is not None:
             residual.copy_(x)
             residual[indices] = 0.0
-        self.mine[: self.k].copy_(values)
-        self.mine[self.k :].copy_(indices.to(torch.int32).view(torch.float32))
+        k = self.k
+        self.mine[:k].copy_(values[:k])
+        self.mine[k : 2 * k].copy_(indices[:k].to(torch.int32).view(torch.float32))
+        self.mine[2 * k :].copy_(values[k:])
 
     def add_everyones(self, target: torch.Tensor) -> None:
         """`target` becomes the sum of what every rank sent (zeros elsewhere)."""
-        sent = self.everyone.view(self.world_size, 2, self.k).to(target.device)
-        values = sent[:, 0].reshape(-1)
-        indices = sent[:, 1].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        sent = self.everyone.view(self.world_size, self.width).to(target.device)
+        k = self.k
+        values = sent[:, :k].reshape(-1)
+        indices = sent[:, k : 2 * k].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
         target.zero_().index_add_(0, indices, values)
+        if self.window.whole_numel:
+            target[self.window.whole] = sent[:, 2 * k :].sum(0)
 
 
 class SparseExchange:
@@ -86,16 +95,16 @@ class SparseExchange:
 class TopKAllReduce(Reducer):
     kinds = ("residual",)
 
-    def __init__(self, bucket: Bucket, link: Link, density: float, select: Selector, error_feedback: bool = True) -> None:
+    def __init__(self, bucket: Bucket, link: Link, density: float, select: Selector, error_feedback: bool = True,
+                 whole_vectors: bool = True) -> None:
         if bucket.buffer.dtype != torch.float32:
             raise TypeError(f"commsched compression: sparse exchanges carry float32 gradients, this bucket holds {bucket.buffer.dtype}")
         self.bucket = bucket
         self.link = link
-        self.k = k_of(density, bucket.buffer.numel())
         self._select = select
         self.residual: Optional[torch.Tensor] = torch.zeros_like(bucket.buffer) if error_feedback else None
         self.kinds = ("residual",) if error_feedback else ()
-        self._packet = SparsePacket(self.k, link)
+        self._packet = SparsePacket(density, WholeVectors(bucket, 0, bucket.buffer.numel(), whole_vectors), link)
         self.dense = False
         """A dense phase (`CompressionOptions.dense_warmup_steps`, `dense_final_steps`): all-reduce the
         bucket, the residual added to it once and emptied."""

@@ -79,10 +79,11 @@ class WFBPSchedule(Schedule):
         select = selector(compression.method, compression.samplings) if sparse else None
         if sparse and compression.hierarchical:
             intra, inter = links["intra"], links["inter"]
-            self.reducers = [HierarchicalReduce(b, intra, inter, compression.density, select, compression.error_feedback)
+            self.reducers = [HierarchicalReduce(b, intra, inter, compression.density, select, compression.error_feedback,
+                                                 compression.whole_vectors)
                              for b in plan.buckets]
         elif sparse:
-            self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback)
+            self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback, compression.whole_vectors)
                              for b in plan.buckets]
         self.streams = self.settings.streams or StreamControl(1, StreamOptions(), two_level=bool(compression.hierarchical))
         if not sparse:
