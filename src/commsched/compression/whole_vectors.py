@@ -2,11 +2,11 @@
 
 Top-k over a bucket ranks every element against every other. Biases and normalisation scales and
 shifts are a tiny share of the elements, and their gradients are often smaller than a
-convolution's largest. Ranked with everything else they wait many steps, and a network that
-normalises every layer (VGG-16-BN) trains visibly worse for it: on digits, 12 epochs, 3 seeds, top-k
-at 0.01 with error feedback and a dense first epoch scored 0.936 with them ranked and 0.971 with them
-sent whole, against 0.971 dense. So they go whole, beside the k elements selected among the rest.
-That costs little: under 0.1% of VGG-16's elements, about 1% of GPT-2's.
+convolution's largest. Ranked with everything else they wait many steps. On digits, 12 epochs, top-k
+at 0.01 with error feedback: ResNet-18 w8 scored 0.973 with them ranked and 0.988 with them sent whole
+(0.994 dense, 3 seeds); VGG-16-BN with a dense first epoch 0.949 and 0.958 (0.975 dense, 6 seeds).
+So they go whole, beside the k elements selected among the rest. That costs little: 0.03% of
+VGG-16's elements, 0.2% of ResNet-50's, 1.5% of GPT-2 tiny's.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ from typing import Mapping, Optional
 import torch
 
 from commsched.buckets import Bucket
+from commsched.compression.whole_vectors import Selector, WholeVectors
 from commsched.links import Link, Pending
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
 from commsched.reducers.sharded import ShardedReduce
-from commsched.compression.whole_vectors import Selector, WholeVectors
 from commsched.reducers.topk import SparsePacket
 
 
