@@ -137,7 +137,8 @@ def _exchange(group: Optional[dist.ProcessGroup], sends: list[tuple[int, torch.T
             ops.append(dist.P2POp(dist.isend, outgoing[k][1], _peer(group, outgoing[k][0]), group))
         if k < len(incoming):
             ops.append(dist.P2POp(dist.irecv, incoming[k][1], _peer(group, incoming[k][0]), group))
-    return WorkSet(dist.batch_isend_irecv(ops), _completer(group))
+    # One process has no peer to exchange with (torch refuses an empty batch): the exchange is done.
+    return WorkSet(dist.batch_isend_irecv(ops) if ops else [], _completer(group))
 
 
 def reduce_scatter(group: Optional[dist.ProcessGroup], shard: torch.Tensor, full: torch.Tensor,
@@ -147,11 +148,14 @@ def reduce_scatter(group: Optional[dist.ProcessGroup], shard: torch.Tensor, full
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
     others = [r for r in range(world) if r != rank]
-    received = scratch.reshape(-1)[: len(others) * chunks.shape[1]].view(len(others), -1)
+    received = scratch.reshape(-1)[: len(others) * chunks.shape[1]].view(len(others), chunks.shape[1])
     work = _exchange(group, [(r, chunks[r]) for r in others], list(zip(others, received)))
 
     def reduce() -> None:
-        if len(others) == 1:
+        if not others:
+            if shard.data_ptr() != chunks[rank].data_ptr():
+                shard.copy_(chunks[rank])
+        elif len(others) == 1:
             torch.add(chunks[rank], received[0], out=shard)
         else:
             torch.add(chunks[rank], received.sum(0), out=shard)

@@ -10,7 +10,6 @@ messages also go to OUT_DIR/train.log; checkpoints to OUT_DIR/checkpoints.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from commsched.config import resume_path
 from commsched.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
 from commsched.quiet import quiet_lightning
+from commsched.run_files import write_json
 from commsched.workers import end_process_group
 
 
@@ -184,7 +184,7 @@ def main() -> None:
     schedule = getattr(trainer.strategy, "last_schedule", None)
     if hasattr(schedule, "report"):
         result["deft"] = schedule.report()
-    (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    write_json(out / "metrics.json", result, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import signal
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial, partialmethod
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Generator, Optional, Union
 
 import torch
@@ -29,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from commsched import checks, observers, options, state
+from commsched import checks, observers, options, run_files, state
 from commsched.buffer_sync import BufferSync
 from commsched.engine import Engine
 from commsched.errors import PeerFailureError
@@ -110,6 +111,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._lr_follow: Optional[FollowOptimizerSteps] = None
         self._restored: Optional[state.Restored] = None
         self._failed = False
+        self.run_dir: Optional[Path] = None
+        """This fit's folder for the files commsched writes (the logger's, else default_root_dir)."""
 
     def request_replan(self) -> None:
         """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask together)."""
@@ -133,6 +136,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        self.run_dir = run_files.resolve(trainer)  # collective: every rank, before anything writes
+        log.debug(f"{self.__class__.__name__}: files of this run go to {self.run_dir}")
         self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -6,10 +6,11 @@ produces the same kind for a predicted iteration, so both open in the same viewe
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from commsched.run_files import write_json
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,4 @@ def chrome_trace(spans: Iterable[Span]) -> dict:
 
 
 def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(spans)))
-    return path
+    return write_json(Path(path), chrome_trace(spans), indent=None)

@@ -26,6 +26,7 @@ from commsched import overrides
 from commsched.config import TrainConfig, register_configs, validate
 from commsched.plugins import import_plugins, plugins_in, schedule_names
 from commsched.errors import CommSchedConfigError
+from commsched.run_files import write_json
 
 
 def summarise(cfg: Any, metrics: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -145,7 +146,7 @@ def run_training(cfg: DictConfig) -> float:
     if os.environ.get("NODE_RANK", "0") != "0":  # a node of a cluster (commsched-cluster): node 0 reports
         return 0.0
     summary = summarise(cfg, json.loads((out / "metrics.json").read_text()), list(HydraConfig.get().overrides.task))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "summary.json", summary, indent=2)
     log.info(f"{summary_line(summary)}; results in {out}")
     return float(summary["samples_per_s"])
 

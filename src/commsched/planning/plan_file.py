@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from commsched.errors import CommSchedConfigError
+from commsched.run_files import write_json
 from commsched.fusion import ParamInfo, plan_assigned
 
 
@@ -33,10 +34,7 @@ class SavedPlan:
         return partial(plan_assigned, bucket_of=bucket_of)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"version": 1, **asdict(self)}, indent=1))
-        return path
+        return write_json(Path(path), {"version": 1, **asdict(self)})
 
     @classmethod
     def load(cls, path: str | Path, field: str = "fusion.plan_file") -> "SavedPlan":

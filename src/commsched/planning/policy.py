@@ -13,7 +13,6 @@ from __future__ import annotations
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 
@@ -24,6 +23,7 @@ from commsched.options import FusionOptions, TuningOptions
 from commsched.planning.bayes import BucketSizeTuner
 from commsched.planning.model_plans import plan_from_profile
 from commsched.planning.plan_file import SavedPlan
+from commsched.run_files import folder_of
 from commsched.say import say
 
 Planner = Callable[[Sequence[ParamInfo]], list[list[int]]]
@@ -141,7 +141,7 @@ class PlanPolicy:
         assert self.decided is not None
         plan = self.decided
         if strategy.global_rank == 0:
-            path = Path(strategy.lightning_module.trainer.default_root_dir) / PLAN_FILE_NAME
+            path = folder_of(strategy.lightning_module.trainer) / PLAN_FILE_NAME
             plan.save(path)
             sizes = sum(p.nbytes for p in param_infos(strategy.lightning_module)) / 2**20 / max(len(plan.buckets), 1)
             predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""

@@ -10,7 +10,6 @@ and one lane per link), and logs per-step `profile/*` metrics to the Trainer's l
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layers import LayerTimer
 from commsched.profile.probe import probe_link
 from commsched.trace import Span, write_chrome_trace
+from commsched.run_files import folder_of, write_json
 from commsched.say import say
 
 
@@ -204,11 +204,10 @@ class RunProfiler:
         }
 
     def _write(self, strategy: Any, result: dict, spans: list[Span]) -> None:
-        out_dir = self.out_dir or Path(strategy.lightning_module.trainer.default_root_dir) / "commsched_profile"
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir = self.out_dir or folder_of(strategy.lightning_module.trainer) / "commsched_profile"
         origin = min((s.start for s in spans), default=0.0)
         shifted = [Span(s.lane, s.name, s.start - origin, s.end - origin, s.rank) for s in spans]
-        (out_dir / "profile.json").write_text(json.dumps(result, indent=1))
+        write_json(out_dir / "profile.json", result)
         write_chrome_trace(shifted, out_dir / "trace.json")
         result["files"] = {"profile": str(out_dir / "profile.json"), "trace": str(out_dir / "trace.json")}
         summary = result["summary"]

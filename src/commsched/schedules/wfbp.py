@@ -105,6 +105,9 @@ class WFBPSchedule(Schedule):
         when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked, or unless
         `streams="auto"` finds node first faster (searched on several nodes when not set)."""
         compression = options.compression
+        if compression.method != "none" and trainer.world_size == 1:
+            say(f"commsched wfbp: one process has nothing to exchange: {compression.method} compression is off for this run")
+            compression = dataclasses.replace(compression, method="none", hierarchical=None)
         two_levels = trainer.num_nodes > 1 and trainer.num_devices > 1  # one worker per node: node first is flat
         searched = options.streams == "auto" and compression.hierarchical is None and compression.method == "none" and two_levels
         if compression.hierarchical and trainer.num_nodes > 1 and trainer.num_devices == 1:

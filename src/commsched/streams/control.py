@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from commsched.options import StreamOptions
+from commsched.run_files import folder_of
 from commsched.say import say
 from commsched.streams.search import StreamSearch
 from commsched.streams.space import Space
@@ -35,8 +36,9 @@ MIN_GAIN = 0.02
 
 class StreamControl:
     def __init__(self, streams: int | str, options: StreamOptions, two_level: Optional[bool] = False,
-                 out_dir: Optional[Path] = None, log_metrics: Optional[Callable[[dict[str, float]], None]] = None) -> None:
-        """`two_level`: the exchange's algorithm, fixed (True / False) or searched (None: wfbp on several nodes)."""
+                 out_dir: Optional[Callable[[], Optional[Path]]] = None, log_metrics: Optional[Callable[[dict[str, float]], None]] = None) -> None:
+        """`two_level`: the exchange's algorithm, fixed (True / False) or searched (None: wfbp on several nodes);
+        `out_dir`: where this rank writes the trials (None from it: this rank writes nothing)."""
         self.options = options
         self.auto = streams == "auto"
         self.links_needed = options.max_streams if self.auto else int(streams)
@@ -66,7 +68,7 @@ class StreamControl:
             if trainer.logger is not None and trainer.global_rank == 0:
                 trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
-        return cls(streams, options, two_level, Path(trainer.default_root_dir), log_metrics)
+        return cls(streams, options, two_level, lambda: folder_of(trainer) if trainer.global_rank == 0 else None, log_metrics)
 
     @property
     def may_use_two_level(self) -> bool:
@@ -194,8 +196,9 @@ class StreamControl:
         """The trials as a table (JSON) and a plot beside the run's outputs (rank 0)."""
         from commsched.streams.report import save_trials
 
-        if self._out_dir is not None and self._search is not None:
-            save_trials(self._out_dir, self.trials, self.chosen, TRIALS_FILE)
+        out_dir = self._out_dir() if self._out_dir is not None else None
+        if out_dir is not None and self.trials:
+            save_trials(out_dir, self.trials, self.chosen, TRIALS_FILE)
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:

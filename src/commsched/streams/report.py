@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
+from commsched.run_files import write_json, write_text, write_whole
 from commsched.streams.units import Striping
 
 
 def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[Striping], name: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
-    path.write_text(json.dumps({"chosen": chosen.to_json() if chosen else None, "trials": trials}, indent=1))
-    path.with_suffix(".md").write_text(table(trials) + "\n")
-    plot_trials(trials, path.with_suffix(".png"))
+    write_json(path, {"chosen": chosen.to_json() if chosen else None, "trials": trials})
+    write_text(path.with_suffix(".md"), table(trials) + "\n")
+    write_whole(path.with_suffix(".png"), lambda partial: plot_trials(trials, partial))
 
 
 def table(trials: list[dict[str, Any]]) -> str:

@@ -1,0 +1,64 @@
+"""Where a run's own files go, and how they are written.
+
+A run's plan, profile and stream trials belong beside its logs: in the folder of the Trainer's
+first logger (``lightning_logs/version_N`` by default, the Hydra run directory under
+``commsched-train``), or ``default_root_dir`` when the Trainer has no logger. Written into the
+working directory instead, the next run would overwrite them. Only rank 0 writes, and every file
+appears whole (written beside its final name, then renamed), so a reader never sees half a file
+and ranks on a shared filesystem never interleave. JSON is strict: a non-finite number (a step
+that was never timed) is written as ``null``, since ``NaN`` is not JSON and strict parsers reject it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+def resolve(trainer: Any) -> Path:
+    """The run's folder. Collective: `Trainer.log_dir` broadcasts rank 0's answer, so every rank
+    must call this at the same point (the strategy does, in `setup`)."""
+    folder = trainer.log_dir if trainer.loggers else None
+    return Path(folder if folder else trainer.default_root_dir).expanduser()
+
+
+def folder_of(trainer: Any) -> Path:
+    """The folder the strategy resolved for this fit, else `default_root_dir` (not collective)."""
+    resolved: Optional[Path] = getattr(trainer.strategy, "run_dir", None)
+    return resolved if resolved is not None else Path(trainer.default_root_dir)
+
+
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None, through dicts, lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def write_whole(path: Path, write: Callable[[Path], Any]) -> Path:
+    """`write(p)` writes the file at a temporary path beside `path` (same suffix, so a plot library
+    picks the format from it), then it becomes `path`: readers see the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    return write_whole(path, lambda partial: partial.write_text(text))
+
+
+def write_json(path: Path, content: Any, indent: Optional[int] = 1) -> Path:
+    """Strict JSON (non-finite numbers as null), written whole."""
+    return write_text(path, json.dumps(finite(content), indent=indent, allow_nan=False) + "\n")
