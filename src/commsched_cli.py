@@ -21,11 +21,20 @@ def _run(module: str) -> Any:
         sys.exit(130)
 
 
+def _hydra_syntax() -> None:
+    """Refusals name settings as this command line spells them (``compression.density=0``)."""
+    from commsched.errors import use_syntax
+
+    use_syntax("hydra")
+
+
 def train() -> Any:
+    _hydra_syntax()
     return _run("commsched.train")
 
 
 def bench() -> Any:
+    _hydra_syntax()
     return _run("commsched.bench.cli")
 
 
@@ -56,4 +65,5 @@ def run_rank() -> None:
         os._exit(130)
 
     signal.signal(signal.SIGINT, interrupted_while_starting)
+    _hydra_syntax()
     importlib.import_module("commsched.run").main()

@@ -81,3 +81,13 @@ def per_link(trace: list[tuple]) -> dict[str, list[tuple]]:
     for record in trace:
         links.setdefault(record[0], []).append(record)
     return links
+
+
+@pytest.fixture
+def hydra_syntax():
+    """Refusals rendered as `commsched-train` renders them (its entry point sets this)."""
+    from commsched import errors
+
+    errors.use_syntax("hydra")
+    yield
+    errors.use_syntax("python")

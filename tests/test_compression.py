@@ -232,17 +232,22 @@ def test_a_sparse_run_without_warm_up_is_advised_once(runs):
     """The five fresh sparse runs with no dense warm-up (12 or 5 steps, shorter than their epoch of
     256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
     warmed-up and density-1 runs are not."""
-    advice = re.findall(r"no dense warm-up.*?dense_warmup_steps=(\d+) \((.*?)\)", runs.said)
+    advice = re.findall(r"no dense warm-up.*?CompressionOptions\(dense_warmup_steps=(\d+)\) \((.*?)\)", runs.said)
     assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 5, advice
 
 
 def test_the_warm_up_advice_is_one_epoch_or_a_tenth_of_a_shorter_run():
+    from commsched import errors
     from commsched.schedules.wfbp import warm_up_advice
 
-    assert warm_up_advice(32, 264) == "compression.dense_warmup_steps=32 (one epoch here)"
-    assert warm_up_advice(32, 12) == "compression.dense_warmup_steps=1 (a tenth of this run, shorter than an epoch)"
-    assert warm_up_advice(math.inf, 500) == "compression.dense_warmup_steps=50 (a tenth of this run, shorter than an epoch)"
-    assert warm_up_advice(math.inf, math.inf) == "compression.dense_warmup_steps of about one epoch"
+    assert warm_up_advice(32, 264) == "CompressionOptions(dense_warmup_steps=32) (one epoch here)"
+    assert warm_up_advice(32, 12) == "CompressionOptions(dense_warmup_steps=1) (a tenth of this run, shorter than an epoch)"
+    assert warm_up_advice(math.inf, math.inf) == "a dense warm-up (compression.dense_warmup_steps) of about one epoch"
+    errors.use_syntax("hydra")  # commsched-train's workers: the command line's spelling
+    try:
+        assert warm_up_advice(math.inf, 500) == "compression.dense_warmup_steps=50 (a tenth of this run, shorter than an epoch)"
+    finally:
+        errors.use_syntax("python")
 
 
 def test_density_one_equals_a_dense_all_reduce(runs):

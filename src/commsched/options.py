@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar
 
-from commsched.errors import bad_value
+from commsched.errors import CommSchedConfigError, Either, bad_value
 
 BUILTIN_SCHEDULES = ("wfbp", "dear", "deft")  # commsched.SCHEDULES before any plugin registers more (tested equal)
 MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a profile of the first steps
@@ -33,27 +34,36 @@ OptionsT = TypeVar("OptionsT")
 
 
 # ------------------------------------------------------------------ checks
+# Each check refuses with one wording of what it allows, whatever was wrong (type, NaN, range).
+def _real(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int)
+
+
 def positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise bad_value(name, value, "a finite number > 0")
+    if not (_real(value) and value > 0):
+        raise bad_value(name, value, "a number > 0")
     return float(value)
 
 
 def positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not (_integer(value) and value >= 1):
         raise bad_value(name, value, "an integer >= 1")
     return value
 
 
 def non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not (_integer(value) and value >= 0):
         raise bad_value(name, value, "an integer >= 0")
     return value
 
 
 def non_negative_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise bad_value(name, value, "a finite number >= 0")
+    if not (_real(value) and value >= 0):
+        raise bad_value(name, value, "a number >= 0")
     return float(value)
 
 
@@ -83,6 +93,15 @@ def text(name: str, value: Any) -> str:
     return value
 
 
+def network_interface(name: str, value: Any) -> str:
+    """An interface of this machine (found now, before any worker starts, rather than as a gloo error per rank)."""
+    present = [ifname for _, ifname in socket.if_nameindex()]
+    if value not in present:
+        raise bad_value(name, value, f"a network interface of this machine: {', '.join(present)}",
+                        fix="leave it unset to let the backend choose, or name one of those (`ip -brief link` lists them).")
+    return value
+
+
 def timeout(value: Any) -> Optional[timedelta]:
     if value is not None and not (isinstance(value, timedelta) and value.total_seconds() > 0):
         raise bad_value("timeout", value, "a datetime.timedelta > 0 or None")
@@ -101,7 +120,12 @@ def validated(options: OptionsT, prefix: str = "") -> OptionsT:
         if dataclasses.is_dataclass(value):
             validated(value, f"{prefix}{f.name}.")
         elif "check" in f.metadata:
-            f.metadata["check"](f"{prefix}{f.name}", value)
+            try:
+                f.metadata["check"](f"{prefix}{f.name}", value)
+            except CommSchedConfigError as error:
+                if error.fix is None and f.default is not dataclasses.MISSING and f.default is not None and f.default != value:
+                    raise bad_value(f"{prefix}{f.name}", value, error.allowed or "", default=f.default) from None
+                raise
     cross_check = getattr(options, "cross_check", None)
     if cross_check is not None:
         cross_check(prefix)
@@ -176,11 +200,11 @@ class LinkOptions:
 
     primary_backend: Optional[str] = option(None, optional(one_of(*BACKENDS)))
     """Backend of the primary link (default: the Trainer's process group backend, NCCL on GPU, gloo on CPU)."""
-    primary_ifname: Optional[str] = option(None, optional(text))
+    primary_ifname: Optional[str] = option(None, optional(network_interface))
     """Network interface of the primary link (default: the backend's own choice)."""
     secondary_backend: str = option("gloo", one_of(*BACKENDS))
     """Backend of the secondary link, for schedules that use two (DeFT: gloo beside NCCL)."""
-    secondary_ifname: Optional[str] = option(None, optional(text))
+    secondary_ifname: Optional[str] = option(None, optional(network_interface))
     """Network interface of the secondary link (default: $COMMSCHED_SECONDARY_IFNAME, set by commsched-cluster;
     without one, a second group on the primary network)."""
 
@@ -188,8 +212,8 @@ class LinkOptions:
 def capacity_value(name: str, value: Any) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-        raise bad_value(name, value, "a number > 0 (a multiple of the stage times), or null for no delay")
+    if not (_real(value) and value > 0):
+        raise bad_value(name, value, "a number > 0 (a multiple of the stage times), or unset (None, null) for no delay")
     return float(value)
 
 
@@ -224,13 +248,13 @@ class DeFTOptions:
 
 
 def eps_value(name: str, value: Any) -> float:
-    if positive_number(name, value) >= 1:
+    if not (_real(value) and 0 < value < 1):
         raise bad_value(name, value, "a number in (0, 1)")
     return float(value)
 
 
 def growth_value(name: str, value: Any) -> float:
-    if positive_number(name, value) <= 1:
+    if not (_real(value) and value > 1):
         raise bad_value(name, value, "a number > 1")
     return float(value)
 
@@ -262,7 +286,7 @@ class PreserverOptions:
 
 
 def density_value(name: str, value: Any) -> float:
-    if positive_number(name, value) > 1:
+    if not (_real(value) and 0 < value <= 1):
         raise bad_value(name, value, "a number in (0, 1]")
     return float(value)
 
@@ -360,29 +384,37 @@ def check_streams(streams: Any, schedule: str, stripes: bool, compression: Any, 
     if streams == 1:
         return
     if streams == "auto" and fusion_policy == "bayes":
-        raise bad_value("streams", streams, "a fixed number with fusion.policy=bayes: both searches time the same "
-                        "steps and would read each other's changes as their own; tune the bucket size first, then the streams")
+        raise bad_value("streams", streams, "a fixed number with fusion policy 'bayes': both searches time the same "
+                        "steps and would read each other's changes as their own",
+                        fix="tune the bucket size first, then the streams.")
     if not stripes:
-        raise bad_value("streams", streams, f"1 with schedule {schedule}: wfbp and dear spread their buckets over "
-                        "streams; DeFT already splits its buckets between two links")
+        raise bad_value("streams", streams, f"1 with schedule {schedule} (DeFT already splits its buckets between two links)"
+                        if schedule == "deft" else f"1 with schedule {schedule}",
+                        fix=Either("several streams run on WFBPStrategy and DeARStrategy.", "several streams run on schedule=wfbp and schedule=dear."))
     if compression.method != "none":
-        raise bad_value("streams", streams, f"1 with compression.method={compression.method}: a sparse bucket "
-                        "is exchanged as one all-gather of its k largest elements, already a small message")
+        raise bad_value("streams", streams, f"1 with compression method {compression.method!r} (a sparse bucket "
+                        "is one small all-gather of its largest elements)")
+
+
+SPARSE_REFUSED = {
+    "dear": "DeAR defers the all-gather half of each bucket's all-reduce; a sparse exchange is one all-gather, with nothing to defer",
+    "deft": "DeFT's generations add dense gradients over iterations",
+}
+"""Why a built-in schedule does not take sparse exchanges (one sentence each)."""
 
 
 def check_compression(compression: Any, schedule: str, compresses: bool) -> None:
     """Sparse and two-level exchanges only on schedules that build them, refused before anything starts
     (torch-free: `commsched-train` checks its input before importing torch)."""
     if compression.hierarchical and not compresses:
-        raise bad_value("compression.hierarchical", compression.hierarchical, f"None or False with schedule {schedule}: "
-                        "the two-level exchange runs on wfbp")
+        raise bad_value("compression.hierarchical", compression.hierarchical, f"None or False with schedule {schedule}",
+                        fix=Either("the two-level exchange runs on WFBPStrategy.", "the two-level exchange runs on schedule=wfbp."))
     if compression.method != "none" and not compresses:
-        raise bad_value("compression.method", compression.method,
-                        f"none with schedule {schedule}: sparse exchanges run on wfbp (strategy=\"topk\" is wfbp "
-                        "with MSTopK). DeAR splits a bucket's all-reduce into a reduce-scatter and an all-gather it "
-                        "defers; a flat sparse exchange is one all-gather, with nothing to defer, and the two-level one's "
-                        "deferrable stage is its all-gather inside the node, on the fast link, where there is little to hide. DeFT's generations "
-                        "sum dense buffers over iterations")
+        why = SPARSE_REFUSED.get(schedule, f"schedule {schedule} builds no sparse exchange")
+        raise bad_value("compression.method", compression.method, f"'none' with schedule {schedule} ({why})",
+                        fix=Either('sparse exchanges run on wfbp: Trainer(strategy="topk"), or '
+                                   f'WFBPStrategy(compression={compression.method!r}).',
+                                   f"sparse exchanges run on wfbp: schedule=wfbp compression={compression.method}."))
 
 
 def compression_from(compression: Any) -> CompressionOptions:
@@ -390,7 +422,7 @@ def compression_from(compression: Any) -> CompressionOptions:
     if compression is None:
         return CompressionOptions()
     if isinstance(compression, str):
-        return validated(CompressionOptions(method=compression), "compression.")
+        return CompressionOptions(method=choice("compression", compression, COMPRESSION_METHODS))
     return validated(typed("compression", compression, CompressionOptions), "compression.")
 
 
@@ -403,9 +435,10 @@ def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:
 
 def fusion_from(fusion: Any, bucket_cap_mb: Optional[float]) -> FusionOptions:
     """The strategy's `fusion=` (a policy name or options) with the `bucket_cap_mb=` shorthand applied."""
-    options = FusionOptions(policy=fusion) if isinstance(fusion, str) else typed("fusion", fusion, FusionOptions)
+    options = (FusionOptions(policy=choice("fusion", fusion, FUSION_POLICIES)) if isinstance(fusion, str)
+               else typed("fusion", fusion, FusionOptions))
     if bucket_cap_mb is not None:
-        options = dataclasses.replace(options, bucket_cap_mb=bucket_cap_mb)
+        options = dataclasses.replace(options, bucket_cap_mb=positive_number("bucket_cap_mb", bucket_cap_mb))
     return validated(options, "fusion.")
 
 

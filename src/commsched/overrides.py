@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import io
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
-from commsched.errors import CommSchedConfigError
+from commsched.errors import CommSchedConfigError, bad_value
 
 
 def group_choices(conf_dir: Path) -> dict[str, tuple[str, ...]]:
@@ -28,12 +29,18 @@ def _fields(schema: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
 
 
+def _checks(schema: type) -> dict[str, Any]:
+    """The fields' own checks (`commsched.options.option`): a value Hydra cannot even parse is refused
+    with the same words as one that parses but is out of range."""
+    return {f.name: f.metadata["check"] for f in dataclasses.fields(schema) if "check" in f.metadata}
+
+
 def _nested(annotation: Any) -> Optional[type]:
     """The dataclass a field holds, if it holds one."""
     return annotation if dataclasses.is_dataclass(annotation) else None
 
 
-def check(argv: Sequence[str], schema: type, groups: dict[str, tuple[str, ...]], program: str) -> None:
+def check(argv: Sequence[str], schema: type, groups: dict[str, tuple[str, ...]]) -> None:
     """Raise `CommSchedConfigError` for the first override that names an unknown key or group option."""
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
@@ -45,24 +52,28 @@ def check(argv: Sequence[str], schema: type, groups: dict[str, tuple[str, ...]],
         if key in groups:
             for choice in value.split(","):  # a sweep: schedule=ddp,wfbp
                 if choice not in groups[key]:
-                    raise CommSchedConfigError(f"{program}: invalid {key}={choice!r}; allowed: {', '.join(groups[key])}.")
+                    raise bad_value(key, choice, groups[key])
             continue
         node: Optional[type] = schema
+        owner: type = schema
         path: list[str] = []
         for part in key.split("."):
             fields = _fields(node)
             if part not in fields:
                 where = ".".join(path) or "the configuration"
+                close = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.5)
                 raise CommSchedConfigError(
-                    f"{program}: unknown key {key!r}; valid keys in {where}: {', '.join(fields)}"
+                    f"commsched: unknown key {key!r}; valid keys in {where}: {', '.join(fields)}"
                     + (f"; groups: {', '.join(g + '=' for g in groups)}" if not path else "") + "."
+                    + (f" Fix: did you mean {'.'.join([*path, close[0]])}=...?" if close else "")
                 )
             path.append(part)
-            node = _nested(fields[part])
+            owner, node = node, _nested(fields[part])
             if node is None and part != key.split(".")[-1]:
-                raise CommSchedConfigError(f"{program}: unknown key {key!r}: {'.'.join(path)} has no sub-keys.")
+                raise CommSchedConfigError(f"commsched: unknown key {key!r}: {'.'.join(path)} has no sub-keys.")
         if node is None and not arg.startswith("~"):
-            _check_value(program, key, value, fields[key.split(".")[-1]])
+            last = key.split(".")[-1]
+            _check_value(key, value, fields[last], _checks(owner).get(last))
 
 
 _TRUTH = {"true", "false", "yes", "no", "on", "off"}
@@ -79,9 +90,10 @@ def _parses(text: str, kind: type) -> bool:
         return False
 
 
-def _check_value(program: str, key: str, value: str, annotation: Any) -> None:
+def _check_value(key: str, value: str, annotation: Any, check: Optional[Callable[[str, Any], Any]]) -> None:
     """Refuse a value Hydra could not convert to the field's type (it would answer with a stack of
-    its own lines); sweeps (`a,b`), sweep functions and interpolations are Hydra's to read."""
+    its own lines), in the field's own words when it has a check; sweeps (`a,b`), sweep functions
+    and interpolations are Hydra's to read."""
     optional = get_origin(annotation) is Union and type(None) in get_args(annotation)
     kind = next((a for a in get_args(annotation) if a is not type(None)), None) if optional else annotation
     if kind not in _KINDS or "(" in value or "${" in value:
@@ -90,16 +102,23 @@ def _check_value(program: str, key: str, value: str, annotation: Any) -> None:
         if optional and choice == "null":
             continue
         if not _parses(choice, kind):
+            if check is not None:
+                check(key, choice)  # refuses a string wherever a number or a flag is expected
             allowed = _KINDS[kind] + (" or null" if optional else "")
-            raise CommSchedConfigError(f"{program}: invalid {key}={choice!r}; allowed: {allowed}.")
+            raise bad_value(key, choice, allowed)
 
 
-def print_help_without_schemas(hydra_main: Callable[[], Any]) -> None:
-    """Hydra's `--help`, less the typed schema nodes it lists among a group's options
-    (``data_schema``): they are how the config is checked, not something to choose."""
+def print_help_without_schemas(hydra_main: Callable[[], Any], about: str = "", program: Optional[str] = None) -> None:
+    """`about` (what the command does, first), then Hydra's `--help`, less the typed schema nodes it
+    lists among a group's options (``data_schema``): they are how the config is checked, not
+    something to choose. Hydra's first line names the app by its module (``train is powered by
+    Hydra.``): `program` names it as the user typed it."""
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text):
             hydra_main()
     finally:  # Hydra ends `--help` with sys.exit
-        print(re.sub(r"\w+_schema, |, \w+_schema\b", "", text.getvalue()), end="")
+        hydra_help = re.sub(r"\w+_schema, |, \w+_schema\b", "", text.getvalue())
+        if program is not None:
+            hydra_help = re.sub(r"\A\S+ is powered by Hydra\.", f"{program} is powered by Hydra.", hydra_help)
+        print((about.rstrip("\n") + "\n\n" if about else "") + hydra_help, end="")

@@ -54,7 +54,7 @@ def rank_environments(devices: int, num_nodes: int) -> list[Optional[dict[str, s
     if num_nodes == 1:
         if node_rank != "0":  # every node would train a run of its own, and each would end "successfully"
             raise CommSchedConfigError(
-                f"commsched-train: NODE_RANK={node_rank} is set but trainer.num_nodes=1: set trainer.num_nodes to the "
+                f"commsched: NODE_RANK={node_rank} is set but trainer.num_nodes=1: set trainer.num_nodes to the "
                 "number of nodes (commsched-cluster --nodes N needs trainer.num_nodes=N)")
         shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(_free_port()),
                   "NODE_RANK": "0", "WORLD_SIZE": str(devices)}
@@ -62,7 +62,7 @@ def rank_environments(devices: int, num_nodes: int) -> list[Optional[dict[str, s
         missing = [name for name in ("NODE_RANK", "MASTER_PORT") if name not in os.environ]
         if missing:
             raise CommSchedConfigError(
-                f"commsched-train: trainer.num_nodes={num_nodes} needs {' and '.join(missing)} set on every node, and "
+                f"commsched: trainer.num_nodes={num_nodes} needs {' and '.join(missing)} set on every node, and "
                 "MASTER_ADDR (node 0's address) on the others, as Lightning's multi-node launch does; "
                 "commsched-cluster sets them, torchrun and SLURM start the ranks themselves")
         shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),

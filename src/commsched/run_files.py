@@ -42,6 +42,10 @@ def finite(value: Any) -> Any:
     return value
 
 
+WRITTEN: list[Path] = []
+"""Every file this process wrote through this module, in order (the closing summary lists this fit's)."""
+
+
 def write_whole(path: Path, write: Callable[[Path], Any]) -> Path:
     """`write(p)` writes the file at a temporary path beside `path` (same suffix, so a plot library
     picks the format from it), then it becomes `path`: readers see the old file or the new one."""
@@ -52,6 +56,7 @@ def write_whole(path: Path, write: Callable[[Path], Any]) -> Path:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    WRITTEN.append(path)
     return path
 
 

@@ -10,6 +10,7 @@ options objects (`commsched.options`), the same ones `commsched-train` validates
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from commsched import checks, observers, options, run_files, state
+from commsched import checks, errors, observers, options, run_files, run_summary, state
 from commsched.buffer_sync import BufferSync
 from commsched.engine import Engine
 from commsched.errors import PeerFailureError
@@ -38,6 +39,7 @@ from commsched.interrupt import StoppedBySignal
 from commsched.lr_follow import FollowOptimizerSteps
 from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
 from commsched.run_reports import RunReports
+from commsched.say import say
 from commsched.schedules import SCHEDULES, Schedule
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,14 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     strategy_name = "commsched"
     default_schedule: ClassVar[str] = "dear"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CommSchedStrategy":
+        """A misspelt argument is refused with the closest one this class takes, not with Python's bare TypeError."""
+        known = list(inspect.signature(cls.__init__).parameters)[1:]
+        for name in kwargs:
+            if name not in known:
+                raise errors.unknown_argument(cls.__name__, name, known)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -94,23 +104,30 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
         """
-        name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
-        self.schedule_class: type[Schedule] = SCHEDULES[name]
-        self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
-                                                              compression, streams, stream_options)
-        checks.refuse_compression(self.options.compression, self.schedule_class)
-        checks.refuse_streams(self.options, self.schedule_class)
+        with errors.owned_by(type(self).__name__):
+            name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
+            self.schedule_class: type[Schedule] = SCHEDULES[name]
+            self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
+                                                                  compression, streams, stream_options)
+            checks.refuse_compression(self.options.compression, self.schedule_class)
+            checks.refuse_streams(self.options, self.schedule_class)
+            checked_timeout = options.timeout(timeout)
+            checked_start = options.choice("start_method", start_method, options.START_METHODS)
+            trace = options.flag("trace_collectives", trace_collectives)
+            sync_buffers = options.flag("broadcast_buffers", broadcast_buffers)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            timeout=options.timeout(timeout), start_method=options.choice("start_method", start_method, options.START_METHODS),  # type: ignore[arg-type]
+            timeout=checked_timeout, start_method=checked_start,  # type: ignore[arg-type]
         )
-        self._engine = Engine(self.schedule_class, self.options, options.flag("trace_collectives", trace_collectives))
-        self._buffers = BufferSync(options.flag("broadcast_buffers", broadcast_buffers))
+        self._engine = Engine(self.schedule_class, self.options, trace)
+        self._buffers = BufferSync(sync_buffers)
         self._flush_points = observers.FlushPoints(self._flush)
         self._lr_follow: Optional[FollowOptimizerSteps] = None
         self._restored: Optional[state.Restored] = None
         self._failed = False
+        self._clock = run_summary.StepClock()
+        self._files_before = 0
         self.run_dir: Optional[Path] = None
         """This fit's folder for the files commsched writes (the logger's, else default_root_dir)."""
 
@@ -137,6 +154,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         self.run_dir = run_files.resolve(trainer)  # collective: every rank, before anything writes
+        self._clock, self._files_before = run_summary.StepClock(), len(run_files.WRITTEN)
         log.debug(f"{self.__class__.__name__}: files of this run go to {self.run_dir}")
         self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
         super().setup(trainer)
@@ -201,9 +219,11 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
         # Strategy.optimizer_step, not DDPStrategy's: DDP's only adds post-localSGD model averaging.
         try:
-            return schedule.optimizer_step(optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs))
+            output = schedule.optimizer_step(optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs))
         finally:
             self._engine.iteration_done()
+        self._clock.stepped()
+        return output
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -247,6 +267,16 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         if not self._failed:
             self._engine.finish_profile(self)  # a run shorter than its profile: report what there is
         self._flush()
+        if not self._failed and self._engine.owner is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._say_summary()
+
+    def _say_summary(self) -> None:
+        """The fit's closing lines (rank 0 says them; every rank gathers the schedule's part)."""
+        assert self._engine.owner is not None
+        decided = self._engine.owner.summary()  # may write files (an unfinished search's trials)
+        written = run_files.WRITTEN[self._files_before:]
+        lines = run_summary.closing_lines(self, self.lightning_module.trainer, self._clock, decided, written)
+        say("\n".join(lines))
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

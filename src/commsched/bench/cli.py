@@ -30,7 +30,7 @@ register_bench_config()
 
 def main() -> None:
     try:
-        overrides.check(sys.argv[1:], BenchConfig, {}, "commsched-bench")
+        overrides.check(sys.argv[1:], BenchConfig, {})
     except CommSchedConfigError as error:
         print(error, file=sys.stderr)
         sys.exit(2)

@@ -49,7 +49,7 @@ def _run_in_cluster(spec: dict, spec_file: Path, argv: list[str], out: Path, con
     spec_file.write_text(json.dumps({**spec, "devices": c["workers_per_node"], "num_nodes": c["nodes"]}, indent=1))
     reason = netns.unavailable_reason()
     if reason is not None:
-        raise SystemExit(f"commsched-bench: {reason}; cluster.nodes needs an emulated cluster")
+        raise SystemExit(f"commsched: {reason}; cluster.nodes needs an emulated cluster")
     _check(run(cluster, argv))
     label = f"{c['nodes']}x{c['workers_per_node']} @ {c['rate']}" + (f", flows {c['flow_rate']}" if c.get("flow_rate") else "")
     return json.loads((out / "results.json").read_text()), label
@@ -57,7 +57,7 @@ def _run_in_cluster(spec: dict, spec_file: Path, argv: list[str], out: Path, con
 
 def _check(code: int) -> None:
     if code != 0:
-        raise SystemExit(f"commsched-bench: the benchmark workers failed (exit code {code}); output above")
+        raise SystemExit(f"commsched: the benchmark workers failed (exit code {code}); output above")
 
 
 def _fmt(value: object, spec: str) -> str:

@@ -130,7 +130,7 @@ class Network:
                 self._in(self.switch, "tc", "qdisc", "del", "dev", "lo", "root")
             except ToolError as error:
                 what = "the u32 filter" if "filter" in str(error) else f"the {name} qdisc"
-                raise CommSchedConfigError(f"commsched-cluster: this kernel lacks {what}, which the emulated network "
+                raise CommSchedConfigError(f"commsched: this kernel lacks {what}, which the emulated network "
                                            f"needs ({error})") from None
 
     # --------------------------------------------------------------- teardown

@@ -161,7 +161,7 @@ def _in_cluster(args: argparse.Namespace, argv: list[str]) -> int:
                        args.secondary_rate, args.flow_rate).check()
     reason = netns.unavailable_reason()
     if reason is not None:
-        raise CommSchedConfigError(f"commsched-probe: {reason}; an emulated cluster cannot be made here")
+        raise CommSchedConfigError(f"commsched: {reason}; an emulated cluster cannot be made here")
     return run(spec, [sys.executable, "-m", "commsched.profile.probe_cli", *argv, "--inside"])
 
 

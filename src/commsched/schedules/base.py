@@ -191,6 +191,12 @@ class Schedule:
         torch.nn.utils.clip_grad_value_(params_of(optimizer), clip_value)
 
     # ---------------------------------------------------- communication state
+    def summary(self) -> list[str]:
+        """What this schedule decided, for the fit's closing summary (called on every rank at the end
+        of a completed fit; a subclass adds its own lines to these)."""
+        line = self.streams.finish() if self.streams is not None else None
+        return [line] if line else []
+
     def state_dict(self) -> dict[str, Any]:
         """What this schedule keeps across steps (called after `flush`, so nothing is in flight):
         ``{"shared": {...}, "per_rank": {...}}``, the first equal on every rank, the second not

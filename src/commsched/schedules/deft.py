@@ -179,6 +179,10 @@ class DeFTSchedule(Schedule):
             self._confirmation = Confirmation(self.choice, self.options.confirm_steps, self.links.control,
                                               self.plan.buckets[0].buffer.device)
 
+    def summary(self) -> list[str]:
+        ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
+        return [f"plan {self.deft_plan.describe()}{ran}", *super().summary()]
+
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
         described = self.deft_plan.describe() + (f"; {describe(self.choice, self.options.fallback, self.links.control.world_size)}" if self.decided else "")

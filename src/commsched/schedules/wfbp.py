@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from commsched.errors import setting
 from commsched.buckets import BucketPlan
 from commsched.links import Links
 from commsched.options import CompressionOptions, StreamOptions
@@ -50,10 +51,10 @@ class WFBPSettings:
 def warm_up_advice(epoch_steps: float, total_steps: float) -> str:
     """The dense warm-up suggested to a sparse run: one epoch, or a tenth of a run shorter than that."""
     if math.isfinite(epoch_steps) and epoch_steps < total_steps:
-        return f"compression.dense_warmup_steps={int(epoch_steps)} (one epoch here)"
+        return f"{setting('compression.dense_warmup_steps', int(epoch_steps))} (one epoch here)"
     if math.isfinite(total_steps):
-        return f"compression.dense_warmup_steps={max(1, int(total_steps) // 10)} (a tenth of this run, shorter than an epoch)"
-    return "compression.dense_warmup_steps of about one epoch"
+        return f"{setting('compression.dense_warmup_steps', max(1, int(total_steps) // 10))} (a tenth of this run, shorter than an epoch)"
+    return "a dense warm-up (compression.dense_warmup_steps) of about one epoch"
 
 
 def _epoch_steps(batches: float, accumulate: int) -> float:
@@ -147,6 +148,14 @@ class WFBPSchedule(Schedule):
             for reducer in self.reducers:
                 reducer.dense = dense  # type: ignore[attr-defined]
         return None
+
+    def summary(self) -> list[str]:
+        compression = self.settings.compression
+        if compression.method == "none":
+            return super().summary()
+        how = "node first (HiTopKComm)" if compression.hierarchical else "flat"
+        feedback = "with" if compression.error_feedback else "without"
+        return [f"{compression.method} at density {compression.density:g}, {how}, {feedback} error feedback", *super().summary()]
 
     def _advise_warm_up(self) -> None:
         """A sparse run from its first step converges worse (early gradients are large and momentum

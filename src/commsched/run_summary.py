@@ -1,0 +1,101 @@
+"""The few lines a fit ends with: what commsched did, what it cost, where its files are, how to go on.
+
+Without them a run on `dear` looks exactly like one on `ddp`: nothing says which buckets were
+used, whether communication hid behind compute, what a search chose or where its files went.
+Rank 0 says them once, at the end of a fit that completed (an interrupted one says where it
+stopped instead). Each part reads what the strategy already measured; nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from commsched.errors import current_syntax
+
+
+class StepClock:
+    """Optimizer steps taken in this fit and the wall time they spanned (first step end to last)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._first: Optional[float] = None
+        self._last: Optional[float] = None
+
+    def stepped(self) -> None:
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+        self._last = now
+        self.steps += 1
+
+    @property
+    def mean_step_s(self) -> Optional[float]:
+        """Mean seconds per step after the first (the first includes setup and first-call costs)."""
+        if self._first is None or self._last is None or self.steps < 2:
+            return None
+        return (self._last - self._first) / (self.steps - 1)
+
+
+def describe_buckets(strategy: Any) -> str:
+    """``4 buckets of 12.3 MB of gradients (fixed, 25 MB cap)`` or ``... (planned by dear-model)``."""
+    plan = strategy.bucket_plan
+    if plan is None:
+        return "no buckets"
+    total = sum(b.numel * b.buffer.element_size() for b in plan.buckets)
+    fusion = strategy.options.fusion
+    decided = strategy.fusion_plan
+    if decided is not None:
+        how = f"plan file {fusion.plan_file}" if fusion.plan_file else f"chosen by {decided.policy}"
+    elif fusion.policy == "fixed":
+        how = f"fixed, {fusion.bucket_cap_mb:g} MB cap"
+    else:
+        how = f"{fusion.policy}, still deciding"
+    return f"{len(plan.buckets)} bucket(s) for {_size(total)} of gradients ({how})"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 0.1 * 2**20 else f"{nbytes / 2**10:.1f} KB"
+
+
+def describe_time(strategy: Any, clock: StepClock) -> Optional[str]:
+    step = clock.mean_step_s
+    if step is None or strategy.links is None:
+        return None
+    waited = strategy.exposed_comm_seconds / clock.steps
+    sent = sum(strategy.wire_bytes.values()) / clock.steps
+    return (f"{clock.steps} steps, {step * 1e3:.1f} ms a step on average; the training loop waited "
+            f"{waited * 1e3:.1f} ms a step on communication ({waited / step:.0%}); this rank sent {_size(sent)} a step")
+
+
+def describe_files(folder: Optional[Path], written: list[Path]) -> Optional[str]:
+    if not written:
+        return None
+    names = sorted({_relative(path, folder) for path in written})
+    return f"files in {folder}: {', '.join(names)}" if folder is not None else f"files: {', '.join(names)}"
+
+
+def _relative(path: Path, folder: Optional[Path]) -> str:
+    try:
+        return str(path.relative_to(folder)) if folder is not None else str(path)
+    except ValueError:
+        return str(path)
+
+
+def resume_hint(trainer: Any) -> Optional[str]:
+    """How to continue from the last checkpoint this fit wrote, in the user's syntax."""
+    callback = trainer.checkpoint_callback
+    last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+    if not last:
+        return None
+    if current_syntax() == "hydra":
+        return f"last checkpoint {last}; continue with: commsched-train resume={Path(last).parent.parent} (and the same options)"
+    return f"last checkpoint {last}; continue with: trainer.fit(model, ckpt_path={last!r})"
+
+
+def closing_lines(strategy: Any, trainer: Any, clock: StepClock, schedule_lines: list[str], written: list[Path]) -> list[str]:
+    parts = [describe_buckets(strategy), describe_time(strategy, clock), *schedule_lines,
+             describe_files(strategy.run_dir, written), resume_hint(trainer)]
+    name = strategy.schedule_class.name
+    return [f"commsched {name}: " + part for part in parts if part]
