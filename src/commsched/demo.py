@@ -38,11 +38,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.rate != "none":
         parse_rate(args.rate)
-    console = Console(width=160)
+    console = Console()
     spec = {**dataclasses.asdict(BenchConfig()), "link": {"rate": args.rate}, "steps": args.steps, "rounds": args.rounds}
     out = args.out or Path("outputs", "demo", time.strftime("%Y-%m-%d_%H-%M-%S"))  # every file it names stays
     results, rate = report.run(spec, out, console)
-    report.print_results(results, spec, rate, console)
+    report.print_results(results, spec, rate, console, compact=True, more_steps="raise --steps or --rounds (make demo DEMO_ARGS=\"--steps 20\")")
     report.write_csv(results, rate, out / "bench.csv")
     report.plot(results, rate, out / "bench.png")
     rows = {row["schedule"]: row for row in results[0]["rows"]}

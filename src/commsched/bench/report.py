@@ -34,7 +34,7 @@ def run(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
         if reason is None:
             _check(netns.run_in_namespace(rate, argv))
             return json.loads((out / "results.json").read_text()), rate
-        console.print(f"[yellow]commsched-bench: {reason}; running on the unlimited loopback instead of {rate}[/yellow]")
+        console.print(f"[yellow]commsched: {reason}; running on the unlimited loopback instead of {rate}[/yellow]")
     _check(subprocess.run(argv).returncode)
     return json.loads((out / "results.json").read_text()), "none"
 
@@ -64,23 +64,23 @@ def _fmt(value: object, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_results(results: list[dict], spec: dict, rate: str, console: Console) -> None:
+COMPACT = {"step (ms)": "the median step after warm-up", "vs ddp": "speed-up over Lightning's ddp (above 1: faster)",
+           "MB sent/step": "bytes this rank sent a step", "best possible (ms)": "the step its schedule allows for the measured "
+           "compute and communication", "weights vs ddp": "largest difference of its final weights from ddp's"}
+"""The demo's columns and what each means (every column is in bench.csv)."""
+
+
+def print_results(results: list[dict], spec: dict, rate: str, console: Console, compact: bool = False,
+                  more_steps: str = "raise steps= or rounds=") -> None:
+    """The table of each model; `compact`: the columns that fit an 80-column terminal, with a legend."""
     for result in results:
         parts = "  ".join(f"{k} {v:.1f}" for k, v in result["components_ms"].items())
         console.print(f"[bold]{result['model']}[/bold]: {result['gradient_mb']:.1f} MB of gradients in "
                       f"{result['buckets']} buckets, {_workers(spec)} workers, batch {spec['batch_size']}/worker, "
                       f"link {rate}; components (ms): {parts}")
-        table = Table()
-        for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "median vs ddp", "MB sent/step",
-                       "best possible (ms)", "measured / best", "simulated (ms)", "sim error", "weights vs ddp"):
-            table.add_column(column, justify="right")
-        for row in result["rows"]:
-            table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}",
-                          _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row.get("median_speedup_vs_ddp"), ".3f"),
-                          _fmt(row.get("wire_mb"), ".2f"), _fmt(row["theoretical_ms"], ".1f"),
-                          _fmt(row["measured_over_theoretical"], ".2f"), _fmt(row["predicted_ms"], ".1f"),
-                          _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
-        console.print(table)
+        console.print(_compact_table(result) if compact else _full_table(result))
+        if compact:
+            console.print("; ".join(f"{name}: {meaning}" for name, meaning in COMPACT.items()) + ".", style="dim")
         for number, decided in enumerate(result.get("deft", {}).get("rounds", []), 1):  # each round measures and decides anew
             ratios = ", ".join(f"{d['ratio']:.3f} staleness {d['staleness']} ({'accepted' if d['accepted'] else 'rejected'})"
                                for d in decided["preserver"])
@@ -92,7 +92,31 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console) 
         if any(row["schedule"] == "ddp" for row in result["rows"]):
             console.print("ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
                           "is wfbp's (the same bound and simulation).")
-        warn_if_noisy(result, console)
+        warn_if_noisy(result, console, more_steps)
+
+
+def _full_table(result: dict) -> Table:
+    table = Table()
+    for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "median vs ddp", "MB sent/step",
+                   "best possible (ms)", "measured / best", "simulated (ms)", "sim error", "weights vs ddp"):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}",
+                      _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row.get("median_speedup_vs_ddp"), ".3f"),
+                      _fmt(row.get("wire_mb"), ".2f"), _fmt(row["theoretical_ms"], ".1f"),
+                      _fmt(row["measured_over_theoretical"], ".2f"), _fmt(row["predicted_ms"], ".1f"),
+                      _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
+    return table
+
+
+def _compact_table(result: dict) -> Table:
+    table = Table()
+    for column in ("schedule", *COMPACT):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        table.add_row(row["schedule"], f"{row['step_ms']:.1f}", _fmt(row["speedup_vs_ddp"], ".2f"), _fmt(row.get("wire_mb"), ".2f"),
+                      _fmt(row["theoretical_ms"], ".1f"), _fmt(row.get("weights_vs_ddp"), ".1e"))
+    return table
 
 
 def _workers(spec: dict) -> int:
@@ -100,13 +124,13 @@ def _workers(spec: dict) -> int:
     return cluster["nodes"] * cluster["workers_per_node"] if cluster.get("nodes") else spec["devices"]
 
 
-def warn_if_noisy(result: dict, console: Console) -> None:
+def warn_if_noisy(result: dict, console: Console, more_steps: str = "raise steps= or rounds=") -> None:
     for row in result["rows"]:
         times = row.get("rounds_ms", [])
         if len(times) > 1 and max(times) / min(times) - 1 > ROUNDS_AGREE:
-            console.print(f"[yellow]commsched-bench: the {len(times)} rounds of {row['schedule']} on {result['model']} "
+            console.print(f"[yellow]commsched: the {len(times)} rounds of {row['schedule']} on {result['model']} "
                           f"disagree by {max(times) / min(times) - 1:.0%} ({', '.join(f'{t:.0f}' for t in times)} ms): "
-                          "too few steps to trust; raise steps= or rounds=[/yellow]")
+                          f"too few steps to trust; {more_steps}[/yellow]")
 
 
 def write_csv(results: list[dict], rate: str, path: Path) -> None:
