@@ -1,12 +1,16 @@
 """Several streams (DESIGN.md §10): units dispatched deterministically, weights equal to ddp with any
 S and U and through the search itself, identical unit-to-stream records on every rank under random
-per-rank delays, the decision kept in checkpoints, drift re-opening the search; the bandit's formula
-against hand-computed values, and the search against brute force on synthetic cost surfaces."""
+per-rank delays, the decision kept in checkpoints, a search cut short going on from its trials on
+resume, drift re-opening the search, the closing line and the trials file of a run shorter than its
+search; the bandit's formula against hand-computed values, and the search against brute force on
+synthetic cost surfaces."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +25,7 @@ from commsched.streams.bandit import AUCBandit
 from commsched.streams.control import StreamControl
 from commsched.streams.search import StreamSearch
 from commsched.streams.space import Space
-from conftest import max_abs_diff, per_link, run_worker
+from conftest import WORKERS, max_abs_diff, per_link, run_worker
 
 
 # ------------------------------------------------------------------ units
@@ -113,9 +117,69 @@ def test_a_checkpointed_choice_is_kept_unless_asked_to_search_again():
     assert not fixed.load_state_dict(saved) and fixed.striping == Striping(3, 1.0) and fixed.state_dict() == {}
 
 
+class Broadcast:
+    """The control link of two ranks stepped in turn: rank 0's object goes to rank 1's next call."""
+
+    def __init__(self, rank: int, sent: list) -> None:
+        self.rank, self._sent = rank, sent
+
+    def broadcast_object(self, value: object, src: int, tag: str) -> object:
+        if self.rank == 0:
+            self._sent.append(value)
+            return value
+        return self._sent.pop(0)
+
+
+def stepped(ranks: list[StreamControl], steps: int) -> list[list[Striping]]:
+    """`steps` iteration boundaries on both ranks; per step, the configuration each rank runs."""
+    sent: list = []
+    links = [Broadcast(r, sent) for r in range(len(ranks))]
+    ran = []
+    for _ in range(steps):
+        for control, link in zip(ranks, links):
+            control.at_boundary(link)
+        ran.append([c.striping for c in ranks])
+    return ran
+
+
+SMALL_SEARCH = StreamOptions(warmup_steps=1, trial_steps=2, budget_steps=12, max_streams=4, min_unit_mb=1.0, max_unit_mb=4.0)
+
+
+def test_a_search_resumed_half_way_replays_its_trials_and_keeps_its_budget():
+    before = [StreamControl("auto", SMALL_SEARCH) for _ in range(2)]
+    ran = stepped(before, 8)  # warm-up, then trials 1-3 recorded, trial 4 under way
+    assert all(a == b for a, b in ran) and len(before[0].trials) == 3
+    saved = before[0].state_dict()
+    assert before[1].state_dict() == saved  # communication state: equal on every rank, saved once
+    after = [StreamControl("auto", SMALL_SEARCH) for _ in range(2)]
+    assert all(c.load_state_dict(saved) for c in after)
+    assert [c.striping for c in after] == [before[0].striping] * 2 and all(c.searching for c in after)
+    ran = stepped(after, 12)
+    assert all(a == b for a, b in ran)  # both ranks run the same configuration at every step
+    trials = after[0].trials
+    assert trials[:3] == before[0].trials and after[1].trials == trials
+    assert len(trials) == 6  # the budget's 12 steps over 2 a trial, 6 in both runs together, not 6 more
+    assert Striping.from_json(trials[3]) == before[0].striping  # the trial the checkpoint caught is measured again
+    measured = [Striping.from_json(t) for t in trials]
+    assert len(set(measured)) == len(measured)  # nothing measured twice: one stream only in trial 1
+    assert after[0].chosen is not None and not after[0].searching
+    assert not after[0].load_state_dict(saved)  # running: a bucket rebuild's hand-back restores nothing
+    again = StreamControl("auto", replace(SMALL_SEARCH, retune_on_resume=True))
+    assert not again.load_state_dict(saved) and again.trials == [] and again.striping.streams == 1
+
+
+def test_the_closing_line_says_which_configuration_ran():
+    assert StreamControl(1, StreamOptions()).finish() is None
+    assert StreamControl(4, StreamOptions(unit_mb=4.0)).finish() == "streams: 4 streams, 4 MB units (fixed)"
+    fresh = StreamControl("auto", SMALL_SEARCH)
+    assert fresh.finish() == ("streams search unfinished after 0 of ~6 trials: ran 1 stream; nothing measured yet; "
+                              "resume or run longer to finish it") and fresh.files() == []
+
+
 # ------------------------------------------------------------------ real runs
 CASES = ["ddp-s1", "wfbp-s3", "dear-s3", "wfbp-auto", "dear-auto", "wfbp-s4-delayed", "dear-s4-delayed",
-         "ddp-s1-part", "ddp-s1-resumed", "dear-auto-part", "dear-auto-resumed", "wfbp-auto-drift", "wfbp-s3-profiled"]
+         "ddp-s1-part", "ddp-s1-resumed", "dear-auto-part", "dear-auto-resumed", "wfbp-auto-drift", "wfbp-s3-profiled",
+         "ddp-s1-cut", "ddp-s1-cut-resumed", "dear-auto-cut", "dear-auto-cut-resumed"]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +188,12 @@ def runs(tmp_path_factory):
     proc = run_worker("run_streams.py", str(out), *CASES, timeout=900)
     if proc.returncode != 0:
         pytest.fail(f"stream runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+
+    def loaded(case: str, rank: int = 0) -> dict:
+        return torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+
+    loaded.out = out  # the runs' folders: out/<case>
+    return loaded
 
 
 @pytest.mark.parametrize("case", ["wfbp-s3", "dear-s3", "wfbp-auto", "dear-auto", "wfbp-s4-delayed", "dear-s4-delayed"])
@@ -173,6 +242,56 @@ def test_the_search_ends_with_one_choice_on_every_rank_and_keeps_it_on_resume(ru
         assert diff <= 1e-5, f"rank {rank}: {key} differs from ddp resumed by {diff:.3g}"
 
 
+def test_a_search_cut_short_goes_on_from_its_trials_on_resume(runs):
+    """dear-auto-cut checkpointed at step 6 with 2 of its 4 trials measured (it ran on to step 8, a
+    third); resumed from there, the search measures the third again, then a fourth, and chooses."""
+    cut, resumed = runs("dear-auto-cut"), runs("dear-auto-cut-resumed")
+    assert resumed["trials"][:2] == cut["trials"][:2] and len(resumed["trials"]) == 4  # the budget kept, not spent again
+    assert [t["streams"] for t in resumed["trials"]].count(1) == 1  # trial 1's one stream not measured again
+    measured = [Striping.from_json(t) for t in resumed["trials"]]
+    assert len(set(measured)) == 4 and measured[2] == Striping.from_json(cut["trials"][2])  # where it stopped
+    assert "commsched streams: resuming the search at trial 3 of about 4 (4 steps of its budget left)" in resumed["said"]
+    for rank in (0, 1):
+        assert runs("dear-auto-cut-resumed", rank)["trials"] == resumed["trials"]
+        assert runs("dear-auto-cut-resumed", rank)["chosen"] == resumed["chosen"] is not None
+        diff, key = max_abs_diff(runs("dear-auto-cut-resumed", rank)["state"], runs("ddp-s1-cut-resumed", rank)["state"])
+        assert diff <= 1e-5, f"rank {rank}: {key} differs from ddp resumed by {diff:.3g}"
+    assert per_link(runs("dear-auto-cut-resumed", 0)["trace"]) == per_link(runs("dear-auto-cut-resumed", 1)["trace"])
+
+
+def test_a_run_shorter_than_the_search_says_which_configuration_it_ran(runs):
+    cut = runs("dear-auto-cut")
+    assert cut["chosen"] is None and len(cut["trials"]) == 3
+    ran, best = Striping.from_json(cut["striping"]).describe(), min(cut["trials"], key=lambda t: t["step_s"])
+    assert cut["finish"].startswith(f"streams search unfinished after 3 of ~4 trials: ran {ran}; "
+                                    f"best measured {Striping.from_json(best).describe()} ({best['step_s'] * 1e3:.1f} ms/step")
+    assert cut["finish"].endswith("resume or run longer to finish it")
+    assert runs("dear-auto-cut", 1)["finish"] == cut["finish"]  # every rank can say it
+    assert cut["finish"] not in cut["said"]  # not said on its own: the caller prints it, in its closing summary
+    # every trial says how far the search is: 8 steps of budget, 2 a trial
+    trials = [line for line in cut["said"] if line.startswith("commsched streams: trial ")]
+    assert [line.split(" (")[0] for line in trials] == [f"commsched streams: trial {i}/~4" for i in (1, 2, 3)]
+    assert trials[0].startswith("commsched streams: trial 1/~4 (start): 1 stream: ")
+    assert trials[0].endswith("ms/step (best so far; about 6 steps of the search left)")
+    assert trials[2].endswith("about 2 steps of the search left)")
+    finished = runs("wfbp-auto")["finish"]
+    chosen = Striping.from_json(runs("wfbp-auto")["chosen"]).describe()
+    assert finished.startswith(f"streams: {chosen}, chosen after 4 trials"), finished
+    assert runs("wfbp-s3")["finish"] == f"streams: 3 streams, {160 / 2**20:g} MB units (fixed)"
+
+
+def test_the_trials_land_in_the_runs_folder_from_rank_0_only(runs):
+    """The worker's Trainers have no logger: the run's folder is default_root_dir (out/<case>)."""
+    for case, chosen in (("dear-auto-cut", False), ("dear-auto-cut-resumed", True), ("wfbp-auto", True)):
+        folder = runs.out / case
+        assert runs(case, 0)["files"] == [str(folder / f"commsched_streams.{kind}") for kind in ("json", "md", "png")]
+        assert runs(case, 1)["files"] == []
+        saved = json.loads((folder / "commsched_streams.json").read_text())
+        assert saved["trials"] == runs(case)["trials"] and (saved["chosen"] is not None) == chosen
+        assert not list(folder.glob(".partial-*"))
+    assert not (WORKERS / "commsched_streams.json").exists() and not (runs.out / "commsched_streams.json").exists()
+
+
 def test_a_slower_network_after_the_search_reopens_it_from_one_stream(runs):
     trials = runs("wfbp-auto-drift")["trials"]
     first = next(i for i, t in enumerate(trials) if i > 0 and t["technique"] == "start")  # the re-opened search
@@ -189,13 +308,13 @@ def test_bad_stream_values_are_refused_before_spawning():
         commsched.DeARStrategy(streams="fast")
     with pytest.raises(commsched.CommSchedConfigError, match=r"streams=4.*1 with schedule deft"):
         commsched.DeFTStrategy(streams=4)
-    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=2.*compression.method=topk"):
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=2.*compression method 'topk'"):
         commsched.WFBPStrategy(streams=2, compression="topk")
-    with pytest.raises(commsched.CommSchedConfigError, match=r"streams='auto'.*fusion.policy=bayes"):
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams='auto'.*fusion policy 'bayes'"):
         commsched.DeARStrategy(streams="auto", fusion="bayes")
-    with pytest.raises(commsched.CommSchedConfigError, match=r"stream_options.max_streams=17"):
+    with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(max_streams=17\).*1\.\.16"):
         commsched.WFBPStrategy(streams="auto", stream_options=StreamOptions(max_streams=17))
-    with pytest.raises(commsched.CommSchedConfigError, match=r"stream_options.min_unit_mb"):
+    with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(min_unit_mb=8.0\).*max_unit_mb"):
         commsched.WFBPStrategy(streams="auto", stream_options=StreamOptions(min_unit_mb=8.0, max_unit_mb=1.0))
 
 
@@ -210,7 +329,7 @@ def test_hydra_runs_the_search_and_leaves_its_trials_beside_the_run(tmp_path):
                  "trainer.devices=2", "trainer.max_steps=9", "checkpoint.enabled=false")
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
-    assert "commsched streams: trial 0 (start): 1 stream" in output and "commsched streams: chose" in output
+    assert "commsched streams: trial 1/~3 (start): 1 stream: " in output and "commsched streams: chose" in output
     saved = json.loads((run / "commsched_streams.json").read_text())
     assert saved["chosen"] is not None and len(saved["trials"]) == 3
     assert (run / "commsched_streams.png").stat().st_size > 0

@@ -3,13 +3,16 @@
 Usage: python run_streams.py OUT_DIR CASE [CASE ...]   (2 CPU processes, gloo)
 
 Every rank writes OUT_DIR/<case>.rank<r>.pt: final state, collective trace, the stream control's
-configuration, choice and trials, and the bytes each link (stream) sent. A case ending in
-"-delayed" sleeps a random, per-rank time before every collective request; "-resumed" resumes
-"<case without -resumed>-part"'s last checkpoint.
+configuration, choice and trials, its closing line (`finish`) and files, what commsched said, and
+the bytes each link (stream) sent. A case ending in "-delayed" sleeps a random, per-rank time
+before every collective request; "-resumed" resumes "<case without -resumed>-part"'s last
+checkpoint, "-cut-resumed" the checkpoint "-cut" saved at step CUT_AT (mid-search: the search
+needs 9 steps, and "-cut" stops at CUT_STEPS, before it ends too).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import time
@@ -36,6 +39,8 @@ SEARCH = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UN
 DRIFTING = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
                                    trial_steps=2, budget_steps=8, drift=0.5, drift_steps=4, retune_steps=6)
 STEPS = 14
+CUT_AT, CUT_STEPS = 6, 8
+SUFFIXES = ("-delayed", "-resumed", "-part", "-cut", "-drift", "-profiled")
 DRIFT_STEPS, SLOWER_FROM = 26, 12
 
 
@@ -48,7 +53,9 @@ class SlowerLater(pl.Callback):
 
 
 def case_strategy(case: str):
-    base = case.removesuffix("-delayed").removesuffix("-resumed").removesuffix("-part").removesuffix("-drift").removesuffix("-profiled")
+    base = case
+    for suffix in SUFFIXES:
+        base = base.removesuffix(suffix)
     schedule, streams = base.split("-")
     if schedule == "ddp":
         return DDPStrategy(find_unused_parameters=True)
@@ -71,27 +78,54 @@ def delay_every_request(rank: int) -> None:
     commsched.links.Link._request = delayed
 
 
+class Said(logging.Handler):
+    """What commsched tells the user during one fit (rank 0 says it all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def resumed_from(out: Path, case: str) -> Path | None:
+    if case.endswith("-cut-resumed"):
+        return out / case.removesuffix("-resumed") / "mid" / "mid.ckpt"
+    if case.endswith("-resumed"):
+        return out / case.replace("-resumed", "-part") / "ckpt" / "last.ckpt"
+    return None
+
+
 def fit(out: Path, case: str) -> None:
     pl.seed_everything(1234, verbose=False)
-    steps = DRIFT_STEPS if case.endswith("-drift") else STEPS - 4 if case.endswith("-part") else STEPS
+    steps = DRIFT_STEPS if case.endswith("-drift") else STEPS - 4 if case.endswith("-part") else CUT_STEPS if case.endswith("-cut") else STEPS
     model = ToyNet(optimizer="sgd", batch_size=4, train_size=max(steps, STEPS) * 4 * 2)
     strategy = case_strategy(case)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                          gradient_clip_val=0.5, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out / case,
                          callbacks=[ModelCheckpoint(dirpath=out / case / "ckpt", save_last=True, save_top_k=0),
-                                    *([SlowerLater()] if case.endswith("-drift") else [])])
+                                    *([SlowerLater()] if case.endswith("-drift") else []),
+                                    *([ModelCheckpoint(dirpath=out / case / "mid", filename="mid", every_n_train_steps=CUT_AT,
+                                                       save_top_k=-1)] if case.endswith("-cut") else [])])
     if case.endswith("-delayed"):
         delay_every_request(trainer.global_rank)
-    resume = out / case.replace("-resumed", "-part") / "ckpt" / "last.ckpt" if case.endswith("-resumed") else None
-    trainer.fit(model, ckpt_path=str(resume) if resume else None)
+    said = Said()
+    logging.getLogger("commsched").addHandler(said)
+    resume = resumed_from(out, case)
+    try:
+        trainer.fit(model, ckpt_path=str(resume) if resume else None)
+    finally:
+        logging.getLogger("commsched").removeHandler(said)
     result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
               "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])]}
     schedule = getattr(trainer.strategy, "last_schedule", None)
     if schedule is not None and schedule.streams is not None:
         control = schedule.streams
         result.update(striping=control.striping.to_json(), chosen=control.chosen.to_json() if control.chosen else None,
-                      trials=control.trials, wire_bytes=trainer.strategy.wire_bytes, profile=trainer.strategy.profile)
+                      trials=control.trials, wire_bytes=trainer.strategy.wire_bytes, profile=trainer.strategy.profile,
+                      finish=control.finish(), files=[str(p) for p in control.files()], said=said.lines)
     torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
 
 

@@ -11,8 +11,12 @@ nothing is run twice, nothing is thrown away.
 After the search the step time is watched: a median over `drift_steps` steps slower than the
 chosen configuration's by more than `drift` re-opens the search (budget `retune_steps`), which
 first measures the chosen configuration again and one stream: a choice slower than one stream
-is dropped for it. The decision and the trials are communication state: a resumed run reuses the
-decision (unless `retune_on_resume`).
+is dropped for it. The decision, the trials and a search's progress are communication state: a
+resumed run reuses the decision, or goes on with a search the checkpoint caught half-way (its
+trials replayed into a fresh search, its budget as it was), unless `retune_on_resume`.
+
+Trials are counted from 1 in everything a person reads (the lines, the table, the plot), and each
+search counts its own: a re-opened search starts again at trial 1.
 """
 
 from __future__ import annotations
@@ -52,13 +56,17 @@ class StreamControl:
         self.trials: list[dict[str, Any]] = []
         self.searching = self.auto
         self._search: Optional[StreamSearch] = None
+        self._first: list[Striping] = []  # what the search under way measures first (rebuilt from it on resume)
         self._technique = "start"
         self._budget = options.budget_steps
-        self._spent = 0
+        self._spent = 0  # steps of the search under way's budget spent on finished trials (every rank counts)
         self._last: Optional[float] = None
         self._durations: list[float] = []
         self._search_began = 0  # the first trial of the search under way (drift re-opens a search)
         self._warming = 0  # steps run before the search (`warmup_steps`)
+        self._kept_from_checkpoint = False
+        self._written: list[Path] = []
+        self._written_trials = -1  # trials in the files written last (-1: none written by this fit)
         if self.auto:
             self._open(list(self._firsts()))
 
@@ -83,10 +91,22 @@ class StreamControl:
         return [self._baseline(h) for h in self.space.hierarchical]
 
     def _open(self, first: list[Striping]) -> None:
-        self._search = StreamSearch(self.space, first, self.options.exploration, self.options.window, self.options.seed + len(self.trials))
+        self._first = list(first)
+        self._search = self._fresh_search()
         self._technique, proposed = self._search.propose()
         assert proposed is not None
         self.striping = proposed
+
+    def _fresh_search(self) -> StreamSearch:
+        """The search under way as it was when opened: seeded by where it began, so a re-opened search
+        draws differently from the first, and a resumed one as the interrupted one did."""
+        return StreamSearch(self.space, self._first, self.options.exploration, self.options.window,
+                            self.options.seed + self._search_began)
+
+    def _expected_trials(self) -> int:
+        """About how many trials the search under way runs: its budget over `trial_steps` (fewer when
+        the space is smaller; the bandit may also run out of proposals first)."""
+        return max(1, min(self._budget // self.options.trial_steps, len(self.space.all())))
 
     # ------------------------------------------------------------ at a boundary
     def at_boundary(self, control: Any) -> Optional[Striping]:
@@ -120,9 +140,9 @@ class StreamControl:
         assert self._search is not None
         seconds = self._measured()
         trial = self._search.record(self._technique, self.striping, seconds)
-        self._spent += len(self._durations)
+        spent = self._spent + len(self._durations)  # every rank adds it when it follows
         technique, proposed = self._search.propose()
-        if proposed is None or self._spent + self.options.trial_steps > self._budget:
+        if proposed is None or spent + self.options.trial_steps > self._budget:
             best, best_s = self._kept()
             return {"trial": trial.to_json(), "chosen": best.to_json(), "chosen_s": best_s}
         return {"trial": trial.to_json(), "next": proposed.to_json(), "technique": technique}
@@ -157,7 +177,7 @@ class StreamControl:
                 f"over the {self.chosen_s * 1e3:.1f} ms measured for {self.striping.describe()}: searching again "
                 f"({self.options.retune_steps} steps), one stream measured again first")
             self.searching, self._spent, self._budget = True, 0, self.options.retune_steps
-            self._search_began = len(self.trials)
+            self._search_began, self._kept_from_checkpoint = len(self.trials), False
             self._durations, self._last = [], time.perf_counter()
             current = self.striping
             self._open([current, *self._firsts()])  # rank 0's search; the others only follow
@@ -165,15 +185,16 @@ class StreamControl:
             return None
         trial = decision["trial"]
         self.trials.append(trial)
-        self._report(trial)
+        self._spent += len(self._durations)
+        self._report(trial, last="chosen" in decision)
         self._durations = []
         if "next" in decision:
             self._technique = decision["technique"]
             return self._switch(Striping.from_json(decision["next"]))
         self.chosen, self.chosen_s, self.searching = Striping.from_json(decision["chosen"]), decision["chosen_s"], False
-        one = min((t["step_s"] for t in self.trials[self._search_began:] if t["streams"] == 1), default=None)
+        one = self._one_stream_s()
         say(f"commsched streams: chose {self.chosen.describe()} ({self.chosen_s * 1e3:.1f} ms/step"
-            + (f"; one stream {one * 1e3:.1f} ms/step, {one / self.chosen_s:.2f}x" if one else "")
+            + (f"; one stream {one * 1e3:.1f} ms/step, {one / self.chosen_s:.2f}x" if one and self.chosen.streams > 1 else "")
             + f") after {len(self.trials) - self._search_began} trials")
         self._save()
         return self._switch(self.chosen)
@@ -184,13 +205,25 @@ class StreamControl:
         self.striping = striping
         return striping
 
-    def _report(self, trial: dict[str, Any]) -> None:
+    def _report(self, trial: dict[str, Any], last: bool) -> None:
+        """One line a trial, with the search's progress: its number in the search under way of about
+        how many, and the steps of the budget left (the search's length, not the run's, is the budget)."""
         s = Striping.from_json(trial)
-        say(f"commsched streams: trial {len(self.trials) - 1} ({trial['technique']}): {s.describe()}: "
-            f"{trial['step_s'] * 1e3:.1f} ms/step" + (" (best so far)" if trial["new_best"] else ""))
+        number = len(self.trials) - self._search_began
+        progress = "the search's last" if last else f"about {self._budget - self._spent} steps of the search left"
+        say(f"commsched streams: trial {number}/~{self._expected_trials()} ({trial['technique']}): {s.describe()}: "
+            f"{trial['step_s'] * 1e3:.1f} ms/step (" + ("best so far; " if trial["new_best"] else "") + f"{progress})")
         if self._log_metrics is not None:
-            self._log_metrics({"streams/trial": len(self.trials) - 1, "streams/streams": s.streams,
+            self._log_metrics({"streams/trial": len(self.trials), "streams/streams": s.streams,
                                "streams/unit_mb": s.unit_mb, "streams/step_ms": trial["step_s"] * 1e3})
+
+    def _searched(self) -> list[dict[str, Any]]:
+        """The trials of the search under way (or of the last one)."""
+        return self.trials[self._search_began:]
+
+    def _one_stream_s(self) -> Optional[float]:
+        """The fastest one-stream step the search under way measured (None: none measured)."""
+        return min((t["step_s"] for t in self._searched() if t["streams"] == 1), default=None)
 
     def _save(self) -> None:
         """The trials as a table (JSON) and a plot beside the run's outputs (rank 0)."""
@@ -198,27 +231,120 @@ class StreamControl:
 
         out_dir = self._out_dir() if self._out_dir is not None else None
         if out_dir is not None and self.trials:
-            save_trials(out_dir, self.trials, self.chosen, TRIALS_FILE)
+            for path in save_trials(out_dir, self.trials, self.chosen, TRIALS_FILE):
+                if path not in self._written:
+                    self._written.append(path)
+        self._written_trials = len(self.trials)
+
+    # ------------------------------------------------------------ end of fit
+    def finish(self) -> Optional[str]:
+        """End of fit (every rank, once; again is harmless): one line for the closing summary saying
+        which configuration this run used, None for one fixed stream (nothing to say). The trials
+        file is brought up to date (rank 0): a run that ends before its search does, or that kept a
+        checkpoint's choice, still leaves the trials behind its configuration in its folder."""
+        if not self.auto:
+            return None if self.striping.streams == 1 else f"streams: {self.striping.describe()} (fixed)"
+        if self.trials and self._written_trials != len(self.trials):
+            self._save()
+        return self._unfinished() if self.searching else self._finished()
+
+    def _finished(self) -> str:
+        assert self.chosen is not None
+        trials = len(self._searched())
+        line = f"streams: {self.chosen.describe()}, chosen after {trials} trials"
+        if self._search_began:
+            line += " of a search re-opened after a slow-down"
+        one = self._one_stream_s()
+        if self.chosen.streams > 1 and one:
+            line += f", {one / self.chosen_s:.2f}x one stream"
+        elif self.chosen.streams == 1:
+            line += f" (nothing measured {MIN_GAIN:.0%} faster than one stream)"
+        return line + (" (the checkpoint's choice)" if self._kept_from_checkpoint else "")
+
+    def _unfinished(self) -> str:
+        """Which configuration ran last and the best one measured: a short run's step times are those
+        of whatever the search was measuring, not of its choice, and the user should know which."""
+        trials = self._searched()
+        again = " (re-opened after a slow-down)" if self._search_began else ""
+        line = (f"streams search{again} unfinished after {len(trials)} of ~{self._expected_trials()} trials: "
+                f"ran {self.striping.describe()}; ")
+        if not trials:
+            return line + "nothing measured yet; resume or run longer to finish it"
+        best = min(trials, key=lambda t: t["step_s"])
+        one = self._one_stream_s()
+        against = f" against {one * 1e3:.1f} for one stream" if one is not None and best["streams"] > 1 else ""
+        return (line + f"best measured {Striping.from_json(best).describe()} ({best['step_s'] * 1e3:.1f} ms/step{against}); "
+                "resume or run longer to finish it")
+
+    def files(self) -> list[Path]:
+        """The files this rank wrote in this fit (rank 0's trials table, JSON and plot; none elsewhere)."""
+        return list(self._written)
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
+        """Equal on every rank: each follows rank 0's decisions and counts the same steps."""
         if not self.auto:
             return {}
-        return {"chosen": self.chosen.to_json() if self.chosen else None, "chosen_s": self.chosen_s, "trials": list(self.trials)}
+        saved: dict[str, Any] = {"chosen": self.chosen.to_json() if self.chosen else None, "chosen_s": self.chosen_s,
+                                 "trials": list(self.trials), "began": self._search_began}
+        if self.searching:
+            saved["search"] = {"spent": self._spent, "budget": self._budget, "first": [s.to_json() for s in self._first],
+                               "running": self.striping.to_json(), "technique": self._technique}
+        return saved
 
     def load_state_dict(self, saved: Optional[dict[str, Any]]) -> bool:
-        """A decision from a checkpoint, taken unless searching again was asked for; True: the
-        configuration changed (the schedule rebuilds its reducers)."""
-        if not self.auto or not saved or saved.get("chosen") is None or self.chosen is not None:
+        """A checkpoint's decision, or its search half-way, taken unless searching again was asked
+        for; True: the configuration changed (the schedule rebuilds its reducers). Only a control
+        that has not run a step takes state: a bucket rebuild hands back what it just took."""
+        if not self.auto or not saved or self._last is not None or saved == self.state_dict():
+            return False
+        search: Optional[dict[str, Any]] = saved.get("search")
+        if saved.get("chosen") is None and search is None and not saved.get("trials"):
             return False
         if self.options.retune_on_resume:
-            say("commsched streams: the checkpoint's choice is set aside (retune_on_resume): searching again")
+            said = "choice" if search is None and saved.get("chosen") is not None else f"{len(saved.get('trials', []))} trials"
+            say(f"commsched streams: the checkpoint's {said} set aside (retune_on_resume): searching again")
             return False
         self.trials = list(saved.get("trials", []))
-        self.chosen, self.chosen_s, self.searching = Striping.from_json(saved["chosen"]), float(saved["chosen_s"]), False
-        self._search = None
-        self._durations, self._last = [], None
+        self._search_began = int(saved.get("began", 0))
+        self.chosen = Striping.from_json(saved["chosen"]) if saved.get("chosen") is not None else None
+        self.chosen_s = float(saved.get("chosen_s", 0.0))
+        self._durations, self._last, self._warming = [], None, 0
+        if search is None and self.chosen is not None:
+            return self._keep_choice()
+        return self._resume_search(search or {})
+
+    def _keep_choice(self) -> bool:
+        assert self.chosen is not None
+        self.searching, self._search, self._kept_from_checkpoint = False, None, True
         say(f"commsched streams: the checkpoint's choice is kept: {self.chosen.describe()} "
             f"({self.chosen_s * 1e3:.1f} ms/step when measured)")
         return self._switch(self.chosen) is not None
 
+    def _resume_search(self, search: dict[str, Any]) -> bool:
+        """Go on with the checkpoint's search: its trials replayed, its budget as it was, the
+        configuration it was measuring measured again from its first step (after `warmup_steps`:
+        a new process's first steps are slow). Every rank takes the same saved state, so every rank
+        runs the same configuration; rank 0's search decides from here as before."""
+        trials = self._searched()
+        self._budget = int(search.get("budget", self.options.budget_steps))
+        self._spent = int(search.get("spent", len(trials) * self.options.trial_steps))  # older checkpoints: full trials
+        self._first = [Striping.from_json(s) for s in search["first"]] if "first" in search else self._firsts()
+        self._search = self._replayed(trials)
+        self._technique, proposed = self._search.propose()  # as the interrupted run did after its last trial
+        self._technique = search.get("technique", self._technique)
+        running = Striping.from_json(search["running"]) if "running" in search else proposed or self.striping
+        self.searching = True
+        say(f"commsched streams: resuming the search at trial {len(trials) + 1} of about {self._expected_trials()} "
+            f"({max(0, self._budget - self._spent)} steps of its budget left)")
+        return self._switch(running) is not None
+
+    def _replayed(self, trials: list[dict[str, Any]]) -> StreamSearch:
+        """A fresh search told the recorded trials in order, each after the proposal it answered: its
+        techniques, bandit and random draws end where the interrupted run's did, and it proposes
+        nothing measured already (no configuration is measured twice)."""
+        search = self._fresh_search()
+        for t in trials:
+            search.propose()
+            search.record(t["technique"], Striping.from_json(t), float(t["step_s"]))
+        return search

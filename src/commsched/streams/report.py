@@ -1,4 +1,5 @@
-"""The stream search's trials as data (JSON), a table (Markdown) and a plot (step time per trial, by technique)."""
+"""The stream search's trials as data (JSON), a table (Markdown) and a plot (step time per trial, by
+technique). Trials are numbered from 1, as the lines said during the run number them."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ from commsched.run_files import write_json, write_text, write_whole
 from commsched.streams.units import Striping
 
 
-def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[Striping], name: str) -> None:
+def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[Striping], name: str) -> list[Path]:
+    """The files written (for the run's closing summary); `chosen` None: the search did not finish."""
     path = out_dir / name
-    write_json(path, {"chosen": chosen.to_json() if chosen else None, "trials": trials})
-    write_text(path.with_suffix(".md"), table(trials) + "\n")
-    write_whole(path.with_suffix(".png"), lambda partial: plot_trials(trials, partial))
+    return [write_json(path, {"chosen": chosen.to_json() if chosen else None, "trials": trials}),
+            write_text(path.with_suffix(".md"), table(trials) + "\n"),
+            write_whole(path.with_suffix(".png"), lambda partial: plot_trials(trials, partial))]
 
 
 def table(trials: list[dict[str, Any]]) -> str:
     """Markdown: one row per trial."""
     rows = ["| trial | technique | streams | unit (MB) | two-level | ms/step | new best |", "|---|---|---|---|---|---|---|"]
-    for i, t in enumerate(trials):
+    for i, t in enumerate(trials, 1):
         unit = "-" if t["streams"] == 1 else f"{t['unit_mb']:g}"
         rows.append(f"| {i} | {t['technique']} | {t['streams']} | {unit} | {'yes' if t['hierarchical'] else 'no'} | "
                     f"{t['step_s'] * 1e3:.1f} | {'*' if t['new_best'] else ''} |")
@@ -34,13 +36,13 @@ def plot_trials(trials: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for technique in dict.fromkeys(t["technique"] for t in trials):
-        points = [(i, t["step_s"] * 1e3) for i, t in enumerate(trials) if t["technique"] == technique]
+        points = [(i, t["step_s"] * 1e3) for i, t in enumerate(trials, 1) if t["technique"] == technique]
         ax.scatter(*zip(*points), label=technique, s=18)
     best, so_far = [], float("inf")
     for t in trials:
         so_far = min(so_far, t["step_s"] * 1e3)
         best.append(so_far)
-    ax.step(range(len(best)), best, where="post", color="black", linewidth=1, label="best so far")
+    ax.step(range(1, len(best) + 1), best, where="post", color="black", linewidth=1, label="best so far")
     ax.set_xlabel("trial")
     ax.set_ylabel("ms per step")
     ax.legend(fontsize=8)
