@@ -6,9 +6,10 @@ Each node's command gets the environment Lightning's own multi-node launch reads
 The primary interface is what gloo and NCCL use by default (`GLOO_SOCKET_IFNAME`,
 `NCCL_SOCKET_IFNAME`); `COMMSCHED_PRIMARY_IFNAME` / `COMMSCHED_SECONDARY_IFNAME` name the links for
 strategies that open a group on a given interface. Every line a node prints is prefixed with its
-rank; the exit status is the worst of the nodes'; a node that fails ends the others after
-`grace_s` (they would otherwise wait for it until the process-group timeout). The network is
-removed on success, on error, on Ctrl-C and on SIGTERM.
+rank; the exit status is the worst of the nodes', and one line on stderr says which node's command
+failed with what status (a failing command may print nothing at all); a node that fails ends the
+others after `grace_s` (they would otherwise wait for it until the process-group timeout). The
+network is removed on success, on error, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def node_environment(spec: ClusterSpec, node: int) -> dict[str, str]:
     return env
 
 
-def _pump(stream: IO[str], prefix: str) -> None:
+def _pump(stream: IO[str], prefix: str, lines: list[int], node: int) -> None:
     for line in stream:
         sys.stdout.write(f"{prefix}{line}")
         sys.stdout.flush()
+        lines[node] += 1
 
 
 def _exit_code(code: Optional[int]) -> int:
@@ -63,6 +65,8 @@ def run(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) -> int:
     network = Network(spec)
     previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
     processes: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    lines = [0] * spec.nodes
     try:
         network.create()
         for node in range(spec.nodes):
@@ -70,8 +74,15 @@ def run(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) -> int:
             process = subprocess.Popen(network.command_in(node, argv), env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
             processes.append(process)
-            threading.Thread(target=_pump, args=(process.stdout, f"[node {node}] "), daemon=True).start()
-        return _wait(processes, grace_s)
+            pumps.append(threading.Thread(target=_pump, args=(process.stdout, f"[node {node}] ", lines, node), daemon=True))
+            pumps[-1].start()
+        codes, ended_by_us = _wait(processes, grace_s)
+        for pump in pumps:  # the nodes' last lines before the verdict (a child left holding the pipe is not waited for)
+            pump.join(timeout=5)
+        failure = failure_line(codes, ended_by_us, lines, grace_s)
+        if failure:
+            print(failure, file=sys.stderr, flush=True)
+        return max((_exit_code(code) for node, code in enumerate(codes) if node not in ended_by_us), default=0)
     except Interrupted as interrupted:
         _stop(processes, interrupted.signum)
         return 128 + interrupted.signum
@@ -88,8 +99,27 @@ def _raise(signum: int, _frame: object) -> None:
     raise Interrupted(signum)
 
 
-def _wait(processes: list[subprocess.Popen], grace_s: float) -> int:
-    """The worst exit status of the nodes that ended by themselves (not of those ended after a failure)."""
+def failure_line(codes: list[Optional[int]], ended_by_us: set[int], lines: list[int], grace_s: float) -> str:
+    """One line naming each node whose command failed by itself, its exit status and where its
+    output is ("" when none failed): the command's own output, if any, is above, prefixed."""
+    failed = [node for node, code in enumerate(codes) if node not in ended_by_us and _exit_code(code) != 0]
+    if not failed:
+        return ""
+    said = []
+    for node in failed:
+        code = codes[node]
+        status = (f"exit code {_exit_code(code)}, killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                  and -code in signal.valid_signals() else f"exit code {_exit_code(code)}")
+        where = f"its output is above, on the lines starting [node {node}]" if lines[node] else "it printed nothing"
+        said.append(f"node {node} ({status}; {where})")
+    others = sorted(ended_by_us)
+    stopped = (f"; {'node' if len(others) == 1 else 'nodes'} {', '.join(map(str, others))} "
+               f"{'was' if len(others) == 1 else 'were'} stopped after the {grace_s:g} s grace (--grace)" if others else "")
+    return f"commsched-cluster: the command failed on {' and '.join(said)}{stopped}"
+
+
+def _wait(processes: list[subprocess.Popen], grace_s: float) -> tuple[list[Optional[int]], set[int]]:
+    """Every node's return code, and the nodes ended after another failed (theirs are not failures)."""
     failed_at: Optional[float] = None
     ended_by_us: set[int] = set()
     while any(p.poll() is None for p in processes):
@@ -102,7 +132,7 @@ def _wait(processes: list[subprocess.Popen], grace_s: float) -> int:
         time.sleep(0.2)
     for p in processes:
         p.wait()
-    return max(_exit_code(p.returncode) for i, p in enumerate(processes) if i not in ended_by_us)
+    return [p.returncode for p in processes], ended_by_us
 
 
 def _stop(processes: list[subprocess.Popen], signum: int) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from commsched.buckets import BucketPlan
 from commsched.device_time import Stopwatch, seconds_of, synchronize
 from commsched.deft.plan import Timings
-from commsched.errors import CommSchedConfigError
+from commsched.errors import CommSchedConfigError, bad_value
 from commsched.links import Link
 from commsched.reducers import ShardedReduce
 
@@ -143,21 +143,33 @@ def agreed_stage_times(forward: float, backward: list[float], control: Link) -> 
     return flat[0], flat[1:]
 
 
-def load_timings(path: str, buckets: int) -> Timings:
-    """Per-bucket times from a JSON file: {"forward": s, "backward": [s per bucket], "costs": [[primary], [secondary]]}."""
+def check_timings_file(path: str) -> None:
+    """What can be checked before the model's buckets are counted, so that `commsched-train` refuses a
+    bad file before any worker starts: it is a timings file, every time in it seconds >= 0."""
+    load_timings(path, None)
+    load_halves(path, None)
+
+
+def load_timings(path: str, buckets: Optional[int]) -> Timings:
+    """Per-bucket times from a JSON file: {"forward": s, "backward": [s per bucket], "costs": [[primary], [secondary]]}
+    (`buckets`: how many the model has; None: any number, the same on every link)."""
     data = _read(path)
     try:
         timings = Timings(float(data["forward"]), [float(x) for x in data["backward"]],
                           [[float(x) for x in per_link] for per_link in data["costs"]])
     except (ValueError, KeyError, TypeError) as exc:
         raise _not_timings(path, exc) from exc
-    if len(timings.backward) != buckets or len(timings.costs) != 2 or any(len(c) != buckets for c in timings.costs):
+    expected = len(timings.backward) if buckets is None else buckets
+    if len(timings.backward) != expected or len(timings.costs) != 2 or any(len(c) != expected for c in timings.costs):
+        if buckets is None:
+            raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} must give as many costs on each of "
+                                       "the 2 links as backward times (one per bucket)")
         raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} must give {buckets} bucket(s) of backward "
                                    f"times and of costs on each of the 2 links (this model has {buckets} bucket(s))")
     return timings
 
 
-def load_halves(path: str, buckets: int) -> Optional[tuple[list[list[float]], list[list[float]]]]:
+def load_halves(path: str, buckets: Optional[int]) -> Optional[tuple[list[list[float]], list[list[float]]]]:
     """DeAR's halves from the same file, if it gives them: "reduce_scatter" and "all_gather", each
     [[primary], [secondary]] or [[primary]] per bucket (None: the file decides the plan alone)."""
     data = _read(path)
@@ -167,9 +179,11 @@ def load_halves(path: str, buckets: int) -> Optional[tuple[list[list[float]], li
         halves = tuple([[float(x) for x in per_link] for per_link in data[key]] for key in ("reduce_scatter", "all_gather"))
     except (ValueError, KeyError, TypeError) as exc:
         raise _not_timings(path, exc) from exc
-    if any(not 1 <= len(h) <= 2 or any(len(c) != buckets for c in h) for h in halves) or len(halves[0]) != len(halves[1]):
+    expected = len(halves[0][0]) if buckets is None and halves[0] else buckets
+    if any(not 1 <= len(h) <= 2 or any(len(c) != expected for c in h) for h in halves) or len(halves[0]) != len(halves[1]):
+        count = "the same number of" if buckets is None else str(buckets)
         raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r}: reduce_scatter and all_gather must each give "
-                                   f"{buckets} time(s) per link for the same 1 or 2 links")
+                                   f"{count} time(s) per link for the same 1 or 2 links")
     return halves[0], halves[1]
 
 
@@ -180,7 +194,48 @@ def _read(path: str) -> dict:
         raise _not_timings(path, exc) from exc
     if not isinstance(data, dict):
         raise _not_timings(path, TypeError("not a JSON object"))
+    _check_seconds(path, data)
     return data
+
+
+TIMED = ("forward", "backward", "costs", "reduce_scatter", "all_gather")
+"""The keys of a timings file that hold seconds."""
+
+
+def _check_seconds(path: str, data: dict) -> None:
+    """Every time in the file must be a finite number of seconds >= 0: Python's json reads a bare NaN
+    or Infinity (not JSON) and 1e999 as infinity, and a plan solved from any of them, or from a
+    negative time, would be nonsense. The refusal names the key, e.g. ``backward[2]``."""
+    for key in TIMED:
+        if key in data:
+            found = _bad_seconds(data[key], key)
+            if found is not None:
+                raise bad_value("deft.timings_file", path, f"a timings file whose {found[0]} is a finite number of "
+                                f"seconds >= 0, not {_spelled(found[1])}")
+
+
+def _bad_seconds(value: object, key: str) -> Optional[tuple[str, object]]:
+    """The first number under `key` that is NaN, infinite or negative, and where it is."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _bad_seconds(item, f"{key}[{index}]")
+            if found is not None:
+                return found
+        return None
+    try:  # what the loaders' float() makes of it, a string such as "NaN" too
+        seconds = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+    except ValueError:
+        seconds = None  # not a number at all: the loaders refuse its shape
+    if seconds is not None and not (math.isfinite(seconds) and seconds >= 0):
+        return key, value
+    return None
+
+
+def _spelled(value: object) -> str:
+    """NaN and Infinity as the file spells them, not Python's nan and inf."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    return repr(value)
 
 
 def _not_timings(path: str, exc: BaseException) -> CommSchedConfigError:
