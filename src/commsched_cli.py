@@ -13,11 +13,10 @@ def _run(module: str) -> Any:
     """Ctrl-C ends every command with one line and exit code 130: whatever it interrupted (an
     import, a worker, a network namespace) cleans up in its own `finally`, and a traceback of
     where the signal happened to land would say nothing to the user."""
-    name = os.path.basename(sys.argv[0]) or module
     try:
         return importlib.import_module(module).main()
     except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr, flush=True)
+        print("commsched: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
 
 

@@ -45,13 +45,13 @@ def refused_early(proc: subprocess.CompletedProcess, *needles: str) -> str:
     ("+fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb", "profile_steps"]),
     ("fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb"]),
     ("+ckpt_path=/nope.ckpt", ["unknown key 'ckpt_path'", "resume", "checkpoint"]),
-    ("schedule=fancy", ["invalid schedule='fancy'", "ddp, wfbp, dear, deft"]),
-    ("fusion=greedy", ["invalid fusion='greedy'", "mgwfbp-greedy"]),
-    ("+recipe=gpt2 data.path=/nonexistent", ["data.path='/nonexistent'", "not found"]),
-    ("resume=/nonexistent", ["resume='/nonexistent'", "not found"]),
-    ("trainer.max_steps=ten", ["invalid trainer.max_steps='ten'", "an integer"]),
-    ("fusion.bucket_cap_mb=big", ["invalid fusion.bucket_cap_mb='big'", "a number"]),
-    ("trainer.enable_progress_bar=maybe", ["invalid trainer.enable_progress_bar='maybe'", "true or false"]),
+    ("schedule=fancy", ["invalid schedule=fancy", "'ddp', 'wfbp', 'dear', 'deft'"]),
+    ("fusion=greedy", ["invalid fusion=greedy", "Fix: did you mean fusion=mgwfbp-greedy?"]),
+    ("+recipe=gpt2 data.path=/nonexistent", ["data.path=/nonexistent", "not found"]),
+    ("resume=/nonexistent", ["resume=/nonexistent", "not found"]),
+    ("trainer.max_steps=ten", ["invalid trainer.max_steps=ten", "an integer"]),
+    ("fusion.bucket_cap_mb=big", ["invalid fusion.bucket_cap_mb=big", "allowed: a number > 0."]),
+    ("trainer.enable_progress_bar=maybe", ["invalid trainer.enable_progress_bar=maybe", "true or false"]),
 ])
 def test_bad_command_lines_are_refused_before_any_worker(tmp_path, override, needles):
     output = refused_early(train(tmp_path / "run", *override.split()), *needles)
@@ -153,7 +153,7 @@ def test_compression_input_is_checked_without_torch():
             "assert 'torch' not in sys.modules, 'torch imported while checking input'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "compression.method='mstopk'; allowed: none with schedule dear" in proc.stdout
+    assert "CompressionOptions(method='mstopk'); allowed: 'none' with schedule dear" in proc.stdout
 
 
 def test_the_builtin_table_of_compressing_schedules_is_the_registry():

@@ -65,9 +65,9 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
 
 
 @pytest.mark.parametrize("override, field", [
-    ("models=[alexnet]", "models='alexnet'; allowed: one of 'small_cnn'"),
-    ("schedules=[ddp,fast]", "schedules='fast'"),
-    ("link.rate=fast", "link.rate='fast'"),
+    ("models=[alexnet]", "models=alexnet; allowed: one of 'small_cnn'"),
+    ("schedules=[ddp,fast]", "schedules=fast"),
+    ("link.rate=fast", "link.rate=fast"),
     ("devices=1", "devices=1"),
     ("schedules=[ddp,topk@2]", "allowed: topk@D with 0 < D <= 1"),
     ("schedules=[ddp,hier@0.1]", "a density after @ only for topk"),

@@ -23,12 +23,13 @@ from rich.console import Console
 from commsched import overrides
 from commsched.bench import report
 from commsched.bench.config import BenchConfig, register_bench_config, validate_bench
-from commsched.errors import CommSchedConfigError
+from commsched.errors import CommSchedConfigError, use_syntax
 
 register_bench_config()
 
 
 def main() -> None:
+    use_syntax("hydra")  # refusals name settings as this command line spells them
     try:
         overrides.check(sys.argv[1:], BenchConfig, {})
     except CommSchedConfigError as error:
