@@ -27,6 +27,7 @@ _NEEDS_LIGHTNING = {
     "STRATEGIES": "commsched.registry", "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules",
     "Handover": "commsched.schedules", "reads_no_weights": "commsched.observers",
     "StopAndSave": "commsched.interrupt", "StoppedBySignal": "commsched.interrupt",
+    "ResumableDataLoader": "commsched.data.resumable",
 }
 
 
@@ -46,6 +47,6 @@ if "commsched_cli" not in sys.modules:
 
 __all__ = [
     "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
-    "LinkOptions", "PeerFailureError", "Preserver", "PreserverOptions", "ProfileOptions", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
+    "LinkOptions", "PeerFailureError", "Preserver", "PreserverOptions", "ProfileOptions", "ResumableDataLoader", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
     "StopAndSave", "StoppedBySignal", "StreamOptions", "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
 ]

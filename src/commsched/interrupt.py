@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -27,7 +28,10 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from commsched import run_files
 
 log = logging.getLogger(__name__)
 
@@ -51,36 +55,153 @@ class StoppedBySignal(SystemExit):
 
 
 class StopAndSave(pl.Callback):
-    """Saves `dirpath/filename` at the end of every training epoch and when the run is interrupted.
+    """Saves the run's last checkpoint at the end of every training epoch, at the end of the fit, and
+    at the step every rank agrees on when the run is interrupted (Ctrl-C, SIGTERM).
+
+    One `last` file: with a `ModelCheckpoint(save_last=True)` in the Trainer, that callback owns it,
+    and this one saves through it (its file name, its `last_model_path`, its folder), so Lightning's
+    version counter never adds a `last-v1.ckpt` beside it; an epoch end or a step the
+    `ModelCheckpoint` already saved is not saved again. Without one (or given another `dirpath` or
+    `filename` than its), the file is `dirpath/filename`.
+    The checkpoint left at the end of a fit is that of its final step.
+
+    A run resumed into a new folder (a new logger version, a new `commsched-train` run directory)
+    starts the `ModelCheckpoint`'s bookkeeping afresh, as Lightning does, without its warning that
+    the folder changed.
 
     Args:
-        dirpath: where the checkpoint goes; default: the Trainer's `ModelCheckpoint` directory, else
-            `<default_root_dir>/checkpoints`.
-        filename: the checkpoint's file name; `last.ckpt` is what `commsched-train resume=<run dir>` reads.
+        dirpath: where the checkpoint goes; default: the Trainer's `ModelCheckpoint` folder, else the
+            run's folder's `checkpoints` (the logger's folder under a commsched strategy, else
+            `default_root_dir`), found when the first save is due, once every callback is set up.
+        filename: the checkpoint's file name; default: the `ModelCheckpoint`'s `last` name, else
+            `last.ckpt` (what `commsched-train resume=<run dir>` reads).
         every_epoch: also save at each epoch end: Lightning's `ModelCheckpoint(save_last=True)` writes
             `last` only beside a checkpoint of its own, so with no monitor, or a step cadence, a run
             could end an epoch with nothing to resume from.
+        command_line: set by `commsched-train`: `resume_hint` names `commsched-train resume=<run dir>`,
+            and the command prints its own line when the run is interrupted.
     """
 
-    def __init__(self, dirpath: Optional[Union[str, Path]] = None, filename: str = "last.ckpt", every_epoch: bool = True) -> None:
+    def __init__(self, dirpath: Optional[Union[str, Path]] = None, filename: Optional[str] = None, every_epoch: bool = True,
+                 command_line: bool = False) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.filename = filename
         self.every_epoch = every_epoch
+        self.command_line = command_line
         self.signals_seen = 0
         self._last_sigterm = -math.inf
         self.stopped_at: Optional[int] = None
         """The step the run stopped at on a signal (None: it was not interrupted)."""
         self.saved: Optional[Path] = None
         """The checkpoint written at the stop."""
+        self.last_saved: Optional[Path] = None
+        """The last checkpoint of this fit (written by this callback or by the `ModelCheckpoint` it saves through)."""
+        self.last_step: Optional[int] = None
+        """The step of `last_saved`."""
+        self._trainer: Optional[pl.Trainer] = None
         self._stop_at: Optional[int] = None
         self._posted = False
         self._step_at_batch_start = 0
         self._previous: dict[int, Any] = {}
 
+    # ------------------------------------------------------------------ where
+    def _owner(self, trainer: Optional[pl.Trainer]) -> Optional[ModelCheckpoint]:
+        """The `ModelCheckpoint` that writes `last` and that this callback saves through, if any."""
+        if trainer is None:
+            return None
+        for callback in trainer.checkpoint_callbacks:
+            if not (isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath is not None):
+                continue
+            same_folder = self.dirpath is None or Path(callback.dirpath).resolve() == self.dirpath.resolve()
+            same_name = self.filename in (None, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+            if same_folder and same_name:
+                return callback
+        return None
+
+    def _folder(self, trainer: Optional[pl.Trainer]) -> Path:
+        if self.dirpath is not None:
+            return self.dirpath
+        if trainer is None:
+            return Path("checkpoints")  # not set up yet: only a signal before fit asks
+        chosen = trainer.checkpoint_callback
+        found = getattr(chosen, "dirpath", None)
+        return Path(found) if found else run_files.folder_of(trainer) / "checkpoints"
+
     @property
     def path(self) -> Path:
-        assert self.dirpath is not None, "set in setup()"
-        return self.dirpath / self.filename
+        """Where the next save goes (the `ModelCheckpoint`'s `last` when it owns it)."""
+        trainer = self._trainer
+        owner = self._owner(trainer)
+        if owner is not None:
+            if owner.last_model_path:
+                return Path(owner.last_model_path)
+            return Path(owner.format_checkpoint_name(owner._monitor_candidates(trainer), owner.CHECKPOINT_NAME_LAST))
+        return self._folder(trainer) / (self.filename or "last.ckpt")
+
+    def _save(self, trainer: pl.Trainer, at_epoch_end: bool = False) -> Path:
+        owner = self._owner(trainer)
+        if owner is None:
+            path = self.path
+            trainer.save_checkpoint(path, weights_only=False)
+        elif owner.last_model_path and getattr(owner, "_last_global_step_saved", None) == trainer.global_step:
+            path = Path(owner.last_model_path)  # it wrote `last` at this step already
+        else:
+            candidates = owner._monitor_candidates(trainer)
+            if owner.save_last == "link":
+                # Its `last` links to its latest top-k file, which may be older than this step: write the
+                # file itself (after removing the link, which a save would write through).
+                linked = owner.format_checkpoint_name(candidates, owner.CHECKPOINT_NAME_LAST)
+                if trainer.is_global_zero and os.path.islink(linked):
+                    os.remove(linked)
+                trainer.strategy.barrier("StopAndSave")
+                owner._last_checkpoint_saved = ""
+            saved_step = getattr(owner, "_last_global_step_saved", None)
+            owner._save_last_checkpoint(trainer, candidates)  # its name, version counter and last_model_path
+            if at_epoch_end:
+                # Lightning calls the ModelCheckpoints' on_train_epoch_end after every other callback's: left
+                # marked as saved at this step, it would skip its own epoch-end save (a top-k file, then `last`
+                # again, the same step).
+                owner._last_global_step_saved = saved_step
+            path = Path(owner.last_model_path)
+        self.last_saved, self.last_step = path, trainer.global_step
+        return path
+
+    def _saved_this_step(self, trainer: pl.Trainer) -> bool:
+        if self.last_step == trainer.global_step and self.last_saved is not None:
+            return True
+        owner = self._owner(trainer)
+        if owner is not None and owner.last_model_path and getattr(owner, "_last_global_step_saved", None) == trainer.global_step:
+            self.last_saved, self.last_step = Path(owner.last_model_path), trainer.global_step
+            return True
+        return False
+
+    # ------------------------------------------------------------------ how to go on
+    def resume_hint(self, python: Optional[bool] = None) -> Optional[str]:
+        """How to continue from the last checkpoint of this fit: ``trainer.fit(model, ckpt_path="...")``
+        from Python, ``commsched-train resume=<run dir> (and the same options)`` on the command line
+        (default: as this callback was made); None when no checkpoint was saved."""
+        last = self.last_saved
+        if last is None:
+            owner = self._owner(self._trainer)
+            last = Path(owner.last_model_path) if owner is not None and owner.last_model_path else None
+        if last is None:
+            return None
+        if python if python is not None else not self.command_line:
+            return f"trainer.fit(model, ckpt_path={str(last)!r})"
+        run = last.parent.parent if last.name == "last.ckpt" and last.parent.name == "checkpoints" else last
+        return f"commsched-train resume={run} (and the same options)"
+
+    @rank_zero_only
+    def _say(self, line: str) -> None:
+        print(f"commsched: {line}", flush=True)
+
+    def _closing_line(self, trainer: pl.Trainer) -> None:
+        """At a fit's end, unless the commsched strategy's closing summary says it (it reads `resume_hint`)."""
+        from commsched.strategy import CommSchedStrategy  # the strategy module imports this one
+
+        hint = self.resume_hint()
+        if hint is not None and not isinstance(trainer.strategy, CommSchedStrategy):
+            self._say(f"last checkpoint {self.last_saved} (step {self.last_step}); continue with: {hint}")
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -112,10 +233,18 @@ class StopAndSave(pl.Callback):
 
     # ------------------------------------------------------------------ callback
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.dirpath is None:
-            chosen = trainer.checkpoint_callback
-            found = getattr(chosen, "dirpath", None)
-            self.dirpath = Path(found) if found else Path(trainer.default_root_dir) / "checkpoints"
+        self._trainer = trainer
+        self.last_saved = self.last_step = None
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # A ModelCheckpoint whose folder is not the one its state was saved in keeps only best_model_path, and
+        # warns on every rank; a resumed run in a new folder is the usual case, so: the same, without the warning.
+        states = checkpoint.get("callbacks") or {}
+        for callback in trainer.checkpoint_callbacks:
+            state = states.get(callback.state_key) if isinstance(callback, ModelCheckpoint) else None
+            if state and "dirpath" in state and state["dirpath"] != callback.dirpath:
+                states[callback.state_key] = {"dirpath": callback.dirpath, "best_model_score": callback.best_model_score,
+                                              "best_model_path": state.get("best_model_path", "")}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning registered its own SIGTERM handler (which stops each rank wherever it is).
@@ -132,9 +261,12 @@ class StopAndSave(pl.Callback):
         if self._stop_at is None:
             self._stop_at = self._agreed_stop(step)
         if self._stop_at is not None and step >= self._stop_at:
-            trainer.save_checkpoint(self.path, weights_only=False)
-            self.stopped_at, self.saved = step, self.path
-            raise StoppedBySignal(step, self.path)
+            path = self.last_saved if self._saved_this_step(trainer) else self._save(trainer)
+            assert path is not None
+            self.stopped_at, self.saved = step, path
+            if not self.command_line:  # commsched-train says it in its own line
+                self._say(f"stopped at step {step} and saved {path}; continue with: {self.resume_hint()}")
+            raise StoppedBySignal(step, path)
 
     def _agreed_stop(self, step: int) -> Optional[int]:
         """Posts a stop step if this rank saw a signal; returns the stop step once any rank posted one."""
@@ -149,8 +281,14 @@ class StopAndSave(pl.Callback):
         return None
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.every_epoch and self.stopped_at is None and not trainer.sanity_checking:
-            trainer.save_checkpoint(self.path, weights_only=False)
+        if self.every_epoch and self.stopped_at is None and not trainer.sanity_checking and not self._saved_this_step(trainer):
+            self._save(trainer, at_epoch_end=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The fit's final step (a run bounded by steps ends in the middle of an epoch, or every_epoch is off).
+        if trainer.global_step > 0 and not self._saved_this_step(trainer):
+            self._save(trainer)
+        self._closing_line(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._finish(trainer)

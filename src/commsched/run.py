@@ -104,8 +104,9 @@ def interruptible(out: Path, stop: Optional[StopAndSave]) -> Iterator[None]:
 def interruption(error: BaseException, out: Path, stop: Optional[StopAndSave]) -> str:
     """The one line an interrupted run ends with: where it stopped and how to go on."""
     if isinstance(error, StoppedBySignal):
+        hint = stop.resume_hint(python=False) if stop is not None else None
         return (f"interrupted: stopped at step {error.step} and saved {error.saved}; "
-                f"continue with: commsched-train resume={out} (and the same options)")
+                f"continue with: {hint or f'commsched-train resume={out} (and the same options)'}")
     last = out / "checkpoints" / "last.ckpt"
     saved = f"the last checkpoint is {last}" if last.is_file() else "no checkpoint was saved yet"
     return f"interrupted at once, without saving; {saved}; logs in {out}"
@@ -141,8 +142,9 @@ def main() -> None:
     checkpoint = checkpointing(cfg, out)
     callbacks: list[pl.Callback] = [checkpoint] if checkpoint is not None else []
     # last.ckpt at every epoch end (ModelCheckpoint writes `last` only beside a save of its own, and
-    # with no monitor it saves nothing) and at a step all ranks agree on when Ctrl-C stops the run.
-    stop = StopAndSave(out / "checkpoints") if checkpoint is not None else None
+    # with no monitor it saves nothing), at the run's final step, and at a step all ranks agree on when
+    # Ctrl-C stops the run: one file, written through the ModelCheckpoint when it keeps `last`.
+    stop = StopAndSave(command_line=True) if checkpoint is not None else None
     callbacks += [stop] if stop is not None else []
     if t.enable_progress_bar:
         callbacks.append(RunProgressBar())

@@ -2,10 +2,10 @@
 resumption in the middle of an epoch.
 
 Lightning replaces the samplers with DistributedSamplers under a distributed strategy (shuffle
-kept for training, seed fixed), so every rank sees its own deterministic share. A checkpoint
-written mid-epoch records how many batches of the epoch the loop had processed (the data module's
-state, saved by Lightning); the resumed run's loader skips exactly those, so a run stopped at step
-k and resumed sees the same batches as one that never stopped.
+kept for training, seed fixed), so every rank sees its own deterministic share. The training loader
+is a `ResumableDataLoader`: a checkpoint holds the pass over the data and the batches of it the
+loop had taken, and the resumed run's loader leaves those out (at the sampler: none is loaded), so
+a run stopped at step k and resumed sees the same batches as one that never stopped.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ from typing import Any, Iterator, Optional
 from torch.utils.data import DataLoader, Dataset
 
 import lightning.pytorch as pl
+from commsched.data.resumable import ResumableDataLoader
 
 
 class ResumableLoader(DataLoader):
-    """A DataLoader that counts its passes over the data and can start one `skip_batches` in.
+    """A DataLoader that counts its passes over the data and can start one `skip_batches` in (it loads
+    the batches it skips). Kept for the test workers that set the position themselves; the data
+    modules use `ResumableDataLoader`, which keeps its position in the checkpoint.
 
     Each pass sets the (distributed) sampler's epoch to the pass number itself: Lightning counts an
     epoch that `max_steps` cut short as finished, so after such a resume its epoch numbers run one
@@ -33,7 +36,7 @@ class ResumableLoader(DataLoader):
         self._empty_first = empty_first
 
     def __iter__(self) -> Iterator[Any]:
-        if self._empty_first:  # see SplitDataModule.train_dataloader
+        if self._empty_first:
             self._empty_first = False
             return iter(())
         self.current_pass, self._next_pass = self._next_pass, self._next_pass + 1
@@ -45,8 +48,7 @@ class ResumableLoader(DataLoader):
             next(iterator)
         return iterator
 
-    # The position lives in the data module (it knows what the loop processed, the loader only what it
-    # prefetched); declaring the interface tells Lightning this loader resumes exactly.
+    # Declaring the interface tells Lightning this loader resumes exactly (its user sets the position).
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -61,37 +63,22 @@ class SplitDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
-        self._resume: Optional[dict[str, int]] = None
-
-    def _loader(self, dataset: Optional[Dataset], shuffle: bool, **position: int) -> DataLoader:
-        assert dataset is not None, "setup() has not run"
-        return ResumableLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-            drop_last=shuffle, persistent_workers=self.num_workers > 0, **position,
-        )
+        self._legacy: Optional[dict[str, Any]] = None
 
     def train_dataloader(self) -> DataLoader:
-        position = {}
-        if self._resume is not None:
-            if self._resume["batches"] >= self._resume["length"]:
-                # The pass was finished. A run bounded by steps is restored by Lightning as that epoch still
-                # running (one by epochs as the next epoch): it gets no more batches, the next epoch the next pass.
-                position = {"first_pass": self._resume["pass"] + 1, "empty_first": self.trainer.max_steps != -1}
-            else:
-                position = {"first_pass": self._resume["pass"], "skip_batches": self._resume["batches"]}
-        self._resume = None
-        return self._loader(self.train_set, shuffle=True, **position)
+        assert self.train_set is not None, "setup() has not run"
+        loader = ResumableDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
+                                     drop_last=True, persistent_workers=self.num_workers > 0)
+        if self._legacy is not None:  # a checkpoint of an earlier version kept the position here
+            loader.load_state_dict({**self._legacy, "seed": None})
+            self._legacy = None
+        return loader
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the training data stands: its pass and the batches of it the loop has processed."""
-        loader = self.trainer.train_dataloader if self.trainer is not None and self.trainer.training else None
-        if not isinstance(loader, ResumableLoader):
-            return {}
-        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"pass": loader.current_pass, "batches": progress.processed, "length": len(loader)}
+        assert self.val_set is not None, "setup() has not run"
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume = dict(state_dict) if state_dict else None
+        """Checkpoints of commsched 0.2.0 and earlier kept the training data's position here."""
+        self._legacy = dict(state_dict) if state_dict and "batches" in state_dict else None
