@@ -184,7 +184,7 @@ class ProfileOptions:
     steps: int = option(0, non_negative_int)
     """Profile the first N training steps (0: off); writes profile.json and a Chrome trace.json."""
     dir: Optional[str] = option(None, optional(text))
-    """Where the profile goes (default: <default_root_dir>/commsched_profile)."""
+    """Where the profile goes (default: commsched_profile/ in the run's folder: the logger's, else default_root_dir)."""
     probe: bool = option(False, flag)
     """Also fit every link's alpha-beta costs when profiling ends."""
 

@@ -84,12 +84,20 @@ def _relative(path: Path, folder: Optional[Path]) -> str:
 
 
 def resume_hint(trainer: Any) -> Optional[str]:
-    """How to continue from the last checkpoint this fit wrote, in the user's syntax."""
+    """How to continue from the last checkpoint this fit wrote, in the user's syntax (a `StopAndSave`
+    among the callbacks knows it best: it saved the final step)."""
+    from commsched.interrupt import StopAndSave
+
+    python = current_syntax() != "hydra"
+    for stop in (c for c in trainer.callbacks if isinstance(c, StopAndSave)):
+        hint = stop.resume_hint(python=python)
+        if hint is not None:
+            return f"last checkpoint {stop.last_saved}; continue with: {hint}"
     callback = trainer.checkpoint_callback
     last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
     if not last:
         return None
-    if current_syntax() == "hydra":
+    if not python:
         return f"last checkpoint {last}; continue with: commsched-train resume={Path(last).parent.parent} (and the same options)"
     return f"last checkpoint {last}; continue with: trainer.fit(model, ckpt_path={last!r})"
 
