@@ -146,7 +146,7 @@ def test_bayes_measures_each_layout_once_and_stops_when_nothing_new_is_proposed(
 
 # ---------------------------------------------------------------- in real 3-process training runs
 TOLERANCE = 1e-5
-PLANNED = ["dear-mgwfbp", "dear-greedy", "wfbp-dear-model", "dear-bayes-1ep"]
+PLANNED = ["dear-mgwfbp", "dear-greedy", "wfbp-dear-model", "dear-bayes-1ep", "dear-auto", "wfbp-auto"]
 
 
 @pytest.mark.parametrize("case", PLANNED)
@@ -214,3 +214,19 @@ def test_plan_cli_compares_saves_and_shows(cases, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x.json")])
     assert "--profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, planner", [("dear-auto", "dear-model"), ("wfbp-auto", "mgwfbp")])
+def test_the_default_fusion_plans_then_keeps_what_measured_faster(cases, case, planner):
+    """fusion="auto": the schedule's own planner plans from the profile, fixed and planned buckets take
+    turns (2 rounds here, so the layout changes at least 4 times), and the kept layout ends the run;
+    every rank keeps the same one (the slowest rank's times decide)."""
+    results = cases(3)
+    plans = [r["fusion_plan"] for r in results.all_ranks(case)]
+    auto = plans[0]["details"]["auto"]
+    assert all(p == plans[0] for p in plans)
+    assert auto["planner"] == planner and auto["kept"] in ("planned", "fixed")
+    assert auto["steps_deciding"] == 1 + 2 + 2 * 2 * (1 + 1)
+    layouts = results.load(case)["layouts"]
+    assert layouts[:4] == [layouts[0], layouts[1]] * 2 and layouts[0] != layouts[1], layouts  # fixed, planned, twice
+    assert layouts[4:] == ([] if auto["kept"] == "planned" else [layouts[0]]), layouts

@@ -153,8 +153,8 @@ def validate(cfg: Any) -> None:
                         "dense gradients); schedule=wfbp runs the same schedule with sparse exchanges")
     if cfg.fusion.plan_file is not None:
         check_plan_file(cfg)
-    if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("fixed",) or cfg.fusion.plan_file is not None):
-        raise bad_value("fusion", cfg.fusion.policy, "fixed with schedule=ddp (Lightning's DDP takes only bucket_cap_mb)")
+    if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("auto", "fixed") or cfg.fusion.plan_file is not None):
+        raise bad_value("fusion", cfg.fusion.policy, "auto or fixed with schedule=ddp (Lightning's DDP takes only bucket_cap_mb)")
     options.choice("model.kind", cfg.model.kind, ("image", "language"))
     if cfg.model.kind == "image":
         options.choice("model.arch", cfg.model.arch, IMAGE_ARCHS)

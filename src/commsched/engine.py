@@ -30,6 +30,7 @@ from commsched.planning.policy import PlanPolicy
 from commsched.profile.run_profiler import RunProfiler
 from commsched.say import say
 from commsched.schedules import SCHEDULES, Handover, Schedule
+from commsched.schedules.base import runs_compiled
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ SECONDARY_IFNAME_ENV = "COMMSCHED_SECONDARY_IFNAME"  # set on each node by comms
 class Engine:
     def __init__(self, schedule_class: type[Schedule], options: StrategyOptions, trace_collectives: bool) -> None:
         self.schedule_class = schedule_class
-        self.policy = PlanPolicy(options.fusion, options.tuning)
+        self.policy = PlanPolicy(options.fusion, options.tuning, planner=schedule_class.planner)
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.owner: Optional[Schedule] = None
         """The configured schedule: it decides hand-overs and keeps the communication state."""
@@ -72,6 +73,7 @@ class Engine:
             self.policy.load_state_dict(restored.plan)
         if self.policy.decided is not None:  # a plan file or a checkpoint's plan: made for this model?
             self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
+        self.policy.compiled = runs_compiled(module)
         log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}'")
         self.build(module, world_size)
         if restored is not None:
@@ -130,13 +132,14 @@ class Engine:
         module = strategy.lightning_module
         if self.profiler is not None:
             self.profiler.on_batch_start(strategy)
-        if self.policy.at_boundary(strategy):
+        if self.policy.at_boundary(strategy, self._iteration_starts):
             self.rebuild(module, strategy.world_size)
             self.policy.rebuilt(strategy)
         elif _trainable_ids(module) != self._trainable:
             self.rebuild(module, strategy.world_size)
         if self._iteration_starts and self.owner is not None:
             self._iteration_starts = False
+            self.owner.settling = self.policy.deciding
             self._hand_over(self.owner.at_boundary(), module)
         self.maybe_start_profiler(module)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from commsched.errors import CommSchedConfigError
+from commsched.fusion import MODEL_POLICIES
 from commsched.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.schedules import SCHEDULES, Schedule
 from commsched.sim.simulate import register as register_simulation
@@ -33,7 +34,7 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
         raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.name = {name!r}: a Python identifier "
                                    f"other than {', '.join(RESERVED)} (each schedule sets its own `name`)")
     for field, names, known in (("step_collectives", cls.step_collectives, KNOWN_COLLECTIVES),
-                                ("links_used", cls.links_used, KNOWN_LINKS)):
+                                ("links_used", cls.links_used, KNOWN_LINKS), ("planner", (cls.planner,), MODEL_POLICIES)):
         unknown = [n for n in names if n not in known]
         if unknown:
             raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{field} has {unknown}; "
@@ -55,5 +56,5 @@ WFBPStrategy = STRATEGIES["wfbp"]
 DeARStrategy = STRATEGIES["dear"]
 DeFTStrategy = STRATEGIES["deft"]
 
-StrategyRegistry.register("topk", WFBPStrategy, description="commsched WFBP with MSTopK sparse exchanges (density 0.01, "
-                          "error feedback)", override=True, compression="mstopk")
+StrategyRegistry.register("topk", WFBPStrategy, description="commsched WFBP with top-k sparse exchanges (density 0.01, "
+                          "error feedback; the faster selection, and dense where sparse does not pay)", override=True, compression="auto")

@@ -31,6 +31,13 @@ class RunReports:
         return self._engine.owner or self._engine.finished
 
     @property
+    def settled(self) -> bool:
+        """Every automatic choice of this fit is made (the buckets, the schedule's own searches): the
+        steps from here on are the steady state a benchmark should time. False before setup."""
+        owner = self._engine.owner
+        return owner is not None and not self._engine.policy.deciding and owner.settled
+
+    @property
     def bucket_plan(self) -> Optional[BucketPlan]:
         return self.schedule.plan if self.schedule is not None else None
 

@@ -8,34 +8,38 @@ stopped instead). Each part reads what the strategy already measured; nothing he
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
 from commsched.errors import current_syntax
 
 
+RECENT_STEPS = 50
+"""The closing summary's per-step figures are medians over the fit's last steps (its steady state:
+after warm-up, profiling and whatever was decided on timed steps)."""
+
+
 class StepClock:
-    """Optimizer steps taken in this fit and the wall time they spanned (first step end to last)."""
+    """At every optimizer step's end: the time, and the strategy's cumulative time waited on
+    communication and bytes sent (the last `RECENT_STEPS` kept)."""
 
     def __init__(self) -> None:
         self.steps = 0
-        self._first: Optional[float] = None
-        self._last: Optional[float] = None
+        self._ends: deque[tuple[float, float, float]] = deque(maxlen=RECENT_STEPS + 1)
 
-    def stepped(self) -> None:
-        now = time.perf_counter()
-        if self._first is None:
-            self._first = now
-        self._last = now
+    def stepped(self, waited_s: float = 0.0, sent_bytes: float = 0.0) -> None:
+        self._ends.append((time.perf_counter(), waited_s, sent_bytes))
         self.steps += 1
 
-    @property
-    def mean_step_s(self) -> Optional[float]:
-        """Mean seconds per step after the first (the first includes setup and first-call costs)."""
-        if self._first is None or self._last is None or self.steps < 2:
+    def recent(self) -> Optional[tuple[float, float, float]]:
+        """Median step seconds, seconds waited and bytes sent a step, over the last steps."""
+        if len(self._ends) < 2:
             return None
-        return (self._last - self._first) / (self.steps - 1)
+        deltas = [tuple(b - a for a, b in zip(x, y)) for x, y in zip(self._ends, list(self._ends)[1:])]
+        return tuple(statistics.median(d[i] for d in deltas) for i in range(3))  # type: ignore[return-value]
 
 
 def describe_buckets(strategy: Any) -> str:
@@ -46,10 +50,16 @@ def describe_buckets(strategy: Any) -> str:
     total = sum(b.numel * b.buffer.element_size() for b in plan.buckets)
     fusion = strategy.options.fusion
     decided = strategy.fusion_plan
-    if decided is not None:
+    auto = decided.details.get("auto") if decided is not None else None
+    if auto is not None:
+        fixed_ms, planned_ms = auto["step_ms"]
+        how = (f"{auto['planner']}'s plan, {fixed_ms / planned_ms:.2f}x fixed buckets" if auto["kept"] == "planned"
+               else f"fixed {fusion.bucket_cap_mb:.3g} MB buckets: {auto['planner']}'s plan was not faster")
+        how += f"; decided in {auto['steps_deciding']} steps"
+    elif decided is not None:
         how = f"plan file {fusion.plan_file}" if fusion.plan_file else f"chosen by {decided.policy}"
     elif fusion.policy == "fixed":
-        how = f"fixed, {fusion.bucket_cap_mb:g} MB cap"
+        how = f"fixed, {fusion.bucket_cap_mb:.3g} MB cap"
     else:
         how = f"{fusion.policy}, still deciding"
     return f"{len(plan.buckets)} bucket(s) for {_size(total)} of gradients ({how})"
@@ -59,14 +69,14 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MB" if nbytes >= 0.1 * 2**20 else f"{nbytes / 2**10:.1f} KB"
 
 
-def describe_time(strategy: Any, clock: StepClock) -> Optional[str]:
-    step = clock.mean_step_s
-    if step is None or strategy.links is None:
+def describe_time(clock: StepClock) -> Optional[str]:
+    recent = clock.recent()
+    if recent is None:
         return None
-    waited = strategy.exposed_comm_seconds / clock.steps
-    sent = sum(strategy.wire_bytes.values()) / clock.steps
-    return (f"{clock.steps} steps, {step * 1e3:.1f} ms a step on average; the training loop waited "
-            f"{waited * 1e3:.1f} ms a step on communication ({waited / step:.0%}); this rank sent {_size(sent)} a step")
+    step, waited, sent = recent
+    last = min(clock.steps - 1, RECENT_STEPS)
+    return (f"{clock.steps} steps; over the last {last}, a median step of {step * 1e3:.1f} ms, of which the training loop "
+            f"waited {waited * 1e3:.1f} ms on communication ({waited / step:.0%}); this rank sent {_size(sent)} a step")
 
 
 def describe_files(folder: Optional[Path], written: list[Path]) -> Optional[str]:
@@ -103,7 +113,7 @@ def resume_hint(trainer: Any) -> Optional[str]:
 
 
 def closing_lines(strategy: Any, trainer: Any, clock: StepClock, schedule_lines: list[str], written: list[Path]) -> list[str]:
-    parts = [describe_buckets(strategy), describe_time(strategy, clock), *schedule_lines,
+    parts = [describe_buckets(strategy), describe_time(clock), *schedule_lines,
              describe_files(strategy.run_dir, written), resume_hint(trainer)]
     name = strategy.schedule_class.name
     return [f"commsched {name}: " + part for part in parts if part]

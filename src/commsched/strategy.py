@@ -62,7 +62,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def __init__(
         self,
         schedule: Optional[str] = None,
-        fusion: Union[str, FusionOptions] = "fixed",
+        fusion: Union[str, FusionOptions] = "auto",
         bucket_cap_mb: Optional[float] = None,
         tuning: Optional[TuningOptions] = None,
         profile: Union[int, ProfileOptions] = 0,
@@ -87,15 +87,17 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
         Args:
             schedule: the communication schedule (default: this class's), one of ``commsched.SCHEDULES``.
-            fusion: a fusion policy name or a `FusionOptions` (which gradients share a bucket).
-            bucket_cap_mb: shorthand for ``FusionOptions.bucket_cap_mb`` (as on Lightning's `DDPStrategy`).
+            fusion: a fusion policy name or a `FusionOptions` (which gradients share a bucket); "auto":
+                planned from the run's first steps and kept only if measured faster than fixed buckets.
+            bucket_cap_mb: shorthand for ``FusionOptions.bucket_cap_mb`` (as on Lightning's `DDPStrategy`);
+                given with the default fusion, fixed buckets of that size.
             tuning: `TuningOptions` for ``fusion="bayes"``.
             profile: steps to profile, or a `ProfileOptions`.
             links: `LinkOptions`: backend and network interface of each link.
             deft: `DeFTOptions` for ``schedule="deft"``.
             preserver: `PreserverOptions` for ``schedule="deft"``: the guard of delayed plans, on unless
                 ``PreserverOptions(enabled=False)``; a `commsched.Preserver` among the callbacks replaces it.
-            compression: a method name ("mstopk", "topk", "none") or `CompressionOptions`: sparse
+            compression: a method name ("auto", "topk", "mstopk", "none") or `CompressionOptions`: sparse
                 exchanges of each bucket (schedules that support them: wfbp).
             streams: 1..16 concurrent collective streams (process groups) carrying each bucket's units,
                 or ``"auto"``: searched on the run's own steps (schedules: wfbp, dear).
@@ -222,7 +224,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             output = schedule.optimizer_step(optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs))
         finally:
             self._engine.iteration_done()
-        self._clock.stepped()
+        self._clock.stepped(self.exposed_comm_seconds, sum(self.wire_bytes.values()))
         return output
 
     @override

@@ -10,13 +10,19 @@ import lightning.pytorch as pl
 
 
 class StepTimer(pl.Callback):
-    """Records step durations after `warmup` steps; `median` is what benchmarks report.
+    """Records step durations after `warmup` steps, counted from when the strategy has made its
+    automatic choices (`settled`: the buckets, a stream search, sparse or dense; Lightning's own
+    strategies are settled from the start); `median` is what benchmarks report. With `stop_after`,
+    the fit stops once that many steps were timed (every rank at the same step: they settle together).
 
     CPU time is this process's, all threads included (the backend's communication threads too):
     on a machine with few cores, CPU spent on communication is compute time lost."""
 
-    def __init__(self, warmup: int = 3) -> None:
+    def __init__(self, warmup: int = 3, stop_after: int = 0) -> None:
         self.warmup = warmup
+        self.stop_after = stop_after
+        self.deciding_steps = 0
+        """Steps the strategy took to make its choices (not timed)."""
         self.durations: list[float] = []
         self.cpu: list[float] = []
         self.wire_bytes: list[float] = []
@@ -27,6 +33,10 @@ class StepTimer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         wire = getattr(trainer.strategy, "wire_bytes", None)  # None: not a commsched strategy
         now = (time.perf_counter(), time.process_time(), sum(wire.values()) if wire is not None else float("nan"))
+        if not getattr(trainer.strategy, "settled", True):
+            self.deciding_steps += 1
+            self._seen, self._last = 0, None
+            return
         if self._last is not None and self._seen > self.warmup:
             self.durations.append(now[0] - self._last[0])
             self.cpu.append(now[1] - self._last[1])
@@ -34,6 +44,8 @@ class StepTimer(pl.Callback):
                 self.wire_bytes.append(now[2] - self._last[2])
         self._last = now
         self._seen += 1
+        if self.stop_after and len(self.durations) >= self.stop_after:
+            trainer.should_stop = True
 
     @property
     def median(self) -> float:

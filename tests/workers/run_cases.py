@@ -107,6 +107,9 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
 BAYES = {"fusion": "bayes", "tuning": TuningOptions(trials=3, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20,
                                                      max_mb=2000 / 2**20, first_mb=600 / 2**20)}
 
+# fusion="auto" within one 12-step epoch: 1 + 2 profiled steps, then 2 turns each of 1 + 1 steps
+AUTO = FusionOptions(policy="auto", profile_warmup_steps=1, profile_steps=2, confirm_steps=1, confirm_rounds=2)
+
 # The plan itself every step (no hand-over to WFBP or DeAR): exactness of DeFT's own replay.
 NO_DELAY = DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1, fallback="never")
 
@@ -127,6 +130,9 @@ CASES = {
     "dear-greedy": ("dear", {"fusion": FusionOptions(policy="mgwfbp-greedy", profile_steps=3)}),
     "wfbp-dear-model": ("wfbp", {"fusion": FusionOptions(policy="dear-model", profile_steps=3)}),
     "dear-planfile": ("dear", {"plan_file": "dear-mgwfbp/commsched_plan.json"}),
+    # the default fusion: planned, then fixed and planned buckets take turns before one is kept
+    "dear-auto": ("dear", {"fusion": AUTO}),
+    "wfbp-auto": ("wfbp", {"fusion": AUTO}),
     "dear-bayes-1ep": ("dear", BAYES),
     "dear-bayes-resume": ("dear", {"epochs": 2, "resume_from": "dear-bayes-1ep", **BAYES}),
     "ddp-2ep": ("ddp", {"epochs": 2}),

@@ -20,6 +20,7 @@ from commsched.buckets import param_infos
 from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed, plan_layers
 from commsched.links import Link
 from commsched.options import FusionOptions, TuningOptions
+from commsched.planning.auto import PLANNED, AutoFusion, Phase
 from commsched.planning.bayes import BucketSizeTuner
 from commsched.planning.model_plans import plan_from_profile
 from commsched.planning.plan_file import SavedPlan
@@ -31,14 +32,22 @@ PLAN_FILE_NAME = "commsched_plan.json"
 
 
 class PlanPolicy:
-    def __init__(self, fusion: FusionOptions, tuning: TuningOptions, seed: int = 0) -> None:
+    def __init__(self, fusion: FusionOptions, tuning: TuningOptions, seed: int = 0, planner: str = "mgwfbp") -> None:
+        """`planner`: the model policy `fusion="auto"` plans with (the schedule's own, `Schedule.planner`)."""
         self.fusion = fusion
         self.tuning_options = tuning
         self.decided: Optional[SavedPlan] = SavedPlan.load(fusion.plan_file) if fusion.plan_file else None
         self.trials: list[dict[str, float]] = []
         self._seed = seed
-        self._adaptive = fusion.policy in (*MODEL_POLICIES, "bayes")
+        self._adaptive = fusion.policy in (*MODEL_POLICIES, "bayes", "auto")
+        self.auto: Optional[AutoFusion] = AutoFusion(fusion, planner) if fusion.policy == "auto" else None
         self._replan = False
+        self._announce_pending = False
+        self._fixed_plan: Optional[SavedPlan] = None
+        self.compiled = False
+        """The module runs under torch.compile (set by the engine): its backward is one compiled graph that
+        hands every gradient over at its end, so no bucket plan can overlap it, and timing layers would
+        break the graph. `fusion="auto"` keeps fixed buckets then."""
         self._start_tuning()
 
     def _start_tuning(self) -> None:
@@ -57,11 +66,15 @@ class PlanPolicy:
     @property
     def wants_profile(self) -> bool:
         """A model policy still waiting for the profile it plans from."""
+        if self.auto is not None:
+            return self.deciding and self.auto.wants_profile and not self.compiled
         return self.deciding and self.fusion.policy in MODEL_POLICIES
 
     def planner(self) -> Planner:
         if self.decided is not None:
             return self.decided.planner()
+        if self.auto is not None and self.auto.arm == PLANNED and self.auto.candidate is not None:
+            return self.auto.candidate.planner()
         if self.fusion.policy == "layers":
             return partial(plan_layers, layers_per_bucket=self.fusion.bucket_layers)
         return partial(plan_fixed, cap_bytes=int(self._cap_mb * 2**20))
@@ -71,14 +84,19 @@ class PlanPolicy:
         self._replan = True
 
     # ------------------------------------------------------------ at a boundary
-    def at_boundary(self, strategy: Any) -> bool:
-        """Called at every training batch start on every rank; True: rebuild the buckets now."""
+    def at_boundary(self, strategy: Any, iteration_start: bool = True) -> bool:
+        """Called at every training batch start on every rank; True: rebuild the buckets now.
+        `iteration_start`: False on the later micro-batches of an accumulated step."""
         if self._replan:
             self._replan = False
             self.decided = None
             self._adaptive = True
             self._start_tuning()
+            if self.auto is not None:
+                self.auto.reopen(strategy.profile)
             return True
+        if self.auto is not None:
+            return self._auto_step(strategy, iteration_start)
         if not self.deciding:
             return False
         if self.fusion.policy in MODEL_POLICIES:
@@ -94,6 +112,71 @@ class PlanPolicy:
         self.decided = SavedPlan(**link.broadcast_object(mine, 0, "plan-decision"))
         self._announce(strategy)
         return True
+
+    def _auto_step(self, strategy: Any, iteration_start: bool) -> bool:
+        """`fusion="auto"`: profile, plan, confirm against the fixed layout on real steps, watch for drift.
+        A finished profile is planned from at once (so no second profile starts); the layouts switch,
+        and steps are timed, only at iteration starts."""
+        auto = self.auto
+        assert auto is not None
+        link: Link = strategy.control_link
+        if not iteration_start and auto.phase is not Phase.PROFILE:
+            return False
+        if self.decided is not None:
+            if auto.verdict is None or not auto.watch(link):
+                return False
+            say(f"commsched fusion: steps have become more than {self.fusion.drift:.0%} slower than the kept layout "
+                "measured: deciding the buckets again")
+            auto.reopen(strategy.profile)
+            self.decided = None
+            return True  # back to fixed buckets, profiled afresh
+        if strategy.world_size == 1 or self.compiled:  # nothing to plan for (see `compiled`)
+            self.decided = self._current(strategy, "fixed")
+            auto.decided_without_confirming()
+            if self.compiled:
+                say("commsched fusion: the model runs under torch.compile, whose backward hands every gradient over at "
+                    "its end: fixed buckets (a bucket plan could not overlap them)")
+            return False
+        if auto.phase is Phase.PROFILE:
+            profile = auto.fresh_profile(strategy.profile)
+            if profile is None:
+                return False  # still profiling
+            mine = vars(plan_from_profile(profile, auto.planner)) if link.rank == 0 else None
+            candidate = SavedPlan(**link.broadcast_object(mine, 0, "auto-plan"))
+            fixed = self._current(strategy, "fixed")
+            auto.steps_deciding += self.fusion.profile_warmup_steps + self.fusion.profile_steps
+            if candidate.buckets == fixed.buckets:
+                self.decided = fixed
+                auto.decided_without_confirming()
+                self._announce(strategy)
+                return False
+            self._fixed_plan = fixed
+            auto.start_confirming(candidate)
+            if not iteration_start:
+                return False
+        if auto.next_arm() is not None:
+            return True
+        assert auto.turns is not None
+        if not auto.turns.done:
+            return False
+        verdict = auto.conclude(link)
+        kept = auto.candidate if verdict.keep == PLANNED else self._fixed_plan
+        assert kept is not None
+        kept.details = {**kept.details, "auto": {"planner": auto.planner, "kept": "planned" if verdict.keep == PLANNED else "fixed",
+                                                   "step_ms": [s * 1e3 for s in verdict.medians_s], "margin": verdict.margin,
+                                                   "steps_deciding": auto.steps_deciding}}
+        self.decided = kept
+        if auto.arm == verdict.keep:
+            self._announce(strategy)
+            return False
+        self._announce_pending = True
+        return True
+
+    @staticmethod
+    def _current(strategy: Any, policy: str) -> SavedPlan:
+        """The buckets the strategy runs now, as a plan."""
+        names = [list(b.names) for b in strategy.bucket_plan.buckets]
+        return SavedPlan(policy, strategy.world_size, names)
 
     def _bayes_step(self, strategy: Any) -> bool:
         now = time.perf_counter()
@@ -130,6 +213,9 @@ class PlanPolicy:
 
     def rebuilt(self, strategy: Any) -> None:
         """After the strategy rebuilt its buckets: a final Bayesian choice becomes the decided plan."""
+        if self._announce_pending:
+            self._announce_pending = False
+            self._announce(strategy)
         if not self._final_pending:
             return
         self._final_pending = False
@@ -145,8 +231,12 @@ class PlanPolicy:
             plan.save(path)
             sizes = sum(p.nbytes for p in param_infos(strategy.lightning_module)) / 2**20 / max(len(plan.buckets), 1)
             predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""
-            say(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
-                           f"{sizes:.2f} MB on average{predicted}; saved to {path}")
+            if self.auto is not None:
+                say(f"commsched fusion: {self.auto.describe()}: {len(plan.buckets)} bucket(s) of {sizes:.2f} MB on average; "
+                    f"saved to {path}")
+            else:
+                say(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
+                    f"{sizes:.2f} MB on average{predicted}; saved to {path}")
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:

@@ -121,6 +121,11 @@ class RunProfiler:
         timer, self._timer = self._timer, None
         assert timer is not None
         timer.detach()
+        if timer.steps < 1 or len(self._forward) < 1:  # the run ended before a whole step was profiled
+            for link in self._links:
+                link.recorder, link.measuring = None, False
+            say("commsched: the run ended before a step was profiled: no profile written")
+            return
         spans = [*timer.spans, *(s for link in self._links if link.recorder is not None for s in link.recorder.spans())]
         for link in self._links:
             link.recorder, link.measuring = None, False
