@@ -20,11 +20,11 @@ from commsched.errors import CommSchedConfigError, Either, bad_value
 
 BUILTIN_SCHEDULES = ("wfbp", "dear", "deft")  # commsched.SCHEDULES before any plugin registers more (tested equal)
 MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a profile of the first steps
-FUSION_POLICIES = ("fixed", "layers", *MODEL_POLICIES, "bayes")
+FUSION_POLICIES = ("auto", "fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
 FALLBACKS = ("when_faster", "when_undelayed", "never")
-COMPRESSION_METHODS = ("none", "mstopk", "topk")
+COMPRESSION_METHODS = ("none", "auto", "topk", "mstopk")
 COMPRESSING_SCHEDULES = ("wfbp",)  # the built-in schedules whose `Schedule.compresses` is True (tested equal)
 STRIPING_SCHEDULES = ("wfbp", "dear")  # the built-in schedules whose `Schedule.stripes` is True (tested equal)
 MAX_STREAMS = 16
@@ -162,8 +162,10 @@ class TuningOptions:
 class FusionOptions:
     """Which gradients share a bucket, and how that is decided."""
 
-    policy: str = option("fixed", one_of(*FUSION_POLICIES))
-    """fixed | layers | mgwfbp | mgwfbp-greedy | dear-model | bayes (see README, Fusion planners)."""
+    policy: str = option("auto", one_of(*FUSION_POLICIES))
+    """auto | fixed | layers | mgwfbp | mgwfbp-greedy | dear-model | bayes (see README, Fusion planners). auto:
+    the schedule's own planner plans from the first steps, and its plan is kept only if measured faster
+    than fixed buckets on real steps."""
     bucket_cap_mb: float = option(25.0, positive_number)
     """fixed: a bucket closes before the next tensor would pass this many MB (the first at 1 MiB, as DDP);
     the model planners profile on these buckets."""
@@ -173,6 +175,14 @@ class FusionOptions:
     """Model planners: steps profiled before rank 0 plans."""
     profile_warmup_steps: int = option(5, non_negative_int)
     """Model planners: steps left out before those (a CPU run's first steps are up to 2x slower)."""
+    confirm_steps: int = option(3, positive_int)
+    """auto: timed steps per turn when fixed and planned buckets take turns (one more runs first, untimed)."""
+    confirm_rounds: int = option(3, positive_int)
+    """auto: turns each layout takes before the measured steps decide."""
+    drift: float = option(0.2, non_negative_number)
+    """auto: a median step this much slower than the kept layout measured (0.2: 20%) decides again. 0: never."""
+    drift_steps: int = option(50, positive_int)
+    """auto: steps per median watched for drift."""
     plan_file: Optional[str] = option(None, optional(text))
     """A saved plan (commsched-plan, or a run's commsched_plan.json): used from the first step, no planning."""
 
@@ -293,12 +303,13 @@ def density_value(name: str, value: Any) -> float:
 
 @dataclass
 class CompressionOptions:
-    """Sparse gradient exchanges ([cloud-topk], DESIGN.md §9): each rank sends the `density` share of
-    each bucket's elements of largest magnitude; what it did not send is kept and sent later."""
+    """Sparse gradient exchanges ([cloud-topk]): each rank sends the `density` share of each bucket's
+    elements of largest magnitude; what it did not send is kept and sent later."""
 
     method: str = option("none", one_of(*COMPRESSION_METHODS))
-    """"mstopk": the paper's threshold search (no sort, fixed-size outputs, GPU friendly); "topk":
-    torch.topk, the exact selection it approximates; "none": dense all-reduce."""
+    """"auto" (``strategy="topk"``): top-k with the selection measured faster here, kept only while it
+    beats the dense all-reduce on real steps; "topk": torch.topk; "mstopk": the paper's threshold
+    search (no sort, fixed-size outputs); "none": dense all-reduce."""
     density: float = option(0.01, density_value)
     """The share of each bucket's elements a rank sends (0 < density <= 1; at least one element)."""
     hierarchical: Optional[bool] = option(None, optional(flag))
@@ -318,6 +329,14 @@ class CompressionOptions:
     points lower without this. False: top-k over every element, as the paper does."""
     dense_warmup_steps: int = option(0, non_negative_int)
     """The first optimizer steps exchange dense gradients (early training is the most sensitive)."""
+    confirm_steps: int = option(3, positive_int)
+    """auto: timed steps per turn when sparse and dense exchanges take turns (one more runs first, untimed)."""
+    confirm_rounds: int = option(3, positive_int)
+    """auto: turns each exchange takes before the measured steps decide."""
+    drift: float = option(0.2, non_negative_number)
+    """auto: a median step this much slower than the kept exchange measured compares them again. 0: never."""
+    drift_steps: int = option(50, positive_int)
+    """auto: steps per median watched for drift."""
     dense_final_steps: int = option(0, non_negative_int)
     """The last optimizer steps of the run (`Trainer.estimated_stepping_batches`) are dense again: the
     paper kept its last epochs dense because top-k cost accuracy there. Entering a dense phase, each
@@ -439,6 +458,8 @@ def fusion_from(fusion: Any, bucket_cap_mb: Optional[float]) -> FusionOptions:
                else typed("fusion", fusion, FusionOptions))
     if bucket_cap_mb is not None:
         options = dataclasses.replace(options, bucket_cap_mb=positive_number("bucket_cap_mb", bucket_cap_mb))
+        if fusion == "auto":  # DDP's one knob, set: the user chose their buckets
+            options = dataclasses.replace(options, policy="fixed")
     return validated(options, "fusion.")
 
 

@@ -34,6 +34,9 @@ CASES = {
     "topk-dense-phases": (commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=3, dense_final_steps=3), 12, None),
     "mstopk-whole": (commsched.CompressionOptions(method="mstopk", density=1.0), 12, None),
     "topk-every-element": (commsched.CompressionOptions(method="topk", density=0.1, whole_vectors=False), 12, None),
+    # strategy="topk"'s default: the faster selection, sparse and dense taking turns after 5 steps (2 rounds
+    # of 1 + 1 steps each), then the faster kept
+    "topk-auto": (commsched.CompressionOptions(method="auto", density=0.1, confirm_steps=1, confirm_rounds=2), 16, None),
     "dense": (None, 12, None),
     "dense-from-topk": (None, 12, "topk-part"),  # a dense run takes the residuals into its first step
     # run by three processes: resumes the 2-process checkpoint (no step taken), its residuals re-sharded
@@ -46,7 +49,7 @@ def fit(out: Path, name: str, world: int) -> None:
     pl.seed_everything(SEED, verbose=False)
     model = MLP("sgd")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    strategy = commsched.WFBPStrategy(compression=compression, trace_collectives=True)
+    strategy = commsched.WFBPStrategy(compression=compression, fusion="fixed", trace_collectives=True)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=out / name,
                          callbacks=[ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)])
@@ -67,6 +70,8 @@ def fit(out: Path, name: str, world: int) -> None:
         "world": world,
         "seed": SEED,
         "compression": vars(compression) if compression is not None else None,
+        "selection": dict(schedule.settings.selection),
+        "kept": schedule.settings.sparse_or_dense.verdict.keep if schedule.settings.sparse_or_dense else None,
     }
     torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
 

@@ -62,6 +62,8 @@ class Schedule:
     mask_link: ClassVar[str] = "primary"
     """The link of the per-step used-mask all-reduce ("control": the default group, when the primary
     carries traffic that must not be waited for at the end of backward)."""
+    planner: ClassVar[str] = "mgwfbp"
+    """The model policy that plans this schedule's buckets under ``fusion="auto"`` (a `commsched.fusion.MODEL_POLICIES` name)."""
     compresses: ClassVar[bool] = False
     stripes: ClassVar[bool] = False
     """True: the schedule spreads its buckets' units over `streams` (`commsched.streams`)."""
@@ -87,6 +89,9 @@ class Schedule:
         """Schedules that spread buckets over streams (`stripes`): the configuration, fixed or searched;
         its decision is saved with the schedule's state."""
         self._handles: list[RemovableHandle] = []
+        self.settling = False
+        """True while the engine still decides the buckets (`fusion="auto"`): searches that time steps
+        (streams, sparse or dense) wait, so that two choices never read each other's changes."""
 
     @property
     def sync_enabled(self) -> bool:
@@ -191,6 +196,12 @@ class Schedule:
         torch.nn.utils.clip_grad_value_(params_of(optimizer), clip_value)
 
     # ---------------------------------------------------- communication state
+    @property
+    def settled(self) -> bool:
+        """Every choice this schedule makes on timed steps is made (a stream search, sparse or dense, ...):
+        from here on its steps are its steady state (benchmarks time them)."""
+        return self.streams is None or not self.streams.searching
+
     def summary(self) -> list[str]:
         """What this schedule decided, for the fit's closing summary (called on every rank at the end
         of a completed fit; a subclass adds its own lines to these)."""
@@ -240,6 +251,17 @@ class Schedule:
         from commsched.sim.schedules import after_backward
 
         return after_backward(cls.name, workload, network, workers, buckets, cls.step_collectives)
+
+
+def runs_compiled(module: nn.Module) -> bool:
+    """The module, or one of its submodules, runs under torch.compile: Lightning's
+    ``trainer.fit(torch.compile(model))`` marks the LightningModule (`_compiler_ctx`), a compiled
+    submodule is an `OptimizedModule`, and `nn.Module.compile()` compiles in place."""
+    if getattr(module, "_compiler_ctx", None):
+        return True
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
 def params_of(optimizer: Optimizer) -> list[nn.Parameter]:

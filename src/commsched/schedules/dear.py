@@ -40,7 +40,7 @@ from commsched.hooks import OwnHook
 from commsched.links import InOrder, Links, Pending
 from commsched.pending import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
-from commsched.schedules.base import Schedule
+from commsched.schedules.base import Schedule, runs_compiled
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import schedules
@@ -90,6 +90,7 @@ class _PendingUpdate:
 
 class DeARSchedule(Schedule):
     name = "dear"
+    planner = "dear-model"
     description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
     step_collectives = ("reduce_scatter", "all_gather")
     steps_whole = False  # each bucket's update is applied when its all-gather lands, in the next forward
@@ -111,15 +112,20 @@ class DeARSchedule(Schedule):
         self._stepper: Optional[SubsetStepper] = None
         self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
+        self._compiled = False
         self.watch = Watch(self._bring_up_to_date)
         self.applied: Counter[str] = Counter()
         """Buckets applied, by what brought them: "forward" (the module that needs them is about to run:
-        the overlap DeAR is for), "touch", "after_forward", "flush", "unwatchable"; "whole": steps whose
+        the overlap DeAR is for), "touch", "after_forward", "flush", "unwatchable", "compiled" (before a
+        torch.compile'd forward); "whole": steps whose
         gradients were made whole at once."""
 
     # ----------------------------------------------------------------- lifecycle
     def attach(self, module: nn.Module) -> None:
         super().attach(module)
+        self._compiled = runs_compiled(module)
+        if self._compiled:
+            return  # updates are applied before the compiled region, not from hooks inside it
         where = {id(p): bucket.index for bucket in self.plan.buckets for p in bucket.params}
         for sub in module.modules():
             buckets = {where[id(p)] for p in sub.parameters(recurse=False) if id(p) in where}
@@ -148,7 +154,7 @@ class DeARSchedule(Schedule):
     def at_boundary(self) -> None:
         """Between trials of the stream search: the pending update is applied (its all-gathers are in
         flight on the old streams) before the buckets' units move."""
-        chosen = self.streams.at_boundary(self.links.control)
+        chosen = self.streams.at_boundary(self.links.control, hold=self.settling)
         if chosen is not None:
             self._restripe(chosen)
         return None
@@ -320,6 +326,14 @@ class DeARSchedule(Schedule):
         if self._pending is not None:
             for b in self._owner_buckets[module_id]:
                 self._apply(b, "forward")
+
+    def before_forward(self) -> None:
+        """A torch.compile'd module: every update lands before the compiled forward starts. A hook
+        calling back into Python inside the compiled region would break its graph at every bucket (and
+        a pending parameter's class would change what the compiled code guards on), costing more than
+        the all-gathers' overlap with the forward earns."""
+        if self._compiled:
+            self.flush("compiled")
 
     def after_forward(self) -> None:
         """Buckets whose modules did not run in this forward: applied before backward refills the buckets."""

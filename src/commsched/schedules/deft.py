@@ -67,6 +67,7 @@ class DeFTSettings:
 
 class DeFTSchedule(Schedule):
     name = "deft"
+    planner = "dear-model"  # its exact candidates (DeAR most often) run on the planned buckets
     description = "commsched DeFT: delayed updates solved by knapsacks over a primary and a secondary link"
     links_used = ("primary", "secondary")
     steps_whole = False  # generations step while other generations are in flight on the links
@@ -128,9 +129,9 @@ class DeFTSchedule(Schedule):
     def at_boundary(self) -> Optional[Handover]:
         """Measure, solve and choose once the measured steps are over; the iterations go to DeAR or
         WFBP when that was chosen (and come back on a re-plan)."""
-        if self._replan:
-            self._restart_measuring()
-        if not self.decided and self.seen >= self.options.warmup_steps + self.options.measure_steps:
+        if self._replan or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
+            self._restart_measuring()  # (while the buckets are being decided, measure nothing yet)
+        if not self.decided and not self.settling and self.seen >= self.options.warmup_steps + self.options.measure_steps:
             self._decide()
         if self._confirmation is not None:
             confirmed = self._confirmation.at_boundary()
@@ -178,6 +179,10 @@ class DeFTSchedule(Schedule):
         if self.options.confirm_steps and self.choice.alternative is not None and self.links.control.world_size > 1:
             self._confirmation = Confirmation(self.choice, self.options.confirm_steps, self.links.control,
                                               self.plan.buckets[0].buffer.device)
+
+    @property
+    def settled(self) -> bool:
+        return self.decided and self._confirmation is None
 
     def summary(self) -> list[str]:
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"

@@ -22,6 +22,7 @@ from commsched.options import CompressionOptions, StreamOptions
 from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
+from commsched.compression.auto import SparseOrDense, fastest_selection
 from commsched.reducers.topk import SparseExchange, TopKAllReduce, selector
 from commsched.schedules.base import Schedule
 from commsched.sim import schedules
@@ -46,6 +47,10 @@ class WFBPSettings:
     """Dense buckets' units on several streams, fixed or searched (None: one stream)."""
     epoch_steps: Callable[[], float] = lambda: math.inf
     """Optimizer steps in one epoch (inf when the data has no length): the warm-up a sparse run is advised."""
+    sparse_or_dense: Optional[SparseOrDense] = None
+    """method "auto": whether sparse exchanges pay, decided on real steps (kept across bucket rebuilds)."""
+    selection: dict[str, Any] = field(default_factory=dict)
+    """method "auto": the selection measured faster ("method") and the times ("ms"), measured once per fit."""
 
 
 def warm_up_advice(epoch_steps: float, total_steps: float) -> str:
@@ -77,7 +82,7 @@ class WFBPSchedule(Schedule):
         self._carry: list[Optional[torch.Tensor]] = []
         """Residuals of a compressed run resumed dense: added to the first step's gradient."""
         sparse = compression.method != "none"
-        select = selector(compression.method, compression.samplings) if sparse else None
+        select = selector(self._selection(), compression.samplings) if sparse else None
         if sparse and compression.hierarchical:
             intra, inter = links["intra"], links["inter"]
             self.reducers = [HierarchicalReduce(b, intra, inter, compression.density, select, compression.error_feedback,
@@ -90,6 +95,22 @@ class WFBPSchedule(Schedule):
         if not sparse:
             self.reducers = self._dense_reducers(self.streams.striping)
         self._works: list[Optional[SparseExchange | Any]] = [None] * len(plan.buckets)
+
+    def _selection(self) -> str:
+        """The selection a sparse exchange uses: the method named, or for "auto" the one rank 0 measured
+        faster on a tensor the size of the largest bucket (once per fit; every rank builds its buckets here)."""
+        compression = self.settings.compression
+        if compression.method != "auto":
+            return compression.method
+        chosen = self.settings.selection
+        if not chosen:
+            largest = max(b.buffer.numel() for b in self.plan.buckets)
+            method, times = fastest_selection(largest, compression.density, compression.samplings,
+                                              self.plan.buckets[0].buffer.device, self.links.control)
+            chosen.update(method=method, ms=times)
+            say(f"commsched topk: selecting with {'torch.topk' if method == 'topk' else 'MSTopK'} "
+                f"({times['topk']:.2f} ms for torch.topk, {times['mstopk']:.2f} ms for MSTopK, measured here)")
+        return chosen["method"]
 
     def _dense_reducers(self, striping: Striping) -> list[StripedAllReduce]:
         """Each bucket's units on their streams, flat or node first (one unit per bucket with one stream)."""
@@ -118,8 +139,9 @@ class WFBPSchedule(Schedule):
             compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and two_levels)
         streams = StreamControl.of(options.streams, options.stream_options, trainer,
                                    two_level=None if searched else bool(compression.hierarchical))
+        judge = SparseOrDense(compression) if compression.method == "auto" else None
         return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams,
-                            lambda: _epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches))
+                            lambda: _epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches), judge)
 
     @classmethod
     def links_for(cls, settings: Any) -> tuple[str, ...]:
@@ -130,24 +152,34 @@ class WFBPSchedule(Schedule):
     def at_boundary(self) -> None:
         """The stream search's switches, and a sparse exchange's dense phases, at iteration starts
         (every rank at the same step; nothing is in flight)."""
-        chosen = self.streams.at_boundary(self.links.control) if self.streams is not None else None
+        chosen = self.streams.at_boundary(self.links.control, hold=self.settling) if self.streams is not None else None
         if chosen is not None:
             self._restripe(chosen)
         compression = self.settings.compression
         if not self._advised and compression.method != "none" and not compression.dense_warmup_steps:
             self._advise_warm_up()
-        if compression.method == "none" or not (compression.dense_warmup_steps or compression.dense_final_steps):
+        if compression.method == "none":
             return None
         step, total = self.settings.progress()
-        dense = step < compression.dense_warmup_steps or step >= total - compression.dense_final_steps
-        if dense != self._dense_phase:
+        phased = bool(compression.dense_warmup_steps or compression.dense_final_steps)
+        dense = phased and (step < compression.dense_warmup_steps or step >= total - compression.dense_final_steps)
+        if phased and dense != self._dense_phase:
             if self._dense_phase is not None or dense:
                 say(f"commsched wfbp: step {step}: {'dense all-reduce' if dense else f'{compression.method} at density {compression.density:g}'}"
                     + (" (residuals join this step's gradient)" if dense and self._dense_phase is False and compression.error_feedback else ""))
             self._dense_phase = dense
-            for reducer in self.reducers:
-                reducer.dense = dense  # type: ignore[attr-defined]
+        judge = self.settings.sparse_or_dense
+        if judge is not None and not dense and not self.settling:
+            judge.at_boundary(self.links.control, say)
+        dense = dense or (judge is not None and judge.dense)
+        for reducer in self.reducers:
+            reducer.dense = dense  # type: ignore[attr-defined]
         return None
+
+    @property
+    def settled(self) -> bool:
+        judge = self.settings.sparse_or_dense
+        return super().settled and (judge is None or not judge.deciding)
 
     def summary(self) -> list[str]:
         compression = self.settings.compression
@@ -155,7 +187,12 @@ class WFBPSchedule(Schedule):
             return super().summary()
         how = "node first (HiTopKComm)" if compression.hierarchical else "flat"
         feedback = "with" if compression.error_feedback else "without"
-        return [f"{compression.method} at density {compression.density:g}, {how}, {feedback} error feedback", *super().summary()]
+        method = compression.method
+        if method == "auto":
+            method = f"top-k ({self.settings.selection.get('method', 'topk')} selection)"
+        judge = self.settings.sparse_or_dense
+        kept = f"; {judge.describe()}" if judge is not None else ""
+        return [f"{method} at density {compression.density:g}, {how}, {feedback} error feedback{kept}", *super().summary()]
 
     def _advise_warm_up(self) -> None:
         """A sparse run from its first step converges worse (early gradients are large and momentum
@@ -165,7 +202,8 @@ class WFBPSchedule(Schedule):
         step, total = self.settings.progress()
         if step > 0 or self.settings.compression.density >= 1:
             return  # a resumed run (it was said when it started), or one that sends everything
-        say(f"commsched wfbp: {self.settings.compression.method} from the first step, with no dense warm-up; sparse "
+        method = {"auto": "top-k"}.get(self.settings.compression.method, self.settings.compression.method)
+        say(f"commsched wfbp: {method} from the first step, with no dense warm-up; sparse "
             f"exchanges with momentum go wrong early in training (in the README's digits runs a dense first epoch "
             f"recovered 2-5 of the points top-k lost): consider {warm_up_advice(self.settings.epoch_steps(), total)}")
 
