@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from commsched.interleaved import Turns, decide, slowest_rank
 from commsched.options import StreamOptions
 from commsched.run_files import folder_of
 from commsched.say import say
@@ -34,8 +35,8 @@ from commsched.streams.space import Space
 from commsched.streams.units import Striping
 
 TRIALS_FILE = "commsched_streams.json"
-MIN_GAIN = 0.02
-"""Several streams are kept only when measured at least this much faster than one (as DeFT's confirmation)."""
+CONFIRM_ROUNDS = 3
+"""Turns each of the search's best and one stream take before the choice (`commsched.interleaved`)."""
 
 
 class StreamControl:
@@ -55,6 +56,8 @@ class StreamControl:
         self.chosen_s = 0.0
         self.trials: list[dict[str, Any]] = []
         self.searching = self.auto
+        self._confirming: Optional[tuple[list[Striping], Turns]] = None
+        """The search's best and one stream taking turns before the choice."""
         self._search: Optional[StreamSearch] = None
         self._first: list[Striping] = []  # what the search under way measures first (rebuilt from it on resume)
         self._technique = "start"
@@ -109,18 +112,24 @@ class StreamControl:
         return max(1, min(self._budget // self.options.trial_steps, len(self.space.all())))
 
     # ------------------------------------------------------------ at a boundary
-    def at_boundary(self, control: Any) -> Optional[Striping]:
-        """Called at every iteration start on every rank; a configuration to switch to now, or None."""
+    def at_boundary(self, control: Any, hold: bool = False) -> Optional[Striping]:
+        """Called at every iteration start on every rank; a configuration to switch to now, or None.
+        `hold`: another choice is timing these steps (the buckets are being decided): wait, count nothing."""
         now = time.perf_counter()
         if self._last is not None:
             self._durations.append(now - self._last)
         self._last = now
         if not self.auto:
             return None
+        if hold:
+            self._durations = []
+            return None
         if self._warming < self.options.warmup_steps:
             self._warming += 1
             self._durations = []
             return None
+        if self._confirming is not None:
+            return self._confirm(control)
         if self.searching:
             if len(self._durations) < self.options.trial_steps:
                 return None
@@ -143,21 +152,39 @@ class StreamControl:
         spent = self._spent + len(self._durations)  # every rank adds it when it follows
         technique, proposed = self._search.propose()
         if proposed is None or spent + self.options.trial_steps > self._budget:
-            best, best_s = self._kept()
-            return {"trial": trial.to_json(), "chosen": best.to_json(), "chosen_s": best_s}
+            best, best_s = self._search.best()  # type: ignore[misc]
+            one = self._fastest_single()
+            return {"trial": trial.to_json(), "chosen": best.to_json(), "chosen_s": best_s,
+                    "baseline": one.to_json() if one is not None and one != best else None}
         return {"trial": trial.to_json(), "next": proposed.to_json(), "technique": technique}
 
-    def _kept(self) -> tuple[Striping, float]:
-        """The best measured configuration, unless one stream was measured within `MIN_GAIN` of it:
-        a gain inside the noise of a few timed steps is not worth more groups (and may not be one)."""
+    def _fastest_single(self) -> Optional[Striping]:
+        """Rank 0: the one-stream configuration measured fastest (the baseline a search's best must beat)."""
         assert self._search is not None
-        best, best_s = self._search.best()  # type: ignore[misc]
         single = {s: t for s, t in self._search.measured.items() if s.streams == 1}
-        if best.streams > 1 and single:
-            one = min(single, key=single.__getitem__)
-            if best_s > single[one] * (1 - MIN_GAIN):
-                return one, single[one]
-        return best, best_s
+        return min(single, key=single.__getitem__) if single else None
+
+    def _confirm(self, control: Any) -> Optional[Striping]:
+        """Every rank: the search's best and one stream take turns on real steps; the best is kept only
+        when it beats one stream by more than the noise measured in those steps (a trial of a few
+        steps each, one after the other, found 3-9% 'gains' on an uncapped link that were not there)."""
+        assert self._confirming is not None
+        arms, turns = self._confirming
+        arm = turns.at_boundary()
+        if arm is not None:
+            return self._switch(arms[arm])
+        if not turns.done:
+            return None
+        verdict = decide(slowest_rank(turns.samples(), control), turns.steps)
+        self._confirming = None
+        self.chosen, self.chosen_s, self.searching = arms[verdict.keep], verdict.medians_s[verdict.keep], False
+        one_ms, best_ms = (s * 1e3 for s in verdict.medians_s)
+        say(f"commsched streams: on alternating steps {arms[1].describe()} ran {best_ms:.1f} ms/step against {one_ms:.1f} "
+            f"for {arms[0].describe()} (noise margin {verdict.margin:.0%}): "
+            + (f"{self.chosen.describe()} kept ({verdict.gain:.2f}x)" if verdict.keep else "one stream kept"))
+        self._save()
+        self._durations = []
+        return self._switch(self.chosen)
 
     def _drifted(self) -> Optional[dict[str, Any]]:
         """Rank 0: the step time watched after the search; re-open it past the drift threshold."""
@@ -191,6 +218,12 @@ class StreamControl:
         if "next" in decision:
             self._technique = decision["technique"]
             return self._switch(Striping.from_json(decision["next"]))
+        if decision.get("baseline") is not None:
+            arms = [Striping.from_json(decision["baseline"]), Striping.from_json(decision["chosen"])]
+            say(f"commsched streams: the search's best, {arms[1].describe()}, now takes turns with {arms[0].describe()} "
+                "before it is kept")
+            self._confirming = (arms, Turns(arms=2, steps_per_turn=max(1, self.options.trial_steps - 1), rounds=CONFIRM_ROUNDS))
+            return None
         self.chosen, self.chosen_s, self.searching = Striping.from_json(decision["chosen"]), decision["chosen_s"], False
         one = self._one_stream_s()
         say(f"commsched streams: chose {self.chosen.describe()} ({self.chosen_s * 1e3:.1f} ms/step"
@@ -258,7 +291,7 @@ class StreamControl:
         if self.chosen.streams > 1 and one:
             line += f", {one / self.chosen_s:.2f}x one stream"
         elif self.chosen.streams == 1:
-            line += f" (nothing measured {MIN_GAIN:.0%} faster than one stream)"
+            line += " (nothing measured faster than one stream by more than the noise)"
         return line + (" (the checkpoint's choice)" if self._kept_from_checkpoint else "")
 
     def _unfinished(self) -> str:
