@@ -14,6 +14,8 @@ from commsched.sim.network import parse_rate
 
 DEFAULT_SCHEDULES = ("ddp", "wfbp", "dear")
 EXCHANGES = ("topk", "hier")
+TUNED = "name/Nmb"
+"""An entry with fixed N MB buckets (`dear/2mb`): a tuned row, beside the defaults."""
 """wfbp with another exchange: "topk" MSTopK at density 0.01 ("topk@0.001": another density; two-level
 on several nodes), "hier" the dense two-level all-reduce. `name:S` runs wfbp, dear or hier on S streams
 (`name:auto`: searched with the Python API's defaults; the search's steps are left out of the timing)."""
@@ -49,11 +51,10 @@ class BenchConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     width: int = 64  # channels (images) or embedding size (gpt2_tiny); SmallCNN width 64: 3.06 M parameters
     batch_size: int = 32
-    bucket_cap_mb: float = 2.0  # the same for every schedule, ddp included
+    bucket_cap_mb: Optional[float] = None  # None: every schedule at its defaults (ddp: Lightning's); set: fixed buckets for all
     warmup: int = 3
     steps: int = 20
     rounds: int = 3  # the schedules run interleaved this many times; the best median counts
-    deft_measure_steps: int = 3  # deft: synchronous steps measured after warmup before it solves (not timed)
     preserver: bool = True  # deft: with the Preserver (False: the knapsack's plan as solved)
     max_staleness: int = 0  # deft: the Preserver's max_staleness
     timeout_s: int = 600
@@ -74,6 +75,14 @@ def validate_bench(cfg: Any) -> None:
         raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(names)}")
     for entry in cfg.schedules:
         name, _, callback = str(entry).partition("+")
+        name, slash, cap = name.partition("/")
+        if slash:
+            try:
+                valid = float(cap.removesuffix("mb")) > 0
+            except ValueError:
+                valid = False
+            if not valid:
+                raise bad_value(f"schedules ({entry})", entry, "name/Nmb with N > 0 (fixed N MB buckets), e.g. dear/2mb")
         name, colon, streams = name.partition(":")
         if colon:
             if name not in options.STRIPING_SCHEDULES and name != "hier":
@@ -110,6 +119,7 @@ def validate_bench(cfg: Any) -> None:
         options.positive_int(name, cfg[name])
     if cfg.warmup < 1:
         raise bad_value("warmup", cfg.warmup, "an integer >= 1")
-    options.positive_number("bucket_cap_mb", cfg.bucket_cap_mb)
+    if cfg.bucket_cap_mb is not None:
+        options.positive_number("bucket_cap_mb", cfg.bucket_cap_mb)
     if "gpt2_tiny" in cfg.models and cfg.width % 2:
         raise bad_value("width", cfg.width, "an even number with gpt2_tiny (2 attention heads)")

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import commsched
-from commsched.options import CompressionOptions, DeFTOptions, ProfileOptions, StreamOptions
+from commsched.options import CompressionOptions, ProfileOptions
 from commsched.plugins import import_plugins
 from commsched.quiet import exit_silently_on_interrupt, quiet_lightning
 import lightning.pytorch as pl
@@ -57,30 +57,30 @@ USER_CALLBACKS = {"clock": ReadsClock, "weights": ReadsWeights}
 
 
 def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
+    """Each entry at its defaults, as a user calls it, unless it names a setting (a tuned row):
+    ``name/2mb`` fixed 2 MB buckets, ``name:4`` four streams, ``topk@0.001`` another density;
+    `spec["bucket_cap_mb"]`, when set, gives every entry (ddp too) fixed buckets of that size."""
+    schedule, slash, cap = schedule.partition("/")
+    bucket_cap_mb = float(cap.removesuffix("mb")) if slash else spec.get("bucket_cap_mb")
     schedule, colon, streams = schedule.partition(":")
     if colon:
         extra["streams"] = int(streams) if streams.isdigit() else streams
+    if bucket_cap_mb is not None:
+        extra["bucket_cap_mb"] = bucket_cap_mb
     if schedule == "ddp":
-        return DDPStrategy(bucket_cap_mb=spec["bucket_cap_mb"])
-    if schedule == "deft":
-        extra["deft"] = DeFTOptions(warmup_steps=spec["warmup"], measure_steps=spec["deft_measure_steps"])
+        return DDPStrategy(**extra)
     if schedule == "hier":
         extra["compression"] = CompressionOptions(method="none", hierarchical=True)
     if schedule.startswith("topk"):
         density = schedule.partition("@")[2]
-        extra["compression"] = CompressionOptions(method="mstopk", density=float(density) if density else 0.01)
+        extra["compression"] = CompressionOptions(method="auto", density=float(density) if density else 0.01)
     name = "wfbp" if schedule == "hier" or schedule.startswith("topk") else schedule
-    return commsched.STRATEGIES[name](bucket_cap_mb=spec["bucket_cap_mb"], **extra)
+    return commsched.STRATEGIES[name](**extra)
 
 
-def _untimed(schedule: str, spec: dict) -> int:
-    """Steps left out of the timing: the warm-up, and deft's synchronous measured steps, the timed
-    trial of its two candidates (each a switch step and `confirm_steps`) and the first step after."""
-    if schedule.endswith(":auto"):
-        return max(spec["warmup"], StreamOptions().warmup_steps + StreamOptions().budget_steps + 2)
-    if schedule != "deft":
-        return spec["warmup"]
-    return spec["warmup"] + spec["deft_measure_steps"] + 2 * (DeFTOptions().confirm_steps + 1) + 1
+DECIDING_AT_MOST = 400
+"""Steps a run may spend on its automatic choices before its timed steps (a bound for max_steps;
+`StepTimer` stops the fit once its steps are timed)."""
 
 
 def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
@@ -88,16 +88,16 @@ def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
     return DataLoader(make_data(spec["batch_size"] * world * (steps + 2)), batch_size=spec["batch_size"])
 
 
-def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[StepTimer, int, dict, dict]:
+def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[StepTimer, int, dict, dict, dict]:
     """One run of `entry` (a schedule, `+callback` for a user's callback in the Trainer): its step
-    timer (after warm-up), this process's rank, the final weights (every schedule starts from the
-    same seed and sees the same batches) and, for deft, what it decided."""
+    timer (after its choices and a warm-up), this process's rank, the final weights (every schedule
+    starts from the same seed and sees the same batches), for deft or a stream search what it
+    decided, and what the strategy chose by itself with the steps that took."""
     schedule, _, user = entry.partition("+")
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
-    untimed = _untimed(schedule, spec)
-    steps = untimed + spec["steps"] + 1
-    timer = StepTimer(warmup=untimed)
+    steps = spec["warmup"] + spec["steps"] + DECIDING_AT_MOST
+    timer = StepTimer(warmup=spec["warmup"], stop_after=spec["steps"])
     callbacks: list[pl.Callback] = [timer] + ([USER_CALLBACKS[user]()] if user else [])
     if schedule == "deft" and spec["preserver"]:
         callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"]))
@@ -105,7 +105,23 @@ def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[S
     trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
-    return timer, trainer.global_rank, state, _deft_report(strategy) or _streams_report(entry, strategy)
+    return timer, trainer.global_rank, state, _deft_report(strategy) or _streams_report(entry, strategy), _choices(strategy, timer)
+
+
+def _choices(strategy: Any, timer: StepTimer) -> dict:
+    """What a commsched strategy chose by itself, and the steps that took (none for ddp)."""
+    plan = getattr(strategy, "fusion_plan", None)
+    buckets = getattr(strategy, "bucket_plan", None)
+    if buckets is None:
+        return {}
+    auto = plan.details.get("auto") if plan is not None else None
+    fusion = (f"{auto['planner']} plan" if auto["kept"] == "planned" else "fixed") if auto else (plan.policy if plan else "fixed")
+    schedule = strategy.last_schedule
+    chose = [f"{len(buckets.buckets)} buckets ({fusion})"]
+    judge = getattr(getattr(schedule, "settings", None), "sparse_or_dense", None)
+    if judge is not None and judge.verdict is not None:
+        chose.append("sparse" if judge.verdict.keep else "dense")
+    return {"chose": ", ".join(chose), "deciding_steps": timer.deciding_steps}
 
 
 def _streams_report(entry: str, strategy: Any) -> dict:
@@ -130,7 +146,9 @@ def profile_components(model_name: str, spec: dict, out: Path) -> dict:
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     steps = spec["warmup"] + spec["steps"] + 1
-    strategy = _strategy("wfbp", spec, profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(out)))
+    # fixed buckets (the size ddp uses): the components of one step, not a planner's choice
+    strategy = _strategy("wfbp", {**spec, "bucket_cap_mb": spec.get("bucket_cap_mb") or 25.0},
+                         profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(out)))
     trainer = _trainer(strategy, spec, steps + 1, [], out)
     trainer.fit(model, _loader(make_data, spec, steps + 1))
     assert strategy.profile is not None
@@ -174,9 +192,10 @@ def main() -> None:
         rounds: dict[str, list[tuple[float, float, float]]] = {s: [] for s in spec["schedules"]}
         final: dict[str, dict] = {}
         deft: dict[str, Any] = {}
+        chose: dict[str, dict] = {}
         for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
-                timer, rank, state, decided = time_schedule(model_name, schedule, spec, out / model_name)
+                timer, rank, state, decided, chose[schedule] = time_schedule(model_name, schedule, spec, out / model_name)
                 rounds[schedule].append((timer.median, timer.median_cpu, timer.median_wire_bytes))
                 final.setdefault(schedule, state)
                 if decided:
@@ -193,7 +212,7 @@ def main() -> None:
             "components_ms": {k: v * 1e3 for k, v in summary.items() if k.startswith("t_")},
             "deft": deft,
             "rows": [{
-                "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": best[s][1] * 1e3,
+                "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": best[s][1] * 1e3, **chose[s],
                 "wire_mb": best[s][2] / 1e6 if best[s][2] == best[s][2] else None,  # this rank, per step (ddp: not counted)
                 "rounds_ms": [step * 1e3 for step, _, _ in rounds[s]],
                 # deft's delayed updates are another trajectory by design: not compared
