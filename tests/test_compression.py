@@ -231,11 +231,11 @@ def test_error_feedback_changes_the_result(runs):
 
 
 def test_a_sparse_run_without_warm_up_is_advised_once(runs):
-    """The five fresh sparse runs with no dense warm-up (12 or 5 steps, shorter than their epoch of
+    """The six fresh sparse runs with no dense warm-up (12, 16 or 5 steps, shorter than their epoch of
     256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
     warmed-up and density-1 runs are not."""
     advice = re.findall(r"no dense warm-up.*?CompressionOptions\(dense_warmup_steps=(\d+)\) \((.*?)\)", runs.said)
-    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 5, advice
+    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 6, advice
 
 
 def test_the_warm_up_advice_is_one_epoch_or_a_tenth_of_a_shorter_run():

@@ -49,14 +49,17 @@ def test_python_and_hydra_defaults_are_the_same():
 
 
 def test_compression_defaults_are_the_same_from_python_and_hydra():
-    """`compression=mstopk` in Hydra, `compression="mstopk"` in Python and `strategy="topk"` build the same options."""
+    """`compression=auto` in Hydra, `compression="auto"` in Python and `strategy="topk"` build the same
+    options; `mstopk` names the paper's selection alike in both."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    cfg = composed("schedule=wfbp", "compression=mstopk")
-    from_python = commsched.WFBPStrategy(compression="mstopk").options.compression
+    cfg = composed("schedule=wfbp", "compression=auto")
+    from_python = commsched.WFBPStrategy(compression="auto").options.compression
     registered = StrategyRegistry.get("topk").options.compression
     assert dataclasses.asdict(from_python) == OmegaConf.to_container(cfg.compression) == dataclasses.asdict(registered)
-    assert (from_python.method, from_python.density, from_python.error_feedback) == ("mstopk", 0.01, True)
+    assert (from_python.method, from_python.density, from_python.error_feedback) == ("auto", 0.01, True)
+    paper = commsched.WFBPStrategy(compression="mstopk").options.compression
+    assert dataclasses.asdict(paper) == OmegaConf.to_container(composed("schedule=wfbp", "compression=mstopk").compression)
     assert OmegaConf.to_container(composed("schedule=wfbp").compression)["method"] == "none"
 
 

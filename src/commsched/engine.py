@@ -40,7 +40,10 @@ SECONDARY_IFNAME_ENV = "COMMSCHED_SECONDARY_IFNAME"  # set on each node by comms
 class Engine:
     def __init__(self, schedule_class: type[Schedule], options: StrategyOptions, trace_collectives: bool) -> None:
         self.schedule_class = schedule_class
-        self.policy = PlanPolicy(options.fusion, options.tuning, planner=schedule_class.planner)
+        fusion = options.fusion
+        if fusion.policy == "auto" and schedule_class.keeps_its_buckets(options):
+            fusion = dataclasses.replace(fusion, policy="fixed")
+        self.policy = PlanPolicy(fusion, options.tuning, planner=schedule_class.planner)
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.owner: Optional[Schedule] = None
         """The configured schedule: it decides hand-overs and keeps the communication state."""
@@ -50,7 +53,7 @@ class Engine:
         self.links: Optional[Links] = None
         self.profiler: Optional[RunProfiler] = None
         self.settings: Any = None  # schedule-specific, from `Schedule.settings_for`
-        self._fusion = options.fusion
+        self._fusion = fusion
         self._profile = options.profile
         self._link_options = options.links
         self._module: Optional[nn.Module] = None
@@ -185,7 +188,8 @@ class Engine:
             return
         warmup = self._fusion.profile_warmup_steps if planning else 1
         steps = max(self._profile.steps, self._fusion.profile_steps + warmup if planning else 0)
-        self.profiler = RunProfiler(steps, self._profile.dir, self._profile.probe or planning, warmup=warmup)
+        self.profiler = RunProfiler(steps, self._profile.dir, self._profile.probe or planning, warmup=warmup,
+                                    announce=bool(self._profile.steps))
         self.profiler.start(module, list(self.links or []))
         self._profile = dataclasses.replace(self._profile, steps=0)  # the asked-for profile runs once
 

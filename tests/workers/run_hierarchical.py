@@ -43,7 +43,7 @@ def fit(out: Path, name: str, nodes: int, devices: int) -> None:
     pl.seed_everything(SEED, verbose=False)
     model = MLP("sgd")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    strategy = commsched.WFBPStrategy(compression=CASES[name], trace_collectives=True, **STREAMS.get(name, {}))
+    strategy = commsched.WFBPStrategy(compression=CASES[name], fusion="fixed", trace_collectives=True, **STREAMS.get(name, {}))
     trainer = pl.Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          default_root_dir=out / name)

@@ -28,6 +28,8 @@ from commsched.run_files import folder_of
 from commsched.say import say
 
 Planner = Callable[[Sequence[ParamInfo]], list[list[int]]]
+ADAPTIVE = (*MODEL_POLICIES, "bayes", "auto")
+"""Policies that decide during the run (the others build their layout at once)."""
 PLAN_FILE_NAME = "commsched_plan.json"
 
 
@@ -39,7 +41,7 @@ class PlanPolicy:
         self.decided: Optional[SavedPlan] = SavedPlan.load(fusion.plan_file) if fusion.plan_file else None
         self.trials: list[dict[str, float]] = []
         self._seed = seed
-        self._adaptive = fusion.policy in (*MODEL_POLICIES, "bayes", "auto")
+        self._adaptive = fusion.policy in ADAPTIVE
         self.auto: Optional[AutoFusion] = AutoFusion(fusion, planner) if fusion.policy == "auto" else None
         self._replan = False
         self._announce_pending = False
@@ -90,7 +92,7 @@ class PlanPolicy:
         if self._replan:
             self._replan = False
             self.decided = None
-            self._adaptive = True
+            self._adaptive = self.fusion.policy in ADAPTIVE  # a fixed or layers policy has nothing to decide: its layout again
             self._start_tuning()
             if self.auto is not None:
                 self.auto.reopen(strategy.profile)

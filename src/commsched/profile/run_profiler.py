@@ -45,8 +45,12 @@ def collectives_to_time() -> list[str]:
 
 
 class RunProfiler:
-    def __init__(self, steps: int, out_dir: Optional[str | Path], probe: bool, repeats: int = 5, warmup: int = 1) -> None:
+    def __init__(self, steps: int, out_dir: Optional[str | Path], probe: bool, repeats: int = 5, warmup: int = 1,
+                 announce: bool = True) -> None:
+        """`announce`: say where the profile went (a profile the user asked for; a planner's own is
+        reported by the plan it led to)."""
         self.steps = steps
+        self.announce = announce
         self.out_dir = Path(out_dir).expanduser() if out_dir is not None else None
         self.probe = probe
         self.repeats = repeats
@@ -216,10 +220,11 @@ class RunProfiler:
         write_chrome_trace(shifted, out_dir / "trace.json")
         result["files"] = {"profile": str(out_dir / "profile.json"), "trace": str(out_dir / "trace.json")}
         summary = result["summary"]
-        say(f"commsched: profiled {result['profiled_steps']} steps: {summary['step_s'] * 1e3:.1f} ms/step, "
-                       f"{summary['exposed_comm_s'] * 1e3:.1f} ms of it waiting on communication, overlap ratio "
-                       f"{summary['overlap_ratio']:.2f}; wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} "
-                       "(chrome://tracing or ui.perfetto.dev)")
+        if self.announce:
+            say(f"commsched: profiled {result['profiled_steps']} steps: {summary['step_s'] * 1e3:.1f} ms/step, "
+                           f"{summary['exposed_comm_s'] * 1e3:.1f} ms of it waiting on communication, overlap ratio "
+                           f"{summary['overlap_ratio']:.2f}; wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} "
+                           "(chrome://tracing or ui.perfetto.dev)")
         logger = strategy.lightning_module.trainer.logger
         if logger is not None:
             for step in result["steps"]:

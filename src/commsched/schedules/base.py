@@ -163,6 +163,12 @@ class Schedule:
         self.flush()
 
     @classmethod
+    def keeps_its_buckets(cls, options: Any) -> bool:
+        """True: with these options the buckets must stay as built (e.g. timings given per bucket),
+        so `fusion="auto"` keeps fixed buckets."""
+        return False
+
+    @classmethod
     def links_for(cls, settings: Any) -> tuple[str, ...]:
         """The links this schedule needs with these settings (default: `links_used`)."""
         return cls.links_used

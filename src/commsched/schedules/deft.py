@@ -180,6 +180,10 @@ class DeFTSchedule(Schedule):
             self._confirmation = Confirmation(self.choice, self.options.confirm_steps, self.links.control,
                                               self.plan.buckets[0].buffer.device)
 
+    @classmethod
+    def keeps_its_buckets(cls, options: Any) -> bool:
+        return bool(options.deft.timings_file)  # the file's times are per bucket of the fixed layout
+
     @property
     def settled(self) -> bool:
         return self.decided and self._confirmation is None

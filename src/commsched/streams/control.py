@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from commsched.interleaved import Turns, decide, slowest_rank
+from commsched.interleaved import Turns, decide
 from commsched.options import StreamOptions
 from commsched.run_files import folder_of
 from commsched.say import say
@@ -165,7 +165,8 @@ class StreamControl:
         return min(single, key=single.__getitem__) if single else None
 
     def _confirm(self, control: Any) -> Optional[Striping]:
-        """Every rank: the search's best and one stream take turns on real steps; the best is kept only
+        """Every rank: the search's best and one stream take turns on real steps (the same steps on every
+        rank: the turns count iterations); the best is kept only
         when it beats one stream by more than the noise measured in those steps (a trial of a few
         steps each, one after the other, found 3-9% 'gains' on an uncapped link that were not there)."""
         assert self._confirming is not None
@@ -175,7 +176,9 @@ class StreamControl:
             return self._switch(arms[arm])
         if not turns.done:
             return None
-        verdict = decide(slowest_rank(turns.samples(), control), turns.steps)
+        # rank 0's clock decides, as it does every trial of the search
+        verdict = control.broadcast_object(decide(turns.samples(), turns.steps) if control.rank == 0 else None, 0,
+                                           "streams-confirm")
         self._confirming = None
         self.chosen, self.chosen_s, self.searching = arms[verdict.keep], verdict.medians_s[verdict.keep], False
         one_ms, best_ms = (s * 1e3 for s in verdict.medians_s)
