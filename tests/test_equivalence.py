@@ -122,3 +122,18 @@ def test_a_link_bound_to_a_network_interface_changes_nothing(cases):
     results = cases(2)
     diff, key = max_abs_diff(results.load("dear-iface")["state"], results.load("ddp-sgd")["state"])
     assert diff <= TOLERANCE, f"{key} differs from ddp by {diff:.3g}"
+
+
+def test_dear_handing_its_iterations_to_wfbp_changes_no_math(cases):
+    """DeAR's default fallback: DeAR and WFBP take turns on real steps (the iterations change hands
+    each turn, DeAR's pending update applied first), then the faster runs the rest; every rank follows
+    the same turns, and the run equals ddp's."""
+    results = cases(3)
+    runs, reference = results.all_ranks("dear-fallback-2ep"), results.load("ddp-2ep")
+    for rank, result in enumerate(runs):
+        assert result["global_step"] == reference["global_step"] == 24
+        diff, key = max_abs_diff(result["state"], reference["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"
+    ops = [op for link, op, tag, *_ in runs[0]["trace"] if tag == "bucket0"]
+    assert "all_reduce" in ops and "reduce_scatter" in ops  # both schedules ran
+    assert all(r["trace"] == runs[0]["trace"] for r in runs)

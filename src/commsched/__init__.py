@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
-from commsched.options import (CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
+from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
 
 __version__ = "0.2.0"
@@ -46,7 +46,7 @@ if "commsched_cli" not in sys.modules:
     _register()
 
 __all__ = [
-    "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
+    "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeAROptions", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
     "LinkOptions", "PeerFailureError", "Preserver", "PreserverOptions", "ProfileOptions", "ResumableDataLoader", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
     "StopAndSave", "StoppedBySignal", "StreamOptions", "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
 ]

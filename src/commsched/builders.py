@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import OmegaConf
 
 import commsched
-from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
+from commsched.options import CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
 from commsched.models import ImageClassifier, LanguageModel
 from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
 
@@ -58,6 +58,7 @@ def build_strategy(cfg: Any, out: Optional[Path] = None) -> Strategy:
         tuning=TuningOptions(**OmegaConf.to_container(cfg.tuning, resolve=True)),
         links=LinkOptions(**OmegaConf.to_container(cfg.link, resolve=True)),
         deft=DeFTOptions(**OmegaConf.to_container(cfg.deft, resolve=True)),
+        dear=DeAROptions(**OmegaConf.to_container(cfg.dear, resolve=True)),
         preserver=PreserverOptions(**OmegaConf.to_container(cfg.preserver, resolve=True)),
         compression=CompressionOptions(**OmegaConf.to_container(cfg.compression, resolve=True)),
         streams=cfg.streams, stream_options=StreamOptions(**OmegaConf.to_container(cfg.stream_options, resolve=True)),

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from commsched import options
 from commsched.errors import bad_value
 from commsched.plugins import schedule_names
-from commsched.options import (CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
+from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
@@ -103,6 +103,7 @@ class TrainConfig:
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     link: LinkOptions = field(default_factory=LinkOptions)
     deft: DeFTOptions = field(default_factory=DeFTOptions)
+    dear: DeAROptions = field(default_factory=DeAROptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
     compression: CompressionOptions = field(default_factory=CompressionOptions)
     streams: Any = 1  # 1..16 concurrent collective streams, or "auto" (searched while training); wfbp and dear
@@ -133,7 +134,8 @@ def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCH
 def validate(cfg: Any) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
     for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions),
-                         ("deft", DeFTOptions), ("compression", CompressionOptions), ("stream_options", StreamOptions)):
+                         ("deft", DeFTOptions), ("dear", DeAROptions), ("compression", CompressionOptions),
+                         ("stream_options", StreamOptions)):
         options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
     options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
     name = str(cfg.schedule.name)

@@ -23,7 +23,7 @@ _syntax: list[Syntax] = ["python"]
 PYTHON_OWNERS = {
     "fusion": "FusionOptions", "tuning": "TuningOptions", "profile": "ProfileOptions", "links": "LinkOptions",
     "link": "LinkOptions", "deft": "DeFTOptions", "preserver": "PreserverOptions", "compression": "CompressionOptions",
-    "stream_options": "StreamOptions", "Preserver": "Preserver",
+    "stream_options": "StreamOptions", "Preserver": "Preserver", "dear": "DeAROptions",
 }
 """A setting path's first part -> the class a Python user passes it to."""
 HYDRA_GROUPS = {"links": "link", "Preserver": "preserver"}

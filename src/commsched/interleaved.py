@@ -158,3 +158,53 @@ class DriftWatch:
         median, self._seconds = statistics.median(self._seconds), []
         slower = median > self.kept_s * (1.0 + self.drift)
         return bool(control.broadcast_object(slower if control.rank == 0 else None, 0, "drift"))
+
+
+class Choice:
+    """The default (arm 0) or a candidate (arm 1), chosen on real steps after `warmup` iterations and
+    chosen again when the steps drift. Every rank calls `at_boundary` at every iteration start and
+    runs the arm it returns; `verdict` holds the last choice's measurements."""
+
+    def __init__(self, confirm_steps: int, confirm_rounds: int, drift: float, drift_steps: int, warmup: int = 5) -> None:
+        self.confirm_steps, self.confirm_rounds, self.drift, self.drift_steps, self.warmup = (
+            confirm_steps, confirm_rounds, drift, drift_steps, warmup)
+        self.arm = 1  # the candidate runs until it is measured
+        self.verdict: Optional[Verdict] = None
+        self.reopened = 0
+        """Choices made again after a drift."""
+        self._warming = 0
+        self._turns: Optional[Turns] = None
+        self._drift: Optional[DriftWatch] = None
+
+    @property
+    def deciding(self) -> bool:
+        return self.verdict is None
+
+    def at_boundary(self, control: Any) -> Optional[int]:
+        """The arm to run from this iteration on (None: the one running). Reads `reopened` to tell a
+        drift's new comparison from the first."""
+        if self.verdict is not None:
+            if self._drift is None or not self._drift.at_boundary(control):
+                return None
+            self.verdict, self._drift, self._warming = None, None, self.warmup
+            self.reopened += 1
+        if self._warming < self.warmup:
+            self._warming += 1
+            return None
+        if self._turns is None:
+            self._turns = Turns(arms=2, steps_per_turn=self.confirm_steps, rounds=self.confirm_rounds)
+        arm = self._turns.at_boundary()
+        if arm is not None:
+            return self._run(arm)
+        if not self._turns.done:
+            return None
+        self.verdict = decide(slowest_rank(self._turns.samples(), control), self._turns.steps)
+        self._turns = None
+        self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.drift, self.drift_steps)
+        return self._run(self.verdict.keep)
+
+    def _run(self, arm: int) -> Optional[int]:
+        if arm == self.arm:
+            return None
+        self.arm = arm
+        return arm

@@ -257,6 +257,27 @@ class DeFTOptions:
     replaces the prediction when measured at least 2% faster. 0: the prediction alone decides."""
 
 
+@dataclass
+class DeAROptions:
+    """DeAR ([DeAR]): each bucket's all-reduce split into a reduce-scatter in backward and an all-gather
+    in the next forward."""
+
+    fallback: str = option("when_faster", one_of("when_faster", "never"))
+    """"when_faster": once the buckets are decided, DeAR and WFBP (DDP's schedule: the same math, one
+    all-reduce per bucket in backward) take turns on real steps, and WFBP runs the iterations when it
+    measured faster beyond the noise (a fast link leaves DeAR nothing to hide, and its two collectives
+    per bucket cost more CPU than one); compared again when the steps drift. "never": DeAR always.
+    With several streams (`streams`), DeAR always."""
+    confirm_steps: int = option(3, positive_int)
+    """Timed steps per turn (one more runs first, untimed)."""
+    confirm_rounds: int = option(3, positive_int)
+    """Turns each schedule takes before the measured steps decide."""
+    drift: float = option(0.2, non_negative_number)
+    """A median step this much slower than the kept schedule measured compares them again. 0: never."""
+    drift_steps: int = option(50, positive_int)
+    """Steps per median watched for drift."""
+
+
 def eps_value(name: str, value: Any) -> float:
     if not (_real(value) and 0 < value < 1):
         raise bad_value(name, value, "a number in (0, 1)")
@@ -481,6 +502,7 @@ class StrategyOptions:
     deft: DeFTOptions = field(default_factory=DeFTOptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
     compression: CompressionOptions = field(default_factory=CompressionOptions)
+    dear: DeAROptions = field(default_factory=DeAROptions)
     streams: int | str = 1
     """1..16 streams, or "auto" (checked by `streams_value`)."""
     stream_options: StreamOptions = field(default_factory=StreamOptions)
@@ -488,14 +510,15 @@ class StrategyOptions:
     @classmethod
     def from_arguments(cls, fusion: Any, bucket_cap_mb: Optional[float], tuning: Any, profile: Any, links: Any,
                        deft: Any = None, preserver: Any = None, compression: Any = None, streams: Any = 1,
-                       stream_options: Any = None) -> "StrategyOptions":
+                       stream_options: Any = None, dear: Any = None) -> "StrategyOptions":
         return cls(fusion_from(fusion, bucket_cap_mb),
                    validated(typed("tuning", tuning or TuningOptions(), TuningOptions), "tuning."),
                    profile_from(profile),
                    validated(typed("links", links or LinkOptions(), LinkOptions), "links."),
                    validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."),
                    validated(typed("preserver", preserver or PreserverOptions(), PreserverOptions), "preserver."),
-                   compression_from(compression), streams_value("streams", streams),
+                   compression_from(compression), validated(typed("dear", dear or DeAROptions(), DeAROptions), "dear."),
+                   streams_value("streams", streams),
                    validated(typed("stream_options", stream_options or StreamOptions(), StreamOptions), "stream_options."))
 
 

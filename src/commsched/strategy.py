@@ -37,7 +37,7 @@ from commsched.engine import Engine
 from commsched.errors import PeerFailureError
 from commsched.interrupt import StoppedBySignal
 from commsched.lr_follow import FollowOptimizerSteps
-from commsched.options import CompressionOptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
+from commsched.options import CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
 from commsched.run_reports import RunReports
 from commsched.say import say
 from commsched.schedules import SCHEDULES, Schedule
@@ -72,6 +72,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         compression: Union[str, CompressionOptions, None] = None,
         streams: Union[int, str] = 1,
         stream_options: Optional[StreamOptions] = None,
+        dear: Optional[DeAROptions] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -102,6 +103,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             streams: 1..16 concurrent collective streams (process groups) carrying each bucket's units,
                 or ``"auto"``: searched on the run's own steps (schedules: wfbp, dear).
             stream_options: `StreamOptions`: unit size, and the search's budget and settings.
+            dear: `DeAROptions` for ``schedule="dear"``: whether WFBP runs the iterations when measured faster.
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
@@ -110,7 +112,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
             self.schedule_class: type[Schedule] = SCHEDULES[name]
             self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
-                                                                  compression, streams, stream_options)
+                                                                  compression, streams, stream_options, dear)
             checks.refuse_compression(self.options.compression, self.schedule_class)
             checks.refuse_streams(self.options, self.schedule_class)
             checked_timeout = options.timeout(timeout)

@@ -54,8 +54,9 @@ def strategy_for(kind: str):
     if kind == "deft":  # room for everything: DDP's updates over two links
         return commsched.DeFTStrategy(bucket_cap_mb=2000 / 2**20,
                                       deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=1, cost_repeats=1))
-    cls = commsched.DeARStrategy if kind == "dear" else commsched.WFBPStrategy
-    return cls(bucket_cap_mb=2000 / 2**20)  # several buckets even on these tiny models
+    if kind == "dear":  # DeAR itself throughout (its overlap under callbacks is what is tested), never WFBP
+        return commsched.DeARStrategy(bucket_cap_mb=2000 / 2**20, dear=commsched.DeAROptions(fallback="never"))
+    return commsched.WFBPStrategy(bucket_cap_mb=2000 / 2**20)  # several buckets even on these tiny models
 
 
 def optimizer_state_by_name(model: pl.LightningModule, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

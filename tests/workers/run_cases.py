@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from commsched import DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched import DeAROptions, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 import extension_schedule  # noqa: E402,F401  (registers the "localsum" schedule)
@@ -37,8 +37,10 @@ BATCH = 4
 def make_strategy(kind: str, **options):
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
-    # 600-byte buckets: several buckets, sizes that no world size divides
-    return commsched.CommSchedStrategy(schedule=kind, **{"bucket_cap_mb": 600 / 2**20, "trace_collectives": True, **options})
+    # 600-byte buckets: several buckets, sizes that no world size divides; DeAR never hands its iterations
+    # to WFBP unless a case asks (these cases test DeAR itself)
+    never = {"dear": DeAROptions(fallback="never")} if kind == "dear" else {}
+    return commsched.CommSchedStrategy(schedule=kind, **{"bucket_cap_mb": 600 / 2**20, "trace_collectives": True, **never, **options})
 
 
 class PlanWatcher(pl.Callback):
@@ -137,6 +139,9 @@ CASES = {
     "dear-bayes-resume": ("dear", {"epochs": 2, "resume_from": "dear-bayes-1ep", **BAYES}),
     "ddp-2ep": ("ddp", {"epochs": 2}),
     "dear-2ep": ("dear", {"epochs": 2}),
+    # the default fallback, quick: after 5 steps DeAR and WFBP take turns (2 rounds of 1 + 1 steps), then the
+    # faster runs the rest; the iterations change hands four times or more, the math never
+    "dear-fallback-2ep": ("dear", {"epochs": 2, "dear": DeAROptions(confirm_steps=1, confirm_rounds=2)}),
     "wfbp-2ep": ("wfbp", {"epochs": 2}),
     "dear-1ep": ("dear", {"epochs": 1}),
     "ddp-1ep": ("ddp", {"epochs": 1}),

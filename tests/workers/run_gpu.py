@@ -33,7 +33,7 @@ NO_DELAY = commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2,
 CASES = {
     "ddp": lambda: DDPStrategy(find_unused_parameters=True),
     "wfbp": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True),
-    "dear": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True),
+    "dear": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True, dear=commsched.DeAROptions(fallback="never")),
     "deft": lambda: commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=NO_DELAY, trace_collectives=True),
     "deft-plan": lambda: commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True,
                                                 deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2,

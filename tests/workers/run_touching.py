@@ -143,7 +143,8 @@ def run(out: Path, case: str, world: int) -> None:
     model = TouchyNet(variant)
     callbacks = callbacks_for(variant)
     strategy = (DDPStrategy(find_unused_parameters=False) if kind == "ddp"
-                else commsched.DeARStrategy(bucket_cap_mb=700 / 2**20, trace_collectives=True))
+                else commsched.DeARStrategy(bucket_cap_mb=700 / 2**20, trace_collectives=True,
+                                            dear=commsched.DeAROptions(fallback="never")))  # DeAR's touches, never WFBP
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          gradient_clip_val=0.5 if variant in ("readers", "rankzero") else None, callbacks=callbacks)

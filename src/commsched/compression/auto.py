@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from commsched.interleaved import DriftWatch, Turns, Verdict, decide, slowest_rank
+from commsched.interleaved import Choice
 from commsched.options import CompressionOptions
 from commsched.reducers.topk import selector
 
@@ -59,60 +59,49 @@ def fastest_selection(numel: int, density: float, samplings: int, device: torch.
 
 class SparseOrDense:
     """Whether a sparse exchange runs, decided on real steps; the schedule calls `at_boundary` at every
-    iteration start on every rank and sets its reducers dense or sparse as told."""
+    iteration start on every rank and sets its reducers dense or sparse as `dense` says."""
 
     def __init__(self, options: CompressionOptions) -> None:
         self.options = options
-        self.dense = False
-        self.verdict: Optional[Verdict] = None
-        self._warming = 0
-        self._turns: Optional[Turns] = None
-        self._drift: Optional[DriftWatch] = None
+        self.choice = Choice(options.confirm_steps, options.confirm_rounds, options.drift, options.drift_steps, WARMUP_STEPS)
+
+    @property
+    def dense(self) -> bool:
+        return self.choice.arm == DENSE
 
     @property
     def deciding(self) -> bool:
-        return self.verdict is None
+        return self.choice.deciding
 
-    def at_boundary(self, control: Any, say: Callable[[str], None]) -> Optional[bool]:
-        """True / False: exchange dense / sparse from this iteration on; None: as before."""
-        if self.verdict is not None:
-            if self._drift is None or not self._drift.at_boundary(control):
-                return None
+    @property
+    def verdict(self) -> Any:
+        return self.choice.verdict
+
+    def at_boundary(self, control: Any, say: Callable[[str], None]) -> None:
+        reopened = self.choice.reopened
+        self.choice.at_boundary(control)
+        if self.choice.reopened > reopened:
             say("commsched topk: steps have become more than "
                 f"{self.options.drift:.0%} slower than when sparse and dense were compared: comparing them again")
-            self.verdict, self._drift, self._warming = None, None, WARMUP_STEPS
-        if self._warming < WARMUP_STEPS:
-            self._warming += 1
-            return None
-        if self._turns is None:
-            self._turns = Turns(arms=2, steps_per_turn=self.options.confirm_steps, rounds=self.options.confirm_rounds)
-        arm = self._turns.at_boundary()
-        if arm is not None:
-            return self._set(arm == DENSE)
-        if not self._turns.done:
-            return None
-        self.verdict = decide(slowest_rank(self._turns.samples(), control), self._turns.steps)
-        self._turns = None
-        self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.options.drift, self.options.drift_steps)
-        dense_ms, sparse_ms = (s * 1e3 for s in self.verdict.medians_s)
-        if self.verdict.keep == SPARSE:
+        verdict = self.choice.verdict
+        if verdict is None or verdict is self._said:
+            return
+        self._said = verdict
+        dense_ms, sparse_ms = (s * 1e3 for s in verdict.medians_s)
+        if verdict.keep == SPARSE:
             say(f"commsched topk: sparse exchanges measured {sparse_ms:.1f} ms/step against {dense_ms:.1f} dense "
-                f"({self.verdict.gain:.2f}x, noise margin {self.verdict.margin:.0%}): kept")
+                f"({verdict.gain:.2f}x, noise margin {verdict.margin:.0%}): kept")
         else:
             say(f"commsched topk: sparse exchanges measured {sparse_ms:.1f} ms/step against {dense_ms:.1f} dense "
-                f"(noise margin {self.verdict.margin:.0%}): they do not pay here, the dense all-reduce runs "
+                f"(noise margin {verdict.margin:.0%}): they do not pay here, the dense all-reduce runs "
                 "(compared again if the steps drift)")
-        return self._set(self.verdict.keep == DENSE)
 
-    def _set(self, dense: bool) -> Optional[bool]:
-        if dense == self.dense:
-            return None
-        self.dense = dense
-        return dense
+    _said: Optional[Any] = None
 
     def describe(self) -> str:
-        if self.verdict is None:
+        verdict = self.choice.verdict
+        if verdict is None:
             return "sparse or dense: still comparing"
-        dense_ms, sparse_ms = (s * 1e3 for s in self.verdict.medians_s)
-        kept = "sparse" if self.verdict.keep == SPARSE else "dense (sparse did not pay)"
+        dense_ms, sparse_ms = (s * 1e3 for s in verdict.medians_s)
+        kept = "sparse" if verdict.keep == SPARSE else "dense (sparse did not pay)"
         return f"{kept}: sparse {sparse_ms:.1f} ms/step, dense {dense_ms:.1f}"

@@ -40,7 +40,9 @@ from commsched.hooks import OwnHook
 from commsched.links import InOrder, Links, Pending
 from commsched.pending import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
-from commsched.schedules.base import Schedule, runs_compiled
+from commsched.interleaved import Choice
+from commsched.say import say
+from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import schedules
@@ -52,12 +54,18 @@ from commsched.streams.control import StreamControl
 from commsched.streams.units import Striping, Unit, plan_units
 
 
+WFBP = 0
+"""The fallback's default arm: WFBP runs the iterations."""
+
+
 @dataclass(frozen=True)
 class DeARSettings:
     bucket_links: Optional[tuple[str, ...]] = None
     """Per bucket, the link of its reduce-scatter and all-gather (None: the primary for every bucket)."""
     streams: Optional[StreamControl] = None
     """Units on several streams of the primary (None: one stream; not with `bucket_links`)."""
+    fallback: Optional[Choice] = None
+    """WFBP (arm 0) or DeAR (arm 1), measured on real steps (`DeAROptions.fallback`); kept across bucket rebuilds."""
 
 
 class _Gathers:
@@ -149,15 +157,48 @@ class DeARSchedule(Schedule):
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeARSettings:
-        return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False))
+        o = options.dear
+        fallback = (Choice(o.confirm_steps, o.confirm_rounds, o.drift, o.drift_steps)
+                    if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1 else None)
+        return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
+                            fallback=fallback)
 
-    def at_boundary(self) -> None:
+    def at_boundary(self) -> Optional[Handover]:
         """Between trials of the stream search: the pending update is applied (its all-gathers are in
-        flight on the old streams) before the buckets' units move."""
+        flight on the old streams) before the buckets' units move. Once the buckets are decided, DeAR
+        and WFBP take turns until the faster is known (`DeAROptions.fallback`): WFBP's turns are
+        handed over to it (the engine applies DeAR's pending update first)."""
         chosen = self.streams.at_boundary(self.links.control, hold=self.settling)
         if chosen is not None:
             self._restripe(chosen)
-        return None
+        fallback = self.settings.fallback
+        if fallback is None or self.settling:
+            return None
+        verdict = fallback.verdict
+        fallback.at_boundary(self.links.control)
+        if fallback.verdict is not None and fallback.verdict is not verdict:
+            say(f"commsched dear: {self._describe_fallback()}")
+        if fallback.arm != WFBP:
+            return None
+        self.flush()  # this step's update lands before WFBP takes the iterations (nothing, once it has them)
+        return Handover("wfbp")
+
+    def _describe_fallback(self) -> str:
+        verdict = self.settings.fallback.verdict if self.settings.fallback is not None else None
+        if verdict is None:
+            return "DeAR or WFBP: still measuring"
+        wfbp_ms, dear_ms = (s * 1e3 for s in verdict.medians_s)
+        measured = f"DeAR measured {dear_ms:.1f} ms/step against {wfbp_ms:.1f} for WFBP (noise margin {verdict.margin:.0%})"
+        if verdict.keep == WFBP:
+            return f"{measured}: WFBP runs the iterations (the same math: DeAR has nothing to hide here)"
+        return f"{measured}: DeAR kept ({verdict.gain:.2f}x)"
+
+    @property
+    def settled(self) -> bool:
+        return super().settled and (self.settings.fallback is None or not self.settings.fallback.deciding)
+
+    def summary(self) -> list[str]:
+        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + super().summary()
 
     def _restripe(self, striping: Striping) -> None:
         self.flush()
