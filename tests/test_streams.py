@@ -143,8 +143,8 @@ def stepped(ranks: list[StreamControl], steps: int) -> list[list[Striping]]:
 
 
 SMALL_SEARCH = StreamOptions(warmup_steps=1, trial_steps=2, budget_steps=12, max_streams=4, min_unit_mb=1.0, max_unit_mb=4.0)
-CONFIRMING = 2 * 3 * 2
-"""Steps after the search while its best and one stream take turns: 2 arms, 3 rounds, a switch step and one timed."""
+CONFIRMING = 2 * SMALL_SEARCH.confirm_rounds * 2
+"""Steps after the search while its best and one stream take turns: 2 arms, the rounds, a switch step and one timed."""
 
 
 def test_a_search_resumed_half_way_replays_its_trials_and_keeps_its_budget():

@@ -395,6 +395,9 @@ class StreamOptions:
     """streams="auto": the smallest unit searched (MB)."""
     max_unit_mb: float = option(32.0, positive_number)
     """streams="auto": the largest unit searched (MB)."""
+    confirm_rounds: int = option(3, positive_int)
+    """streams="auto": turns the search's best and one stream each take on real steps before the best is
+    kept (`trial_steps` steps a turn, the first untimed); kept only if faster beyond the measured noise."""
     window: int = option(25, positive_int)
     """The bandit's sliding window: its last uses of the search techniques."""
     exploration: float = option(0.2, non_negative_number)

@@ -35,9 +35,9 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 BUCKET_MB = 2000 / 2**20
 UNIT_MB = 160 / 2**20
 SEARCH = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
-                                 trial_steps=2, budget_steps=8, drift=0.0)
+                                 trial_steps=2, budget_steps=8, drift=0.0, confirm_rounds=1)
 DRIFTING = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
-                                   trial_steps=2, budget_steps=8, drift=0.5, drift_steps=4, retune_steps=6)
+                                   trial_steps=2, budget_steps=8, drift=0.5, drift_steps=4, retune_steps=6, confirm_rounds=1)
 STEPS = 14
 CUT_AT, CUT_STEPS = 6, 8
 SUFFIXES = ("-delayed", "-resumed", "-part", "-cut", "-drift", "-profiled")

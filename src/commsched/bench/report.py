@@ -15,7 +15,8 @@ from rich.table import Table
 from commsched import netns
 
 COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "median_speedup_vs_ddp", "wire_mb",
-           "theoretical_ms", "measured_over_theoretical", "predicted_ms", "prediction_error", "weights_vs_ddp")
+           "theoretical_ms", "measured_over_theoretical", "predicted_ms", "prediction_error", "weights_vs_ddp", "chose",
+           "deciding_steps")
 ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
 
 
@@ -79,6 +80,10 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console, 
                       f"{result['buckets']} buckets, {_workers(spec)} workers, batch {spec['batch_size']}/worker, "
                       f"link {rate}; components (ms): {parts}")
         console.print(_compact_table(result) if compact else _full_table(result))
+        chose = [f"{row['schedule']}: {row['chose']}, after {row['deciding_steps']} steps deciding"
+                 for row in result["rows"] if row.get("chose")]
+        if chose:
+            console.print("chosen by the runs themselves (those steps left out of the timing): " + "; ".join(chose) + ".")
         if compact:
             console.print("; ".join(f"{name}: {meaning}" for name, meaning in COMPACT.items()) + ".", style="dim")
         for number, decided in enumerate(result.get("deft", {}).get("rounds", []), 1):  # each round measures and decides anew

@@ -11,6 +11,7 @@ Rank 0 writes OUT_DIR/results.json.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import sys
 import time
@@ -133,17 +134,22 @@ def ddp_weights(model_name: str, spec: dict, steps: set[int], out: Path) -> dict
 
 def _choices(strategy: Any, timer: StepTimer) -> dict:
     """What a commsched strategy chose by itself, and the steps that took (none for ddp)."""
-    plan = getattr(strategy, "fusion_plan", None)
-    buckets = getattr(strategy, "bucket_plan", None)
-    if buckets is None:
+    schedule = getattr(strategy, "last_schedule", None)
+    if schedule is None:
         return {}
+    plan = strategy.fusion_plan
     auto = plan.details.get("auto") if plan is not None else None
     fusion = (f"{auto['planner']} plan" if auto["kept"] == "planned" else "fixed") if auto else (plan.policy if plan else "fixed")
-    schedule = strategy.last_schedule
-    chose = [f"{len(buckets.buckets)} buckets ({fusion})"]
-    judge = getattr(getattr(schedule, "settings", None), "sparse_or_dense", None)
+    chose = [f"{len(schedule.plan.buckets)} buckets ({fusion})"]
+    settings = getattr(schedule, "settings", None)
+    judge = getattr(settings, "sparse_or_dense", None)
     if judge is not None and judge.verdict is not None:
         chose.append("sparse" if judge.verdict.keep else "dense")
+    fallback = getattr(settings, "fallback", None)
+    if fallback is not None and fallback.verdict is not None:
+        chose.append("DeAR" if fallback.verdict.keep else "WFBP ran")
+    if getattr(schedule, "choice", None) is not None and getattr(schedule, "decided", False):
+        chose.append(f"ran {schedule.choice.runs}")
     return {"chose": ", ".join(chose), "deciding_steps": timer.deciding_steps}
 
 
@@ -205,6 +211,7 @@ def _max_difference(a: dict, b: dict) -> float:
 
 def main() -> None:
     exit_silently_on_interrupt()
+    logging.getLogger("commsched").setLevel(logging.WARNING)  # each run's own lines: the table says what they chose
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     import_plugins(spec.get("plugins", []))

@@ -35,8 +35,6 @@ from commsched.streams.space import Space
 from commsched.streams.units import Striping
 
 TRIALS_FILE = "commsched_streams.json"
-CONFIRM_ROUNDS = 3
-"""Turns each of the search's best and one stream take before the choice (`commsched.interleaved`)."""
 
 
 class StreamControl:
@@ -225,7 +223,8 @@ class StreamControl:
             arms = [Striping.from_json(decision["baseline"]), Striping.from_json(decision["chosen"])]
             say(f"commsched streams: the search's best, {arms[1].describe()}, now takes turns with {arms[0].describe()} "
                 "before it is kept")
-            self._confirming = (arms, Turns(arms=2, steps_per_turn=max(1, self.options.trial_steps - 1), rounds=CONFIRM_ROUNDS))
+            self._confirming = (arms, Turns(arms=2, steps_per_turn=max(1, self.options.trial_steps - 1),
+                                            rounds=self.options.confirm_rounds))
             return None
         self.chosen, self.chosen_s, self.searching = Striping.from_json(decision["chosen"]), decision["chosen_s"], False
         one = self._one_stream_s()
