@@ -25,9 +25,25 @@ class Tied(nn.Module):
         self.out.weight = self.embed.weight
 
 
-def test_fixed_closes_bucket_before_exceeding_cap():
+def test_fixed_closes_a_bucket_once_it_reaches_the_cap_as_ddp_does():
     params = [_info(n, i) for i, n in enumerate([10, 10, 10, 30, 5])]
-    assert plan_fixed(params, cap_bytes=80) == [[0, 1], [2], [3], [4]]
+    assert plan_fixed(params, cap_bytes=80) == [[0, 1], [2, 3], [4]]
+
+
+def test_fixed_buckets_are_ddps_own_assignment():
+    """Against torch's C++ assignment (what DDP's reducer builds), on random models: the same buckets
+    for the same caps (DDP's first bucket 1 MiB, then the cap)."""
+    import random
+
+    import torch.distributed as dist
+
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([1, 7, 100, 2**14, 2**16, 2**18, 2**19]) for _ in range(rng.randint(1, 30))]
+        cap = rng.choice([2**10, 2**16, 2**20, 25 * 2**20])
+        first = min(cap, 2**20)
+        expected, _ = dist._compute_bucket_assignment_by_size([torch.zeros(n) for n in sizes], [first, cap])
+        assert plan_fixed([_info(n, i) for i, n in enumerate(sizes)], cap_bytes=cap) == expected, (sizes, cap)
 
 
 def test_fixed_first_bucket_is_small_like_ddp():
