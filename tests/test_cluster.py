@@ -119,6 +119,25 @@ def test_sigterm_removes_everything(tmp_path):
     assert leftovers() == []
 
 
+@needs_root
+def test_a_killed_runs_namespaces_are_removed_by_the_next_run_and_a_live_runs_are_kept():
+    """SIGKILL leaves no chance to clean up: the next run removes namespaces whose maker is gone,
+    and only those (a live maker's, like this test's own, stay)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan, alive = f"commsched-{gone.pid}-dead00-n0", netns.new_name("-n0")
+    for name in (orphan, alive):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        proc = cluster("--nodes", "2", "--rate", "100mbit", command=["true"], timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert f"removed 1 network namespace(s) left by a run that was killed: {orphan}" in proc.stderr
+        assert leftovers() == [alive]
+    finally:
+        for name in (orphan, alive):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nodes", "0"], "--nodes=0"),
     (["--nodes", "2", "--rate", "fast"], "--rate='fast'"),

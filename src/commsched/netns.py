@@ -11,12 +11,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import logging
 import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
 from commsched.sim.network import parse_rate
 
+log = logging.getLogger(__name__)
+PREFIX = "commsched-"
+"""Every namespace commsched makes is named `commsched-<pid of its maker>-...`."""
+NETNS_DIR = Path("/run/netns")
 
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 """Bits of the capability sets: links and qdiscs need the first; `ip netns add` mounts, which needs the second."""
@@ -61,7 +66,8 @@ def run_in_namespace(rate: str, argv: Sequence[str], burst: str = "256kb") -> in
     reason = unavailable_reason()
     if reason is not None:
         raise PermissionError(reason)
-    name = f"commsched-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    remove_orphans()
+    name = new_name()
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     child: Optional[subprocess.Popen] = None
     try:
@@ -89,9 +95,46 @@ def run_in_namespace(rate: str, argv: Sequence[str], burst: str = "256kb") -> in
 
 
 def namespaces() -> list[str]:
-    """Names of the namespaces commsched created that still exist (should be none)."""
+    """Names of the namespaces commsched created that still exist (none once every run has ended)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.startswith("commsched-")]
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(PREFIX)]
+
+
+def new_name(suffix: str = "") -> str:
+    """A namespace name that says which process made it, so that a later run can tell an orphan."""
+    return f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}{suffix}"
+
+
+def _orphaned(name: str) -> bool:
+    """True where the process that made `name` is gone: killed with SIGKILL (or the machine's
+    restart), nothing could remove its namespaces. A live process with that pid that started after
+    the namespace existed is a reuse of the number, not its maker."""
+    try:
+        pid = int(name[len(PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    try:
+        return os.stat(f"/proc/{pid}").st_mtime > os.stat(NETNS_DIR / name).st_mtime + 1.0
+    except OSError:
+        return False
+
+
+def remove_orphans() -> list[str]:
+    """Delete the namespaces of runs that were killed before they could clean up; return their names.
+    Every run calls this before it makes its own, so a SIGKILL leaves litter only until the next run."""
+    orphans = [name for name in namespaces() if _orphaned(name)]
+    for name in orphans:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    if orphans:
+        log.warning("commsched: removed %d network namespace(s) left by a run that was killed: %s",
+                    len(orphans), ", ".join(orphans))
+    return orphans
 
 
 def _raise_exit(signum: int, _frame: object) -> None:

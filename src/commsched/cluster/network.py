@@ -16,17 +16,15 @@ and only addresses inside these namespaces. `Network.remove()` deletes everythin
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
-import uuid
 from typing import Optional, Sequence
 
+from commsched import netns
 from commsched.cluster.spec import MTU, PRIMARY_IFNAME, SECONDARY_IFNAME, ClusterSpec
 from commsched.errors import CommSchedConfigError
 from commsched.sim.network import parse_rate
 
 log = logging.getLogger(__name__)
-PREFIX = "commsched-"
 
 
 class ToolError(RuntimeError):
@@ -47,14 +45,15 @@ def _burst(rate_bits: float) -> str:
 class Network:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.tag = f"{os.getpid() % 100000}-{uuid.uuid4().hex[:4]}"
-        self.switch = f"{PREFIX}{self.tag}-sw"
-        self.nodes = [f"{PREFIX}{self.tag}-n{i}" for i in range(spec.nodes)]
+        tag = netns.new_name()
+        self.switch = f"{tag}-sw"
+        self.nodes = [f"{tag}-n{i}" for i in range(spec.nodes)]
         self._made: list[str] = []
 
     # ----------------------------------------------------------------- build
     def create(self) -> None:
         """Build the whole network; on any failure what was made is removed and the error raised."""
+        netns.remove_orphans()
         try:
             self._namespace(self.switch)
             links = [("br0", PRIMARY_IFNAME, "p", False)]
@@ -146,5 +145,4 @@ class Network:
 
 def leftovers() -> list[str]:
     """Namespaces commsched made that still exist (none after any run: tests check this)."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.startswith(PREFIX)]
+    return netns.namespaces()
