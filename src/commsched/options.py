@@ -252,9 +252,10 @@ class DeFTOptions:
     or weights every step (it gives up its overlap then); with a timings file, only if the file
     gives DeAR's halves too."""
     confirm_steps: int = option(3, non_negative_int)
-    """With fallback "when_faster": real steps each of the predicted choice and its runner-up (plan or
-    WFBP against DeAR) run and are timed, every rank agreeing, before one is kept; the runner-up
-    replaces the prediction when measured at least 2% faster. 0: the prediction alone decides."""
+    """With fallback "when_faster": timed steps per turn when the predicted choice and its runner-up
+    (plan or WFBP against DeAR) take turns, twice each, on real steps (one more step runs first each
+    turn, untimed); the simpler of the two is kept unless the other beats it by more than the measured
+    noise (`commsched.interleaved`). 0: the prediction alone decides."""
 
 
 @dataclass

@@ -3,38 +3,43 @@
 `predict.choose_schedule` compares models of one steady iteration built from stage and collective
 times measured in isolation. A real step also holds what the models leave out: data loading, the
 user's callbacks, the optimizer, contention between compute and communication threads. So the
-predicted choice and its runner-up each run a few real steps, every rank times them from iteration
-start to iteration start, the ranks agree on the slowest rank's median (the step is as slow as its
-slowest rank), and the runner-up replaces the prediction only when it was measured clearly faster.
+predicted choice and its runner-up take turns on real steps, and the simpler of the two (WFBP, then
+DeAR, then the plan) is kept unless the other was measured faster by more than the noise of those
+very steps (a fixed 2% margin let noise decide on a busy machine).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Optional
 
 import torch
 
-from commsched.deft.predict import DEAR_MARGIN, Choice
+from commsched.deft.predict import Choice
 from commsched.device_time import synchronize
+from commsched.interleaved import Turns, decide, slowest_rank
 from commsched.links import Link
 from commsched.say import say
 
 
+SIMPLER = {"wfbp": 0, "dear": 1, "plan": 2}
+"""The simpler schedule is the default a candidate must beat: WFBP (DDP's), then DeAR, then DeFT's own plan."""
+ROUNDS = 2
+"""Turns each of the two takes."""
+
+
 class Confirmation:
-    """Runs the runner-up first and the prediction last, so that a confirmed prediction needs no
-    further switch. Every rank calls `at_boundary` at the same iteration starts."""
+    """The prediction and its runner-up take turns on real steps (`commsched.interleaved`: the first
+    step after each switch untimed, the slowest rank's times, a margin from the steps' own spread);
+    the simpler of the two is the default the other must beat by more than the noise. Every rank
+    calls `at_boundary` at the same iteration starts."""
 
     def __init__(self, predicted: Choice, steps: int, control: Link, device: torch.device) -> None:
         self.predicted = predicted
-        self.candidates = [predicted.runner_up(), predicted]
-        self.steps = steps
+        self.candidates = sorted([predicted.runner_up(), predicted], key=lambda c: SIMPLER[c.runs])
         self._control = control
         self._device = device
-        self._seconds: list[list[float]] = [[] for _ in self.candidates]
+        self._turns = Turns(arms=2, steps_per_turn=steps, rounds=ROUNDS)
         self._index = 0
-        self._stamp: Optional[float] = None
 
     @property
     def running(self) -> Choice:
@@ -42,28 +47,24 @@ class Confirmation:
         return self.candidates[self._index]
 
     def at_boundary(self) -> Optional[Choice]:
-        """Times the iteration that just ended; the confirmed choice once every candidate ran
-        `steps` timed iterations (each candidate's first iteration, its switch, is left out)."""
+        """The confirmed choice once both took their turns; None before."""
         synchronize(self._device)
-        now = time.perf_counter()
-        if self._stamp is not None:
-            self._seconds[self._index].append(now - self._stamp)
-        self._stamp = now
-        if len(self._seconds[self._index]) <= self.steps:
+        arm = self._turns.at_boundary()
+        if arm is not None:
+            self._index = arm
+        if not self._turns.done:
             return None
-        self._index += 1
-        self._stamp = None if self._index == len(self.candidates) else now
-        return self._agree() if self._index == len(self.candidates) else None
+        return self._agree()
 
     def _agree(self) -> Choice:
-        mine = [statistics.median(seconds[1:]) for seconds in self._seconds]
-        slowest = self._control.tensor(mine, torch.float64)
-        self._control.all_reduce(slowest, "deft-confirm", op=torch.distributed.ReduceOp.MAX).wait()
-        runner_up_s, predicted_s = slowest.tolist()
-        measured = {self.candidates[0].runs: runner_up_s * 1e3, self.predicted.runs: predicted_s * 1e3}
-        keep, other = self.candidates[::-1] if runner_up_s >= predicted_s * (1.0 - DEAR_MARGIN) else self.candidates
+        verdict = decide(slowest_rank(self._turns.samples(), self._control), self._turns.steps)
+        default, candidate = self.candidates
+        measured = {default.runs: verdict.medians_s[0] * 1e3, candidate.runs: verdict.medians_s[1] * 1e3}
+        keep, other = (candidate, default) if verdict.keep else (default, candidate)
+        self._index = verdict.keep
         chosen = Choice(keep.runs, keep.dear_links, self.predicted.predicted, (other.runs, other.dear_links), measured)
-        verdict = "confirmed" if keep is self.predicted else f"overruled: {keep.runs} runs the iterations"
-        say(f"commsched deft: measured {runner_up_s * 1e3:.1f} ms/step for {self.candidates[0].runs} and "
-            f"{predicted_s * 1e3:.1f} ms/step for {self.predicted.runs} (the prediction): {verdict}")
+        verdict_said = "confirmed" if keep.runs == self.predicted.runs else f"overruled: {keep.runs} runs the iterations"
+        say(f"commsched deft: measured {measured[default.runs]:.1f} ms/step for {default.runs} and "
+            f"{measured[candidate.runs]:.1f} ms/step for {candidate.runs} on alternating steps (noise margin "
+            f"{verdict.margin:.0%}; {self.predicted.runs} was the prediction): {verdict_said}")
         return chosen
