@@ -1,13 +1,14 @@
-"""`make demo`: what commsched is for, in about a minute: Lightning's `ddp` against `wfbp` and `dear`
-training the same CNN on 2 CPU processes over an emulated slow network link (a network namespace
-whose loopback is rate-limited; needs root, which CI and these machines have; without it the demo
-says so and runs on the unlimited loopback, where there is nothing to hide).
+"""`make demo`: what commsched is for, in about three minutes: Lightning's `ddp` against `wfbp` and
+`dear`, each at its defaults, training the same CNN on 2 CPU processes over an emulated slow network
+link (a network namespace whose loopback is rate-limited; needs root, which CI and these machines
+have; without it the demo says so and runs on the unlimited loopback, where there is nothing to
+hide). Each commsched run decides its own settings on its first steps; those are not timed.
 
 It prints each schedule's step time, its speed-up over ddp, the best step its schedule allows for
 the measured compute and communication ([DeAR] Eq. 7-8), and how far its final weights are from
 ddp's: the schedules change when bytes move, not what is computed.
 
-    python -m commsched.demo [--rate 600mbit] [--steps 12] [--rounds 2]
+    python -m commsched.demo [--rate 600mbit] [--steps 10] [--rounds 2]
 """
 
 from __future__ import annotations
