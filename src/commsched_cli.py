@@ -66,3 +66,19 @@ def run_rank() -> None:
     signal.signal(signal.SIGINT, interrupted_while_starting)
     _hydra_syntax()
     importlib.import_module("commsched.run").main()
+
+
+def bench_worker(argv: list[str]) -> None:
+    """One rank of the benchmark's workers: `python -m commsched_cli bench-worker SPEC.json OUT_DIR`
+    (Lightning starts the other ranks with the same command line). Ctrl-C ends it silently from its
+    first instruction, torch's import included; the bench command itself says the one line."""
+    import signal
+
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+    importlib.import_module("commsched.bench.worker").main(argv)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["bench-worker"] or len(sys.argv) != 4:
+        sys.exit("usage: python -m commsched_cli bench-worker SPEC.json OUT_DIR")
+    bench_worker(sys.argv[2:])

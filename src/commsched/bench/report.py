@@ -25,7 +25,7 @@ def run(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "bench.json"
     spec_file.write_text(json.dumps(spec, indent=1))
-    argv = [sys.executable, "-m", "commsched.bench.worker", str(spec_file), str(out)]
+    argv = [sys.executable, "-m", "commsched_cli", "bench-worker", str(spec_file), str(out)]
     cluster = spec.get("cluster", {})
     if cluster.get("nodes"):
         return _run_in_cluster(spec, spec_file, argv, out, console)

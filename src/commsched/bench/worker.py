@@ -1,4 +1,4 @@
-"""The benchmark's worker: `python -m commsched.bench.worker SPEC.json OUT_DIR` (Lightning re-runs it per rank).
+"""The benchmark's worker: `python -m commsched_cli bench-worker SPEC.json OUT_DIR` (Lightning re-runs it per rank).
 
 For each model: every schedule trains `rounds` times, interleaved (a noisy moment of the machine
 hurts all alike), and the best median step time counts. Then one profiled `wfbp` run measures the
@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
@@ -209,11 +209,13 @@ def _max_difference(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max().item() if a[k].numel() else 0.0) for k in a)
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
+    """`SPEC.json OUT_DIR` (from the command line unless given)."""
     exit_silently_on_interrupt()
     logging.getLogger("commsched").setLevel(logging.WARNING)  # each run's own lines: the table says what they chose
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
+    spec_file, out_dir = argv if argv is not None else sys.argv[1:3]
+    spec = json.loads(Path(spec_file).read_text())
+    out = Path(out_dir)
     import_plugins(spec.get("plugins", []))
     quiet_lightning()
     results = []
