@@ -46,7 +46,7 @@ class Pending:
     `wait()` re-raises failures as `PeerFailureError`; `then(f)` runs local work (a sum, a copy)
     on the backend's thread the moment the collective completes."""
 
-    __slots__ = ("_work", "_future", "_what", "_clock", "_issued", "_error", "_timeout_s", "_later", "_sync")
+    __slots__ = ("_work", "_future", "_what", "_clock", "_issued", "_error", "_timeout_s", "_later", "_sync", "_lock")
 
     def __init__(self, what: str, clock: Optional[WaitClock] = None, timeout_s: float = 1800.0,
                  sync: Optional[Callable[[], None]] = None) -> None:
@@ -59,26 +59,32 @@ class Pending:
         self._timeout_s = timeout_s
         self._later: list[Callable[[], Any]] = []  # continuations asked for before the collective was issued
         self._sync = sync  # on CUDA while measuring: the host waits for the stream, so the clock sees completion
+        # `issued` (on the issuer thread) and `then` (on the training thread) may run at the same time:
+        # without it a continuation asked for between the chaining loop and `_issued.set()` is lost
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------- the link's side
     def issued(self, work: dist.Work) -> None:
-        self._work = work
-        for continuation in self._later:
-            self._chain(continuation)
-        self._later.clear()
-        self._issued.set()
+        with self._lock:
+            self._work = work
+            for continuation in self._later:
+                self._chain(continuation)
+            self._later.clear()
+            self._issued.set()
 
     def failed(self, error: BaseException) -> None:
-        self._error = error
-        self._issued.set()
+        with self._lock:
+            self._error = error
+            self._issued.set()
 
     # ------------------------------------------------------------- the user's side
     def then(self, continuation: Callable[[], Any]) -> "Pending":
         """Run `continuation()` when this completes (on the backend's thread); local work only."""
-        if self._issued.is_set():
-            self._chain(continuation)
-        else:
-            self._later.append(continuation)
+        with self._lock:
+            if self._issued.is_set():
+                self._chain(continuation)
+            else:
+                self._later.append(continuation)
         return self
 
     def _chain(self, continuation: Callable[[], Any]) -> None:

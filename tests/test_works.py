@@ -1,0 +1,69 @@
+"""`commsched.works.Pending` between its two threads: the issuer thread that issues a collective and
+the training thread that asks for continuations (a local sum, a copy) on it. A continuation asked
+for at any moment runs before `wait()` returns, including in the few bytecodes between the issuer
+chaining what was asked before and saying the collective is issued."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commsched.works import Issuer, Pending
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A real gloo group of one process: its collectives are real `dist.Work`s."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class HeldOpen(threading.Event):
+    """Holds the issuer between chaining the continuations it was given and saying 'issued'."""
+
+    def set(self) -> None:
+        time.sleep(0.3)
+        super().set()
+
+
+def test_a_continuation_asked_for_while_the_issuer_finishes_is_not_lost(one_process_group):
+    pending = Pending("all_reduce of a test tensor")
+    pending._issued = HeldOpen()
+    work = dist.all_reduce(torch.ones(3), async_op=True)
+    issuer = threading.Thread(target=pending.issued, args=(work,))
+    issuer.start()
+    time.sleep(0.1)  # the issuer has chained nothing (nothing was asked) and is inside set()
+    ran: list[str] = []
+    pending.then(lambda: ran.append("local sum"))
+    issuer.join()
+    pending.wait()
+    assert ran == ["local sum"]
+
+
+def test_continuations_asked_for_at_random_moments_all_run_in_order(one_process_group):
+    """An offloaded request, as gloo's reduce-scatter is, with its continuations asked for while the
+    issuer thread may be issuing it: every one runs, in the order asked, before wait() returns."""
+    issuer = Issuer("test", timeout_s=60)
+    rng = random.Random(0)
+    try:
+        for i in range(300):
+            tensor = torch.full((4,), float(i))
+            pending = issuer.request(Pending(f"all_reduce {i}"), lambda t=tensor: dist.all_reduce(t, async_op=True),
+                                     offload=True)
+            ran: list[int] = []
+            for k in range(3):
+                if rng.random() < 0.5:
+                    time.sleep(rng.random() * 1e-4)
+                pending.then(lambda k=k: ran.append(k))
+            pending.wait()
+            assert ran == [0, 1, 2], f"request {i}: continuations run {ran}"
+    finally:
+        issuer.stop()
