@@ -60,6 +60,7 @@ TOUCHES = {
     "zero_grad": lambda m, opt: m.zero_grad(),
     "clip_grad_norm_": lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
     "optimizer state": lambda m, opt: opt.state[m.weight]["momentum_buffer"] + 0,
+    "nn.Parameter(p)": lambda m, opt: nn.Parameter(m.weight),
 }
 
 
@@ -110,6 +111,21 @@ def test_pending_gradients_are_touched_by_grad_access_only(layer):
     assert recorder.calls == []
     assert layer.bias.grad is None
     assert recorder.calls == [({0}, Kind.GRADIENT)]
+
+
+@pytest.mark.parametrize("kind", [Kind.UPDATE, Kind.GRADIENT])
+def test_a_parameter_made_of_a_pending_one_is_what_it_would_be_otherwise(layer, kind):
+    """`nn.Parameter(p)`, as model surgery and some libraries write it: an alias of p's storage, a
+    plain Parameter holding p's up-to-date values (torch refuses a detach() that changes the class)."""
+    recorder = Recorder()
+    recorder.mark(0, [layer.weight], kind)
+    before = layer.weight.detach().clone() if kind is Kind.GRADIENT else None
+    made = nn.Parameter(layer.weight)
+    assert made.data_ptr() == layer.weight.data_ptr() and made.requires_grad
+    assert torch.equal(made * 1, before if before is not None else layer.weight.detach())
+    assert type(made) is nn.Parameter
+    recorder.watch.unmark_all()
+    assert type(layer.weight) is nn.Parameter
 
 
 def test_a_deep_copy_made_while_pending_is_a_plain_parameter(layer):

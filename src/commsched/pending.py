@@ -33,6 +33,7 @@ watched: the schedule brings them up to date at the end of the step instead (`wa
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 from typing import Any, Callable, Iterable, Optional
 
@@ -145,11 +146,24 @@ class _Pending:
         if func not in _METADATA:
             _touch(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
+            if func is T.detach and sys._getframe(1).f_code is _NEW_PARAMETER:
+                return _parameter_alias(args[0])
             return func(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
         _touch(None, (self,), {})
         return self.__deepcopy__(memo)  # the class is restored: the tensor's own
+
+
+_NEW_PARAMETER = nn.Parameter.__new__.__code__
+
+
+def _parameter_alias(data: torch.Tensor) -> torch.Tensor:
+    """`nn.Parameter(p)` of a pending `p`: what it gives for a parameter that is not pending (an alias
+    of its storage). `Parameter.__new__` detaches a tensor of a class of its own and requires the
+    detached tensor to keep that class; the class is read after the touch above, so it is `p`'s own
+    again (or still pending, for pending gradients: the alias then sheds it at its first use)."""
+    return torch.Tensor._make_subclass(type(data), data, False)
 
 
 def _touch(func: Any, args: tuple, kwargs: dict) -> None:

@@ -32,7 +32,7 @@ def main() -> None:
                     else commsched.STRATEGIES[schedule](bucket_cap_mb=600 / 2**20))
         trainer = pl.Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy, max_epochs=1,
                              limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False)
+                             enable_model_summary=False, default_root_dir=out / f"{schedule}-run")
         trainer.fit(model)
         if trainer.global_rank == 0:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{schedule}.pt")
