@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from commsched.errors import PeerFailureError
 from commsched.works import Issuer, Pending
 
 
@@ -65,5 +66,39 @@ def test_continuations_asked_for_at_random_moments_all_run_in_order(one_process_
                 pending.then(lambda k=k: ran.append(k))
             pending.wait()
             assert ran == [0, 1, 2], f"request {i}: continuations run {ran}"
+    finally:
+        issuer.stop()
+
+
+def test_a_local_error_in_a_continuation_is_named_for_what_it_is(one_process_group):
+    """A shape error in the local sum after a collective is this process's bug, not a dead peer."""
+    issuer = Issuer("test", timeout_s=60)
+    try:
+        pending = issuer.request(Pending("all_reduce of bucket 0"), lambda: dist.all_reduce(torch.ones(3), async_op=True))
+        pending.then(lambda: torch.ones(3) + torch.ones(4))
+        with pytest.raises(RuntimeError) as raised:
+            pending.wait()
+        assert not isinstance(raised.value, PeerFailureError)
+        assert "size of tensor a (3) must match" in str(raised.value)
+        assert "this process's own work on all_reduce of bucket 0 (no peer failed)" in raised.value.__notes__[0]
+    finally:
+        issuer.stop()
+
+
+@pytest.mark.parametrize("error, local", [(ValueError("bad shape"), True), (AssertionError("invariant"), True),
+                                          (dist.DistBackendError("Connection closed by peer"), False)])
+def test_a_launch_that_raises_is_local_unless_the_backend_raised(one_process_group, error, local):
+    def launch():
+        raise error
+
+    issuer = Issuer("test", timeout_s=60)
+    try:
+        pending = issuer.request(Pending("reduce_scatter of bucket 1"), launch, offload=True)
+        with pytest.raises(Exception) as raised:
+            pending.wait()
+        if local:
+            assert raised.value is error
+        else:
+            assert isinstance(raised.value, PeerFailureError) and "A peer process probably died" in str(raised.value)
     finally:
         issuer.stop()

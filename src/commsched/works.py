@@ -43,10 +43,13 @@ class WaitClock:
 
 class Pending:
     """A requested collective: issued now or later by its link, then in flight, then complete.
-    `wait()` re-raises failures as `PeerFailureError`; `then(f)` runs local work (a sum, a copy)
-    on the backend's thread the moment the collective completes."""
+    `wait()` re-raises the collective's failures as `PeerFailureError`, and a local error (in the
+    launch or a continuation: a shape error, an assertion, out of memory) as itself, with a note
+    saying where; `then(f)` runs local work (a sum, a copy) on the backend's thread the moment the
+    collective completes."""
 
-    __slots__ = ("_work", "_future", "_what", "_clock", "_issued", "_error", "_timeout_s", "_later", "_sync", "_lock")
+    __slots__ = ("_work", "_future", "_what", "_clock", "_issued", "_error", "_timeout_s", "_later", "_sync", "_lock",
+                 "_local_error")
 
     def __init__(self, what: str, clock: Optional[WaitClock] = None, timeout_s: float = 1800.0,
                  sync: Optional[Callable[[], None]] = None) -> None:
@@ -62,6 +65,7 @@ class Pending:
         # `issued` (on the issuer thread) and `then` (on the training thread) may run at the same time:
         # without it a continuation asked for between the chaining loop and `_issued.set()` is lost
         self._lock = threading.Lock()
+        self._local_error: Optional[BaseException] = None  # raised by this process's own work, not by a peer
 
     # ------------------------------------------------------------- the link's side
     def issued(self, work: dist.Work) -> None:
@@ -72,9 +76,12 @@ class Pending:
             self._later.clear()
             self._issued.set()
 
-    def failed(self, error: BaseException) -> None:
+    def failed(self, error: BaseException, local: bool = False) -> None:
+        """`local`: the launch itself raised, and not for a reason of the backend's (see `is_local`)."""
         with self._lock:
             self._error = error
+            if local:
+                self._local_error = error
             self._issued.set()
 
     # ------------------------------------------------------------- the user's side
@@ -94,7 +101,11 @@ class Pending:
 
         def run(done: torch.futures.Future) -> None:
             done.wait()  # re-raises the collective's error into the chained future
-            continuation()
+            try:
+                continuation()
+            except BaseException as exc:
+                self._local_error = exc
+                raise
 
         self._future = base.then(run)
 
@@ -115,6 +126,12 @@ class Pending:
         except PeerFailureError:
             raise
         except Exception as exc:  # gloo/NCCL raise plain RuntimeError subclasses
+            local = self._local_error
+            if local is not None:
+                note = f"commsched: raised by this process's own work on {self._what} (no peer failed)"
+                if note not in getattr(local, "__notes__", ()):
+                    local.add_note(note)
+                raise local from None
             raise PeerFailureError(
                 f"commsched: {self._what} failed. A peer process probably died, hung past the "
                 f"process-group timeout, or the network link broke. Original error: {exc}"
@@ -130,6 +147,14 @@ class Pending:
             return True
         assert self._work is not None
         return self._future.done() if self._future is not None else self._work.is_completed()
+
+
+def is_local(error: BaseException) -> bool:
+    """An error of this process's own making: not the backend's (`torch.distributed.DistError`, or the
+    plain RuntimeError gloo and NCCL raise when a connection breaks) nor a failed predecessor."""
+    if isinstance(error, (PeerFailureError, dist.DistError)):
+        return False
+    return isinstance(error, (ValueError, TypeError, AssertionError, IndexError, KeyError, torch.OutOfMemoryError))
 
 
 @dataclass
@@ -175,7 +200,7 @@ class Issuer:
         try:
             work = request.launch()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            request.pending.failed(exc)
+            request.pending.failed(exc, local=is_local(exc))
             return
         request.pending.issued(work)
 
