@@ -312,7 +312,8 @@ class DeARSchedule(Schedule):
     # ------------------------------------------------------------------- update
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         """Let Lightning run closure, hooks and clipping; the update itself is the schedule's."""
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, partial(real_step, **kwargs)))
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, partial(real_step, **kwargs)),
+                                      hooks_once=True)
 
     def step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         """After the closure: take the step at once (gradients already whole, or the fit's first step)

@@ -4,22 +4,45 @@ generation is complete."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from collections import OrderedDict
+from itertools import chain
+from typing import Any, Callable, Iterator, Optional
 
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 RealStep = Callable[..., Any]
 
 
 def run_with_step_replaced(optimizer: Optimizer, run_step: Callable[[], Any],
-                           instead: Callable[[RealStep, dict[str, Any]], None]) -> Any:
-    """Run `run_step` with `optimizer.step(closure)` running the closure, then `instead(real_step, kwargs)`."""
+                           instead: Callable[[RealStep, dict[str, Any]], None], hooks_once: bool = False) -> Any:
+    """Run `run_step` with `optimizer.step(closure)` running the closure, then `instead(real_step, kwargs)`.
+
+    `hooks_once`: `instead` may call `real_step` several times, each on part of the parameters (DeAR
+    steps bucket by bucket). The step hooks users register (`register_step_pre_hook`,
+    `register_step_post_hook`, torch's global ones: EMA, schedule-free and logging libraries hook
+    there) then run once per optimizer step, around the whole of it, with the param groups the user
+    built, as under ddp; the partial calls run without them."""
     real_step = optimizer.step
     had_instance_step = "step" in optimizer.__dict__
+    hooked = hooks_once and hasattr(optimizer, "_optimizer_step_pre_hooks") and hasattr(optimizer, "_optimizer_step_post_hooks")
+
+    def quiet_step(**kwargs: Any) -> Any:
+        with _hooks_silenced(optimizer):
+            return real_step(**kwargs)
 
     def replaced(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        if not hooked:
+            loss = closure() if closure is not None else None
+            instead(real_step, kwargs)
+            return loss
+        args, kwargs = _run_pre_hooks(optimizer, {"closure": closure, **kwargs})
+        closure = kwargs.pop("closure", None)
         loss = closure() if closure is not None else None
-        instead(real_step, kwargs)
+        instead(quiet_step, kwargs)
+        for hook in chain(optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()):
+            hook(optimizer, args, {"closure": closure, **kwargs})
         return loss
 
     optimizer.step = replaced  # type: ignore[method-assign]
@@ -30,3 +53,32 @@ def run_with_step_replaced(optimizer: Optimizer, run_step: Callable[[], Any],
             optimizer.step = real_step  # type: ignore[method-assign]
         else:
             del optimizer.step
+
+
+def _run_pre_hooks(optimizer: Optimizer, kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """torch's order and contract: global hooks first, each may return new `(args, kwargs)`."""
+    args: tuple[Any, ...] = (optimizer,)
+    for hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"an optimizer step pre-hook must return None or a tuple (new_args, new_kwargs), got {result!r}")
+            args, kwargs = result
+    return args, kwargs
+
+
+@contextlib.contextmanager
+def _hooks_silenced(optimizer: Optimizer) -> Iterator[None]:
+    """The step hooks (the optimizer's own and torch's global ones) out of the way for one call."""
+    owned = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
+    shared = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
+    saved_shared = [dict(hooks) for hooks in shared]
+    optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+    for hooks in shared:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = owned
+        for hooks, saved in zip(shared, saved_shared):
+            hooks.update(saved)

@@ -1,0 +1,82 @@
+"""The optimizer's step hooks under each schedule, for test_optimizer_contract.py.
+
+Usage: python run_optimizer_hooks.py OUT_DIR SCHEDULE [SCHEDULE ...]
+
+Each rank writes OUT_DIR/<schedule>.rank<r>.json: every call of a step pre-hook, a step post-hook
+and torch's global pre/post hooks, in order, with how many parameters each param group showed and
+the sum of the weights the hook read (a hook that reads weights sees them as ddp would).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader, TensorDataset
+
+import commsched
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+
+warnings.filterwarnings("ignore")
+STEPS = 6
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, calls: list) -> None:
+        super().__init__()
+        self.calls = calls
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.record("pre", opt))
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.record("post", opt))
+        return optimizer
+
+    def record(self, kind: str, optimizer: torch.optim.Optimizer) -> None:
+        weights = sum(float(p.detach().sum()) for group in optimizer.param_groups for p in group["params"])
+        self.calls.append([kind, [len(group["params"]) for group in optimizer.param_groups], weights])
+
+
+def fit(schedule: str, out: Path) -> None:
+    pl.seed_everything(3, verbose=False)
+    calls: list = []
+    model = MLP(calls)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g))
+    # several buckets (DeAR steps bucket by bucket); DeAR kept throughout (no turns with WFBP)
+    options = {"dear": commsched.DeAROptions(fallback="never")} if schedule == "dear" else {}
+    strategy = DDPStrategy() if schedule == "ddp" else commsched.STRATEGIES[schedule](bucket_cap_mb=0.0001, **options)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=out / f"{schedule}-run")
+    handles = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: model.record("global pre", opt)),
+               register_optimizer_step_post_hook(lambda opt, args, kwargs: model.record("global post", opt))]
+    try:
+        trainer.fit(model, DataLoader(data, batch_size=4))
+    finally:
+        for handle in handles:
+            handle.remove()
+    (out / f"{schedule}.rank{trainer.global_rank}.json").write_text(json.dumps(calls))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for schedule in sys.argv[2:]:
+        fit(schedule, out)
+
+
+if __name__ == "__main__":
+    main()
