@@ -298,3 +298,39 @@ def test_a_loader_lightning_makes_anew_every_epoch_follows_the_epochs():
     epochs = [once[i:i + 12] for i in (0, 12, 24)]
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
     assert anew == once
+
+
+@pytest.mark.parametrize("case", ["topk", "streams"])
+def test_a_checkpoint_saved_after_fit_keeps_the_communication_state(tmp_path, case):
+    """`trainer.save_checkpoint` after `fit` returned (as Lightning's docs save by hand) holds the
+    same communication state as ModelCheckpoint's save at the same step: top-k's residuals, the
+    plan and the streams search are not lost once the fit is over. Both load with weights_only=True."""
+    proc = run_worker("run_save_after_fit.py", str(tmp_path), case)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    manual, last = (torch.load(tmp_path / case / name, weights_only=True) for name in ("manual.ckpt", "ckpt/last.ckpt"))
+    assert manual["global_step"] == last["global_step"]
+    assert "commsched" in manual, "the checkpoint saved after fit has no communication state"
+    assert manual["commsched"].keys() == last["commsched"].keys()
+    diff, key = max_abs_diff(_tensors(manual["commsched"]), _tensors(last["commsched"]))
+    assert diff == 0.0, f"{key} differs by {diff:.3g}"
+    assert _plain(manual["commsched"]) == _plain(last["commsched"])
+    if case == "topk":
+        assert _tensors(manual["commsched"]), "top-k kept no residuals"
+
+
+def _tensors(entry, prefix: str = "") -> dict:
+    if isinstance(entry, torch.Tensor):
+        return {prefix: entry}
+    items = entry.items() if isinstance(entry, dict) else enumerate(entry) if isinstance(entry, (list, tuple)) else ()
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
+
+
+def _plain(entry):
+    """Everything but the tensors: plans, choices, counters."""
+    if isinstance(entry, torch.Tensor):
+        return "tensor"
+    if isinstance(entry, dict):
+        return {k: _plain(v) for k, v in entry.items()}
+    if isinstance(entry, (list, tuple)):
+        return [_plain(v) for v in entry]
+    return entry

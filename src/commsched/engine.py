@@ -210,11 +210,14 @@ class Engine:
                 schedule.sync_enabled = True
 
     def checkpoint_state(self, world_size: int) -> dict[str, Any]:
-        """Called on every rank (after a flush); rank 0's return value goes into the checkpoint."""
-        assert self.owner is not None
-        saved = self.owner.state_dict()
+        """Called on every rank (after a flush); rank 0's return value goes into the checkpoint. After a
+        fit has ended, the schedule that ran it still holds its state (residuals, plans, choices):
+        `trainer.save_checkpoint` after `fit` keeps it as ModelCheckpoint's last save would."""
+        owner = self.owner if self.owner is not None else self.finished
+        assert owner is not None
+        saved = owner.state_dict()
         per_rank = state.gather_to_rank0(saved.get("per_rank", {}), world_size)
-        return state.entry(self.owner.name, world_size, self.policy.state_dict(), saved.get("shared", {}), per_rank)
+        return state.entry(owner.name, world_size, self.policy.state_dict(), saved.get("shared", {}), per_rank)
 
     def stop(self, destroy_links: bool) -> None:
         if self.schedule is not None and self.schedule is not self.owner:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Generator, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
@@ -294,9 +295,12 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Called on every rank: per-rank communication state is gathered to rank 0, which writes it."""
+        """Called on every rank: per-rank communication state is gathered to rank 0, which writes it
+        (also after `fit` returned, from the schedule that ran it, unless the fit failed)."""
         if self._engine.schedule is not None:
             self._flush()
+            checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
+        elif self._engine.finished is not None and not self._failed and dist.is_initialized():
             checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
