@@ -30,7 +30,7 @@ BATCH = 32
 
 
 class SmallCNN(pl.LightningModule):
-    """0.3 M parameters. No `self.log` in `training_step`: with torch 2.13 and Lightning 2.5 dynamo
+    """0.3 M parameters. No `self.log` in `training_step`: with torch 2.13 and Lightning 2.6 dynamo
     fails on it under every strategy, ddp included (it inspects the hook's signature)."""
 
     def __init__(self) -> None:
