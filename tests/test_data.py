@@ -119,6 +119,17 @@ def test_cached_samples_are_read_once_and_survive_the_files(tmp_path):
     assert (cached.misses, cached.hits) == (12, 12)
 
 
+def test_two_folders_of_the_same_name_get_copies_of_their_own(tmp_path):
+    from commsched.data.cache import local_copy
+
+    for run in ("a", "b"):
+        (tmp_path / run / "data").mkdir(parents=True)
+        (tmp_path / run / "data" / "which.txt").write_text(run)
+    copies = [local_copy(tmp_path / run / "data", tmp_path / "cache") for run in ("a", "b")]
+    assert copies[0] != copies[1]
+    assert [(copy / "which.txt").read_text() for copy in copies] == ["a", "b"]
+
+
 def test_local_copy_copies_once_even_when_ranks_ask_together(tmp_path):
     import multiprocessing
 
@@ -129,8 +140,11 @@ def test_local_copy_copies_once_even_when_ranks_ask_together(tmp_path):
     with context.Pool(3) as pool:
         targets = pool.starmap(local_copy, [(tmp_path / "slow", tmp_path / "cache")] * 3)
     assert len(set(targets)) == 1 and sorted(p.name for p in Path(targets[0]).iterdir()) == [f"{i:03d}.npy" for i in range(12)]
-    (tmp_path / "slow" / "000.npy").unlink()  # kept: a later run does not copy again
-    assert (local_copy(tmp_path / "slow", tmp_path / "cache") / "000.npy").is_file()
-    assert not [p for p in (tmp_path / "cache").iterdir() if "partial" in p.name]
+    copied = Path(targets[0]).stat().st_ino
+    assert local_copy(tmp_path / "slow", tmp_path / "cache").stat().st_ino == copied  # unchanged: not copied again
+    (tmp_path / "slow" / "000.npy").unlink()  # changed: a later run copies it again
+    refreshed = local_copy(tmp_path / "slow", tmp_path / "cache")
+    assert refreshed == Path(targets[0]) and not (refreshed / "000.npy").exists()
+    assert not [p for p in (tmp_path / "cache").iterdir() if "partial" in p.name or "stale" in p.name]
     with pytest.raises(Exception, match="local_copy.source"):
         local_copy(tmp_path / "missing", tmp_path / "cache")

@@ -12,6 +12,8 @@ cache: use `persistent_workers=True`, or the cache is rebuilt each epoch.
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -49,23 +51,46 @@ class CachedDataset(Dataset):
 
 
 def local_copy(source: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
-    """`source`'s tree copied under `cache_dir` once (kept for later runs): the local path to read
-    from. Processes of one node calling it together copy once (a file lock); a copy cut short is
-    never used (it is renamed into place only when complete)."""
+    """`source`'s tree copied under `cache_dir` (kept for later runs): the local path to read from.
+
+    The copy is named by the source's full path (two folders both called `data` get copies of their
+    own) and remembers what it was copied from: every file's relative path, size and modification
+    time. A later run whose source still matches reads the copy; one whose source changed (a file
+    added, removed or rewritten) copies it again. Processes of one node calling it together copy
+    once (a file lock); a copy cut short is never used (it is renamed into place only when complete)."""
     source = Path(source).expanduser().resolve()
     if not source.is_dir():
         raise bad_value("local_copy.source", str(source), "an existing directory")
     cache = Path(cache_dir).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / source.name
-    with open(cache / f".{source.name}.lock", "w") as lock:
+    name = f"{source.name}-{hashlib.sha1(str(source).encode()).hexdigest()[:10]}"
+    target, stamp_file = cache / name, cache / f".{name}.source.json"
+    with open(cache / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            partial = cache / f".{source.name}.partial-{os.getpid()}"
+        stamp = _fingerprint(source)
+        if target.exists() and stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+            return target
+        partial = cache / f".{name}.partial-{os.getpid()}"
+        stale = cache / f".{name}.stale-{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            shutil.copytree(source, partial)
+            if target.exists():
+                target.rename(stale)
+            partial.rename(target)
+            stamp_file.write_text(json.dumps(stamp))
+        finally:
             shutil.rmtree(partial, ignore_errors=True)
-            try:
-                shutil.copytree(source, partial)
-                partial.rename(target)
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(stale, ignore_errors=True)
     return target
+
+
+def _fingerprint(source: Path) -> list[list]:
+    """What the copy is checked against: each file's path below `source`, size and mtime (ns)."""
+    entries = []
+    for folder, _dirs, files in os.walk(source):
+        for file in files:
+            path = Path(folder) / file
+            stat = path.stat()
+            entries.append([str(path.relative_to(source)), stat.st_size, stat.st_mtime_ns])
+    return sorted(entries)
