@@ -36,3 +36,9 @@ def say(message: str) -> None:
     """One line for the user, from rank 0 only."""
     _console()
     log.info(message)
+
+
+def say_from_this_rank(message: str) -> None:
+    """One line from whichever rank says it: after a failure, ranks no longer agree on what they hold."""
+    _console()
+    log.warning(message)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import signal
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial, partialmethod
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
@@ -40,7 +41,7 @@ from commsched.interrupt import StoppedBySignal
 from commsched.lr_follow import FollowOptimizerSteps
 from commsched.options import CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
 from commsched.run_reports import RunReports
-from commsched.say import say
+from commsched.say import say, say_from_this_rank
 from commsched.schedules import SCHEDULES, Schedule
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._lr_follow: Optional[FollowOptimizerSteps] = None
         self._restored: Optional[state.Restored] = None
         self._failed = False
+        self._failure_state: Optional[str] = None
         self._clock = run_summary.StepClock()
         self._files_before = 0
         self.run_dir: Optional[Path] = None
@@ -297,10 +299,15 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Called on every rank: per-rank communication state is gathered to rank 0, which writes it
         (also after `fit` returned, from the schedule that ran it, unless the fit failed)."""
-        if self._engine.schedule is not None:
+        if self._run_failed():
+            # the process group may be broken: gathering the ranks' state would wait for the timeout
+            self._note_failure()
+            say_from_this_rank(f"commsched: this checkpoint, saved after the run failed, holds this rank's weights as they are "
+                f"({self._failure_state or 'the last step taken'}) and no communication state")
+        elif self._engine.schedule is not None:
             self._flush()
             checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
-        elif self._engine.finished is not None and not self._failed and dist.is_initialized():
+        elif self._engine.finished is not None and dist.is_initialized():
             checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -311,10 +318,29 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._restored = state.Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size)
         return checkpoint
 
+    def _run_failed(self) -> bool:
+        """The run has failed, also while callbacks' `on_exception` run (OnExceptionCheckpoint saves
+        there), which Lightning calls before the strategy's."""
+        if self._failed:
+            return True
+        exception = sys.exc_info()[1]
+        return exception is not None and not isinstance(exception, StoppedBySignal) and \
+            self.lightning_module is not None and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED
+
+    def _note_failure(self) -> None:
+        """Say once, from this rank, what its model holds when that is not simply one step's weights."""
+        running = self._engine.schedule
+        if self._failure_state is None and running is not None:
+            self._failure_state = running.after_failure()
+            if self._failure_state is not None:
+                say_from_this_rank(f"commsched: the run failed on rank {self.global_rank}: {self._failure_state}")
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Every rank stops by signal at the same step, everything applied and saved: not a failure.
         self._failed = not isinstance(exception, StoppedBySignal)
+        if self._failed:
+            self._note_failure()
         super().on_exception(exception)
         if isinstance(exception, PeerFailureError) and self.launcher is not None:
             # Lightning leaves worker processes alone on ordinary errors; a hung peer would then

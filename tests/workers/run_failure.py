@@ -1,6 +1,7 @@
 """Start a 2-process run that must fail with a clear error; the test reads the exit code and output.
 
-Usage: python run_failure.py MODE   (MODE: manual, lbfgs, plan-mismatch, peer-dies, peer-hangs)
+Usage: python run_failure.py MODE [OUT_DIR]   (MODE: manual, lbfgs, plan-mismatch, peer-dies, peer-hangs,
+peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 import commsched
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from toy import ManualToyNet, ToyNet  # noqa: E402
@@ -45,17 +47,18 @@ def model_for(mode: str) -> pl.LightningModule:
         if rank == 1:
             model.extra = torch.nn.Linear(2, 2)  # a parameter rank 0 does not have
         return model
-    return DiesAtStep3(mode.removeprefix("peer-"))
+    return DiesAtStep3(mode.removeprefix("peer-").removesuffix("-saved"))
 
 
 def main() -> None:
     mode = sys.argv[1]
     pl.seed_everything(0, verbose=False)
     strategy = commsched.DeARStrategy(timeout=timedelta(seconds=15))
+    callbacks = [OnExceptionCheckpoint(dirpath=sys.argv[2])] if mode.endswith("-saved") else []
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=20, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
     )
     trainer.fit(model_for(mode))
     print("commsched-test: training finished without the expected error")

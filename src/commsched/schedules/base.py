@@ -112,6 +112,11 @@ class Schedule:
             handle.remove()
         self._handles.clear()
 
+    def after_failure(self) -> Optional[str]:
+        """After a failed run (a peer died, a collective failed): what the model holds, in a sentence,
+        where it is not simply the weights of the last step taken (nothing to say: None)."""
+        return None
+
     # ------------------------------------------------------------ subclass API
     def _bucket_ready(self, b: int) -> None:
         """Bucket `b` is complete (in order, during backward or at its end)."""

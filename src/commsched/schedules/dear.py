@@ -141,6 +141,17 @@ class DeARSchedule(Schedule):
                 self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
                 self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
 
+    def after_failure(self) -> Optional[str]:
+        pending = self._pending
+        if pending is None or not any(pending.waiting):
+            return None
+        applied = len(pending.waiting) - sum(pending.waiting)
+        if applied == 0:
+            return ("the last optimizer step's update was not applied (its all-gathers did not complete): the weights "
+                    "and optimizer state are those before that step, whole")
+        return (f"{applied} of {len(pending.waiting)} buckets hold the last optimizer step's update and the others do "
+                "not (their all-gathers failed): these weights mix two steps; resume from the last checkpoint instead")
+
     def detach(self) -> None:
         """After a flush (the engine's), or after a failure: nothing pending is applied here."""
         self.watch.unmark_all()
