@@ -19,6 +19,8 @@ def test_peer_failure_ends_run_with_error(mode):
     assert proc.returncode != 0
     assert "PeerFailureError" in output and "A peer process probably died" in output
     assert elapsed < 180
+    if mode == "peer-dies":  # the survivor ended its issuer threads (one left in the backend at exit can abort)
+        assert "commsched-test: rank 0 issuer threads alive at exit: []" in output, output[-3000:]
 
 
 def test_a_checkpoint_saved_after_a_peer_died_is_written_at_once_and_says_what_it_holds(tmp_path):

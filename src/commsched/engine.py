@@ -227,6 +227,8 @@ class Engine:
             self.finished, self.owner, self.schedule = self.owner, None, None
         if self.links is not None and destroy_links:
             self.links.destroy()
+        elif self.links is not None:
+            self.links.stop_issuers()
 
 
 def merged(shared: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:

@@ -316,6 +316,13 @@ class Links:
             return dict(self._sent_when_destroyed)
         return {link.name: link.wire_bytes for link in self}
 
+    def stop_issuers(self) -> None:
+        """After a failure: end the issuer threads (a request behind a failed collective fails at once;
+        one behind a hung one is left after a few seconds), keeping the groups, which may be broken.
+        A thread left inside the backend at interpreter exit can abort the process."""
+        for link in self:
+            link.stop()
+
     def destroy(self) -> None:
         self._sent_when_destroyed = self.wire_bytes
         for link in self:

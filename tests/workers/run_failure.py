@@ -6,8 +6,10 @@ peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR)
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -50,8 +52,14 @@ def model_for(mode: str) -> pl.LightningModule:
     return DiesAtStep3(mode.removeprefix("peer-").removesuffix("-saved"))
 
 
+def report_issuer_threads() -> None:
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("commsched-issue") and t.is_alive()]
+    print(f"commsched-test: rank {os.environ.get('LOCAL_RANK', '0')} issuer threads alive at exit: {alive}", flush=True)
+
+
 def main() -> None:
     mode = sys.argv[1]
+    atexit.register(report_issuer_threads)
     pl.seed_everything(0, verbose=False)
     strategy = commsched.DeARStrategy(timeout=timedelta(seconds=15))
     callbacks = [OnExceptionCheckpoint(dirpath=sys.argv[2])] if mode.endswith("-saved") else []
