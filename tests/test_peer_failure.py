@@ -11,9 +11,9 @@ from conftest import run_worker
 
 
 @pytest.mark.parametrize("mode", ["peer-dies", "peer-hangs"])
-def test_peer_failure_ends_run_with_error(mode):
+def test_peer_failure_ends_run_with_error(mode, tmp_path):
     started = time.monotonic()
-    proc = run_worker("run_failure.py", mode, timeout=240)  # the strategy's timeout is 15 s
+    proc = run_worker("run_failure.py", mode, str(tmp_path), timeout=240)  # the strategy's timeout is 15 s
     elapsed = time.monotonic() - started
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0

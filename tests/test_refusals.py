@@ -119,8 +119,8 @@ def test_sync_batchnorm_on_cpu_refused_before_spawning(name):
         ("plan-mismatch", "differs between ranks"),
     ],
 )
-def test_refused_in_workers_with_clear_error(mode, message):
-    proc = run_worker("run_failure.py", mode, timeout=300)
+def test_refused_in_workers_with_clear_error(mode, message, tmp_path):
+    proc = run_worker("run_failure.py", mode, str(tmp_path), timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "training finished" not in output

@@ -327,9 +327,12 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         return exception is not None and not isinstance(exception, StoppedBySignal) and \
             self.lightning_module is not None and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED
 
-    def _note_failure(self) -> None:
-        """Say once, from this rank, what its model holds when that is not simply one step's weights."""
+    def _note_failure(self, exception: Optional[BaseException] = None) -> None:
+        """Say once, from this rank, what its model holds when that is not simply one step's weights
+        (not after a second Ctrl-C: the user asked to stop without saving)."""
         running = self._engine.schedule
+        if isinstance(exception if exception is not None else sys.exc_info()[1], KeyboardInterrupt):
+            return
         if self._failure_state is None and running is not None:
             self._failure_state = running.after_failure()
             if self._failure_state is not None:
@@ -340,7 +343,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         # Every rank stops by signal at the same step, everything applied and saved: not a failure.
         self._failed = not isinstance(exception, StoppedBySignal)
         if self._failed:
-            self._note_failure()
+            self._note_failure(exception)
         super().on_exception(exception)
         if isinstance(exception, PeerFailureError) and self.launcher is not None:
             # Lightning leaves worker processes alone on ordinary errors; a hung peer would then

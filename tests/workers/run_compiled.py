@@ -63,7 +63,8 @@ def main() -> None:
         model = SmallCNN()
         watch = GraphsAfterWarmup()
         trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[watch])
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[watch],
+                             default_root_dir=out / f"{name}-run")
         trainer.fit(torch.compile(model), DataLoader(data, batch_size=8))
         if trainer.is_global_zero:
             torch.save({"state": {k: v.detach().clone() for k, v in model.state_dict().items()},

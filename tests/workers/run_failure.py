@@ -1,7 +1,7 @@
 """Start a 2-process run that must fail with a clear error; the test reads the exit code and output.
 
-Usage: python run_failure.py MODE [OUT_DIR]   (MODE: manual, lbfgs, plan-mismatch, peer-dies, peer-hangs,
-peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR)
+Usage: python run_failure.py MODE OUT_DIR   (MODE: manual, lbfgs, plan-mismatch, peer-dies, peer-hangs,
+peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR, the run's folder)
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def main() -> None:
         accelerator="cpu", devices=2, strategy=strategy, max_steps=20, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        default_root_dir=sys.argv[2],
     )
     trainer.fit(model_for(mode))
     print("commsched-test: training finished without the expected error")

@@ -35,7 +35,8 @@ def fit(out: Path, name: str) -> None:
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     schedule = "dear" if name == "refused-dear" else "wfbp"
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=commsched.STRATEGIES[schedule](), max_steps=8, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=out / f"{name}-run")
     try:
         trainer.fit(model)
     except commsched.CommSchedConfigError as error:

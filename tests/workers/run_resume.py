@@ -29,7 +29,8 @@ def fit(out: Path, schedule: str, name: str, steps: int, resume: str | None = No
     strategy = DDPStrategy() if schedule == "ddp" else commsched.STRATEGIES[schedule](bucket_cap_mb=0.05)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[ModelCheckpoint(dirpath=out / name, save_last=True, save_top_k=0)])
+                         callbacks=[ModelCheckpoint(dirpath=out / name, save_last=True, save_top_k=0)],
+                         default_root_dir=out / f"{name}-run")
     trainer.fit(model, datamodule=data, ckpt_path=str(out / resume / "last.ckpt") if resume else None)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{name}.pt")

@@ -147,7 +147,8 @@ def run(out: Path, case: str, world: int) -> None:
                                             dear=commsched.DeAROptions(fallback="never")))  # DeAR's touches, never WFBP
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         gradient_clip_val=0.5 if variant in ("readers", "rankzero") else None, callbacks=callbacks)
+                         gradient_clip_val=0.5 if variant in ("readers", "rankzero") else None, callbacks=callbacks,
+                         default_root_dir=out / f"{case}-run")
     trainer.fit(model)
     schedule = getattr(trainer.strategy, "last_schedule", None)
     result = {

@@ -82,7 +82,7 @@ def main(out: Path) -> None:
                                                                  capacity=None, fallback="never"))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=WARMUP + MEASURE + AFTER, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[whole, preserver])
+                         callbacks=[whole, preserver], default_root_dir=out / "run")
     trainer.fit(LeastSquares())
     if trainer.global_rank == 0:
         torch.save({"walk": preserver.decisions[-1]["walk"], "read_at": WARMUP + MEASURE - 1, "loss": whole.loss,

@@ -151,16 +151,16 @@ class StreamControl:
         technique, proposed = self._search.propose()
         if proposed is None or spent + self.options.trial_steps > self._budget:
             best, best_s = self._search.best()  # type: ignore[misc]
-            one = self._fastest_single()
+            plain = self._plain()
             return {"trial": trial.to_json(), "chosen": best.to_json(), "chosen_s": best_s,
-                    "baseline": one.to_json() if one is not None and one != best else None}
+                    "baseline": plain.to_json() if plain != best else None}
         return {"trial": trial.to_json(), "next": proposed.to_json(), "technique": technique}
 
-    def _fastest_single(self) -> Optional[Striping]:
-        """Rank 0: the one-stream configuration measured fastest (the baseline a search's best must beat)."""
-        assert self._search is not None
-        single = {s: t for s, t in self._search.measured.items() if s.streams == 1}
-        return min(single, key=single.__getitem__) if single else None
+    def _plain(self) -> Striping:
+        """What the schedule does without streams (one stream, each bucket whole, the run's own algorithm):
+        a search's best must beat it on alternating steps before it is kept. Not the fastest one-stream
+        trial: a trial of a few steps can flatter one (a two-level exchange on a quiet moment)."""
+        return self._baseline(bool(self._two_level))
 
     def _confirm(self, control: Any) -> Optional[Striping]:
         """Every rank: the search's best and one stream take turns on real steps (the same steps on every
