@@ -304,10 +304,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             self._note_failure()
             say_from_this_rank(f"commsched: this checkpoint, saved after the run failed, holds this rank's weights as they are "
                 f"({self._failure_state or 'the last step taken'}) and no communication state")
-        elif self._engine.schedule is not None:
-            self._flush()
-            checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
-        elif self._engine.finished is not None and dist.is_initialized():
+        elif self._engine.schedule is not None or (self._engine.finished is not None and dist.is_initialized()):
+            self._flush()  # nothing to flush once the fit is over
             checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
