@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -31,4 +32,48 @@ def test_a_checkpoint_saved_after_a_peer_died_is_written_at_once_and_says_what_i
     assert proc.returncode != 0 and "A peer process probably died" in output
     saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
     assert "commsched" not in saved and saved["state_dict"]
-    assert "commsched: this checkpoint, saved after the run failed, holds this rank's weights as they are" in output
+    assert "commsched: this checkpoint, saved after the run failed, holds this rank's weights (" in output
+
+
+def _saved_after_failure(tmp_path, mode):
+    proc = run_worker("run_failure.py", mode, str(tmp_path), timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "A peer process probably died" in output, output[-3000:]
+    # the saving neither waited on nor failed in a barrier on the broken group: the run ended with its own error
+    raised = [line for line in proc.stderr.splitlines() if re.match(r"\[rank0\]: [\w.]+(Error|Exception)\b", line)]
+    assert raised and raised[-1].startswith("[rank0]: commsched.errors.PeerFailureError"), output[-3000:]
+    assert "commsched-test: rank 0 issuer threads alive at exit: []" in output, output[-3000:]
+    return torch.load(tmp_path / "on_exception.ckpt", weights_only=True), output
+
+
+@pytest.fixture(scope="module")
+def chain_reference(tmp_path_factory):
+    """The same model under Lightning's ddp, 3 steps: the model before the step the failure interrupted."""
+    out = tmp_path_factory.mktemp("chain-reference")
+    proc = run_worker("run_failure.py", "chain-reference", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "reference.ckpt", weights_only=True)
+
+
+def _momenta(checkpoint):
+    return [s["momentum_buffer"] for _, s in sorted(checkpoint["optimizer_states"][0]["state"].items())]
+
+
+def test_a_dear_step_interrupted_part_way_is_taken_back(tmp_path, chain_reference):
+    """Rank 1 dies between two of step 3's all-gathers: rank 0 has applied that step to its first
+    layer when the failure reaches it. What OnExceptionCheckpoint saves is the model of 3 steps,
+    weights and momentum, whole (against ddp's), and one line says the step was taken back."""
+    saved, output = _saved_after_failure(tmp_path, "gather-dies")
+    assert "the last optimizer step was taken back (1 of 3 buckets had applied it" in output, output[-3000:]
+    for key, value in chain_reference["state_dict"].items():
+        assert torch.allclose(saved["state_dict"][key], value, atol=1e-6, rtol=0), key
+    for ours, theirs in zip(_momenta(saved), _momenta(chain_reference), strict=True):
+        assert torch.allclose(ours, theirs, atol=1e-6, rtol=0)
+
+
+def test_without_rollback_copies_the_mixed_model_is_said_for_what_it_is(tmp_path, chain_reference):
+    saved, output = _saved_after_failure(tmp_path, "gather-dies-no-rollback")
+    assert "1 of 3 buckets hold the last optimizer step's update and the others do not" in output, output[-3000:]
+    first = "layers.0.weight"
+    assert not torch.allclose(saved["state_dict"][first], chain_reference["state_dict"][first], atol=1e-6, rtol=0)
+    assert torch.allclose(saved["state_dict"]["layers.4.weight"], chain_reference["state_dict"]["layers.4.weight"], atol=1e-6, rtol=0)

@@ -277,6 +277,13 @@ class DeAROptions:
     """A median step this much slower than the kept schedule measured compares them again. 0: never."""
     drift_steps: int = option(50, positive_int)
     """Steps per median watched for drift."""
+    rollback: bool = option(True, flag)
+    """A bucket's update applied while later all-gathers of the same step are still on the network
+    first copies the bucket's parameters and optimizer state, released when the step completes: a
+    run that fails part-way (a peer died) rolls the step back, so what is saved after the failure is
+    the model before that step, whole. Costs, at most, the memory of the parameters and optimizer
+    state applied early (nothing where the all-gathers land before the forward needs them). False:
+    no copies, and a failure part-way leaves weights that mix two steps (said when it happens)."""
 
 
 def eps_value(name: str, value: Any) -> float:

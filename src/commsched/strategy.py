@@ -260,7 +260,11 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     # ------------------------------------------------------------ flush points
     def _flush(self) -> None:
-        if self._engine.schedule is not None and not self._failed:
+        if self._engine.schedule is None:
+            return
+        if self._run_failed():  # e.g. OnExceptionCheckpoint saving: the schedule completes or takes back its step
+            self._note_failure()
+        else:
             self._engine.schedule.flush()
 
     def _drain(self) -> None:
@@ -302,12 +306,20 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         if self._run_failed():
             # the process group may be broken: gathering the ranks' state would wait for the timeout
             self._note_failure()
-            say_from_this_rank(f"commsched: this checkpoint, saved after the run failed, holds this rank's weights as they are "
-                f"({self._failure_state or 'the last step taken'}) and no communication state")
+            what = "as said above" if self._failure_state else "those of the last step taken, whole"
+            say_from_this_rank(f"commsched: this checkpoint, saved after the run failed, holds this rank's weights ({what}) "
+                               "and no communication state")
         elif self._engine.schedule is not None or (self._engine.finished is not None and dist.is_initialized()):
             self._flush()  # nothing to flush once the fit is over
             checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Not after a failure (Lightning's save_checkpoint ends with one): the group may be broken, and a
+        barrier on it would fail or wait for the timeout instead of letting the run end with its error."""
+        if not self._run_failed():
+            super().barrier(name)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

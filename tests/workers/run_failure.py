@@ -1,7 +1,11 @@
 """Start a 2-process run that must fail with a clear error; the test reads the exit code and output.
 
 Usage: python run_failure.py MODE OUT_DIR   (MODE: manual, lbfgs, plan-mismatch, peer-dies, peer-hangs,
-peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR, the run's folder)
+peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR, the run's folder;
+gather-dies, gather-dies-no-rollback: a `Chain` under DeAR whose rank 1 dies between two of step 3's
+all-gathers, so that rank 0 has applied part of that step when the failure reaches it, saved by
+OnExceptionCheckpoint; chain-reference: the same `Chain` under Lightning's ddp for 3 steps, saved as
+OUT_DIR/reference.ckpt)
 """
 
 from __future__ import annotations
@@ -38,6 +42,71 @@ class DiesAtStep3(ToyNet):
             time.sleep(3600)
 
 
+class Chain(pl.LightningModule):
+    """Three linear layers, one bucket each, nothing touched before the first layer runs: DeAR's next
+    forward applies the buckets one by one, as each layer is about to run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.Tanh(),
+                                          torch.nn.Linear(32, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 4, bias=False))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(3)
+        data = torch.utils.data.TensorDataset(torch.randn(160, 8, generator=g), torch.randn(160, 4, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+class DiesBetweenGathers(pl.Callback):
+    """On rank 1: counts the gradient all-gathers (one per bucket per step) and dies as step 3's second
+    one is launched, after taking part in the first."""
+
+    def __init__(self) -> None:
+        self.calls, self.per_step = 0, 0
+        real = commsched.exchange.all_gather
+
+        def counted(group, full, shard):
+            if full.is_floating_point():
+                self.calls += 1
+                if self.per_step and self.calls == 3 * self.per_step + 2:
+                    os._exit(17)
+            return real(group, full, shard)
+
+        commsched.exchange.all_gather = counted
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:  # the first step is taken whole: every bucket's all-gather waited for
+            self.per_step = self.calls
+            print(f"commsched-test: {self.per_step} all-gathers a step", flush=True)
+
+
+def chain_run(mode: str, out: str) -> None:
+    """The `gather-*` modes and their reference."""
+    pl.seed_everything(0, verbose=False)
+    if mode == "chain-reference":
+        strategy, callbacks, steps = "ddp", [], 3
+    else:
+        strategy = commsched.DeARStrategy(bucket_cap_mb=1e-4, timeout=timedelta(seconds=15), dear=commsched.DeAROptions(
+            fallback="never", rollback=not mode.endswith("no-rollback")))
+        callbacks = [OnExceptionCheckpoint(dirpath=out)] + ([DiesBetweenGathers()] if os.environ.get("LOCAL_RANK") == "1" else [])
+        steps = 20
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, default_root_dir=out)
+    trainer.fit(Chain())
+    if mode == "chain-reference":
+        trainer.save_checkpoint(Path(out) / "reference.ckpt")
+    else:
+        print("commsched-test: training finished without the expected error")
+
+
 def model_for(mode: str) -> pl.LightningModule:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     if mode == "manual":
@@ -60,6 +129,8 @@ def report_issuer_threads() -> None:
 def main() -> None:
     mode = sys.argv[1]
     atexit.register(report_issuer_threads)
+    if mode.startswith(("gather-", "chain-")):
+        return chain_run(mode, sys.argv[2])
     pl.seed_everything(0, verbose=False)
     strategy = commsched.DeARStrategy(timeout=timedelta(seconds=15))
     callbacks = [OnExceptionCheckpoint(dirpath=sys.argv[2])] if mode.endswith("-saved") else []

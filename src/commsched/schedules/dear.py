@@ -43,7 +43,7 @@ from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice
 from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
-from commsched.schedules.partial_step import HyperParams, SubsetStepper, snapshot_hyperparams
+from commsched.schedules.partial_step import HyperParams, StepUndo, SubsetStepper, snapshot_hyperparams
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import schedules
 from commsched.sim.network import CostModel
@@ -66,6 +66,8 @@ class DeARSettings:
     """Units on several streams of the primary (None: one stream; not with `bucket_links`)."""
     fallback: Optional[Choice] = None
     """WFBP (arm 0) or DeAR (arm 1), measured on real steps (`DeAROptions.fallback`); kept across bucket rebuilds."""
+    rollback: bool = True
+    """Copies kept of what is applied before the step's last all-gathers land (`DeAROptions.rollback`)."""
 
 
 class _Gathers:
@@ -94,6 +96,8 @@ class _PendingUpdate:
     gathers: _Gathers
     clip: Optional[Callable[[torch.Tensor], Any]]  # Lightning's clipping, applied to each bucket once gathered
     waiting: list[bool]  # False once the bucket is applied
+    undo: Optional[StepUndo]  # copies of buckets applied while others' all-gathers were on the network (None: not kept)
+    kept: set[int]  # the buckets `undo` holds
 
 
 class DeARSchedule(Schedule):
@@ -122,11 +126,13 @@ class DeARSchedule(Schedule):
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self._compiled = False
         self.watch = Watch(self._bring_up_to_date)
+        self.rollback_peak_bytes = 0
+        """The most memory the copies of one step took (`DeAROptions.rollback`)."""
         self.applied: Counter[str] = Counter()
         """Buckets applied, by what brought them: "forward" (the module that needs them is about to run:
         the overlap DeAR is for), "touch", "after_forward", "flush", "unwatchable", "compiled" (before a
-        torch.compile'd forward); "whole": steps whose
-        gradients were made whole at once."""
+        torch.compile'd forward), "after_failure" (the step completed after the run failed elsewhere);
+        "whole": steps whose gradients were made whole at once."""
 
     # ----------------------------------------------------------------- lifecycle
     def attach(self, module: nn.Module) -> None:
@@ -142,15 +148,45 @@ class DeARSchedule(Schedule):
                 self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
 
     def after_failure(self) -> Optional[str]:
+        """The step in progress completed where every all-gather landed, otherwise taken back (the
+        copies `DeAROptions.rollback` keeps), so that the weights are those of one step."""
         pending = self._pending
         if pending is None or not any(pending.waiting):
             return None
-        applied = len(pending.waiting) - sum(pending.waiting)
-        if applied == 0:
-            return ("the last optimizer step's update was not applied (its all-gathers did not complete): the weights "
-                    "and optimizer state are those before that step, whole")
-        return (f"{applied} of {len(pending.waiting)} buckets hold the last optimizer step's update and the others do "
-                "not (their all-gathers failed): these weights mix two steps; resume from the last checkpoint instead")
+        if self._complete(pending):
+            return None
+        self.watch.unmark_all()  # what is left cannot be applied: reading the tensors must not try
+        self._pending = None
+        applied = [b for b, waiting in enumerate(pending.waiting) if not waiting]
+        before = "the weights and optimizer state are those before that step, whole"
+        if not applied:
+            return f"the last optimizer step's update was not applied (its all-gathers did not complete): {before}"
+        if pending.undo is not None and pending.kept.issuperset(applied):
+            pending.undo.restore(pending.stepper.optimizer.state)
+            return (f"the last optimizer step was taken back ({len(applied)} of {len(pending.waiting)} buckets had "
+                    f"applied it before the others' all-gathers failed): {before}")
+        return (f"{len(applied)} of {len(pending.waiting)} buckets hold the last optimizer step's update and the others do "
+                "not (their all-gathers failed; DeAROptions(rollback=False) kept no copies): these weights mix two "
+                "steps; resume from the last checkpoint instead")
+
+    def _complete(self, pending: _PendingUpdate) -> bool:
+        """Apply what is left of the step if every remaining all-gather landed intact (never waits)."""
+        if not all(self._landed(pending.gathers, b) for b, waiting in enumerate(pending.waiting) if waiting):
+            return False
+        self.flush("after_failure")
+        return True
+
+    @staticmethod
+    def _landed(gathers: _Gathers, b: int) -> bool:
+        """Bucket `b`'s all-gathers completed intact (never waits): a failed one is left for whoever
+        needs the bucket, so that its failure is raised there, before anything changes."""
+        if not gathers.done(b):
+            return False
+        try:
+            gathers.wait(b)
+        except Exception:  # noqa: BLE001 - the backend's error, raised again where the bucket is needed
+            return False
+        return True
 
     def detach(self) -> None:
         """After a flush (the engine's), or after a failure: nothing pending is applied here."""
@@ -172,7 +208,7 @@ class DeARSchedule(Schedule):
         fallback = (Choice(o.confirm_steps, o.confirm_rounds, o.drift, o.drift_steps)
                     if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1 else None)
         return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
-                            fallback=fallback)
+                            fallback=fallback, rollback=o.rollback)
 
     def at_boundary(self) -> Optional[Handover]:
         """Between trials of the stream search: the pending update is applied (its all-gathers are in
@@ -209,7 +245,9 @@ class DeARSchedule(Schedule):
         return super().settled and (self.settings.fallback is None or not self.settings.fallback.deciding)
 
     def summary(self) -> list[str]:
-        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + super().summary()
+        rollback = ([f"copies kept to take a step back on failure: at most {self.rollback_peak_bytes / 2**20:.1f} MB "
+                     "(DeAROptions.rollback)"] if self.rollback_peak_bytes else [])
+        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + rollback + super().summary()
 
     def _restripe(self, striping: Striping) -> None:
         self.flush()
@@ -344,7 +382,7 @@ class DeARSchedule(Schedule):
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
         self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
-                                       [True] * len(self.plan.buckets))
+                                       [True] * len(self.plan.buckets), StepUndo() if self.settings.rollback else None, set())
         state = optimizer.state
         unwatched = []
         for b, bucket in enumerate(self.plan.buckets):
@@ -362,13 +400,18 @@ class DeARSchedule(Schedule):
             pending = self._pending
             if pending is None or not pending.waiting[b]:
                 return
-            ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and pending.gathers.done(c)]
+            ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and self._landed(pending.gathers, c)]
+            pending.gathers.wait(b)  # re-raises this bucket's failure before anything changes
             for c in ready:
                 self.watch.unmark(c)  # before anything below reads its tensors
-                pending.gathers.wait(c)  # completed: re-raises a failure, runs nothing
                 pending.waiting[c] = False
                 if pending.clip is not None:
                     pending.clip(self.plan.buckets[c].buffer)
+            if pending.undo is not None and any(pending.waiting):  # others' all-gathers may still fail
+                for c in ready:
+                    pending.undo.keep(self.plan.buckets[c].params, pending.stepper.optimizer.state)
+                pending.kept.update(ready)
+                self.rollback_peak_bytes = max(self.rollback_peak_bytes, pending.undo.nbytes)
             self.hand_back_gradients(ready)
             self.applied[why] += len(ready)
             pending.stepper.step_buckets(ready, pending.hyper, pending.step)

@@ -9,7 +9,8 @@ gives exactly the update a single `optimizer.step()` at step t would have made.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import copy
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -56,3 +57,31 @@ class SubsetStepper:
             for g, (params, current) in zip(groups, saved):
                 g["params"] = params
                 g.update(current)
+
+
+class StepUndo:
+    """Copies of parameters and their optimizer state taken just before part of a step is applied, so
+    that a step that cannot be completed (its other buckets' all-gathers failed) can be taken back:
+    the model is then the one before the step, whole, rather than a mix of two steps."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[nn.Parameter, torch.Tensor, Optional[dict[str, Any]]]] = []
+        self.nbytes = 0
+
+    def keep(self, params: list[nn.Parameter], state: dict[Any, dict[str, Any]]) -> None:
+        for p in params:
+            before = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state[p].items()} \
+                if p in state else None
+            self._saved.append((p, p.detach().clone(), before))
+            self.nbytes += p.numel() * p.element_size() + sum(
+                v.numel() * v.element_size() for v in (before or {}).values() if isinstance(v, torch.Tensor))
+
+    def restore(self, state: dict[Any, dict[str, Any]]) -> None:
+        with torch.no_grad():
+            for p, data, before in self._saved:
+                p.copy_(data)
+                if before is None:
+                    state.pop(p, None)
+                else:
+                    state[p] = before
+        self._saved.clear()
