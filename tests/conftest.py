@@ -65,6 +65,13 @@ def cases(tmp_path_factory) -> Callable[[int], CaseResults]:
     return get
 
 
+def ended_with_an_error(proc: subprocess.CompletedProcess, status: int = 1) -> None:
+    """The run ended as an error ends (1: a Python error, its traceback said; 2: a refused setting, as
+    command lines say it), not killed by a signal (a negative status: SIGKILL, SIGABRT) nor aborted
+    while exiting (134: an abort in a thread left in a backend)."""
+    assert proc.returncode == status, f"exit status {proc.returncode}, not a clean error exit ({status}):\n{proc.stderr[-3000:]}"
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
     """Largest element-wise difference over every entry of two state dicts (parameters and buffers)."""
     assert a.keys() == b.keys()

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from commsched import CommSchedConfigError
 from commsched.config import register_configs, validate
+from conftest import ended_with_an_error
 
 RECIPES = sorted(p.stem for p in (Path(__file__).parents[1] / "src/commsched/conf/recipe").glob("*.yaml"))
 QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
@@ -125,7 +126,7 @@ def test_bad_values_are_refused_with_allowed_values(override, message, hydra_syn
 def test_command_line_fails_before_any_worker_starts(tmp_path, override, message):
     proc = train(tmp_path, *override.split(), timeout=120)
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    ended_with_an_error(proc, status=2)
     assert message in output
     assert "Initializing distributed" not in output
     if override.startswith("schedule=fancy"):

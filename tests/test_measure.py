@@ -15,6 +15,7 @@ import pytest
 
 from commsched import netns
 from commsched.profile.probe import fit_line
+from conftest import ended_with_an_error
 
 CAN_EMULATE = netns.unavailable_reason() is None
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason=str(netns.unavailable_reason()))
@@ -74,7 +75,7 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
 ])
 def test_benchmark_refuses_bad_input_before_starting_workers(tmp_path, override, field):
     proc = run("commsched.bench.cli", override, f"hydra.run.dir={tmp_path}", timeout=120)
-    assert proc.returncode != 0
+    ended_with_an_error(proc, status=2)
     assert field in proc.stderr + proc.stdout
     assert "Initializing distributed" not in proc.stderr + proc.stdout
 

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from commsched import CommSchedConfigError, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from lightning.pytorch.strategies import StrategyRegistry
 
-from conftest import run_worker
+from conftest import ended_with_an_error, run_worker
 
 
 def test_import_registers_strategies_with_descriptions():
@@ -122,7 +122,7 @@ def test_sync_batchnorm_on_cpu_refused_before_spawning(name):
 def test_refused_in_workers_with_clear_error(mode, message, tmp_path):
     proc = run_worker("run_failure.py", mode, str(tmp_path), timeout=300)
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    ended_with_an_error(proc)
     assert "training finished" not in output
     assert message in output
 

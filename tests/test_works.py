@@ -102,3 +102,40 @@ def test_a_launch_that_raises_is_local_unless_the_backend_raised(one_process_gro
             assert isinstance(raised.value, PeerFailureError) and "A peer process probably died" in str(raised.value)
     finally:
         issuer.stop()
+
+
+def test_a_collective_is_traced_and_counted_when_it_is_sent_not_when_asked_for(one_process_group):
+    """A request that waits for its predecessor is in the trace (and in the bytes sent) only once the
+    issuer has sent it; a launch that raised sent nothing and is in neither."""
+    from commsched.links import Link
+
+    trace: list = []
+    link = Link("primary", None, trace)
+    gate = Pending("a predecessor still on the network")
+    link.all_reduce(torch.ones(4), "second", after=gate)
+    assert trace == [] and link.wire_bytes == 0  # asked for, not sent
+    gate.issued(dist.all_reduce(torch.ones(1), async_op=True))
+    deadline = time.monotonic() + 10
+    while not trace and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(r.link, r.op, r.tag) for r in trace] == [("primary", "all_reduce", "second")]
+    failing = link._request("all_reduce", "refused", torch.ones(2), lambda: (_ for _ in ()).throw(ValueError("bad")), 2.0)
+    with pytest.raises(ValueError):
+        failing.wait()
+    assert [r.tag for r in trace] == ["second"]
+    link.stop()
+
+
+def test_a_blocking_collective_waits_for_the_requests_before_it(one_process_group):
+    """`Link.broadcast_object` goes after the collectives requested before it on the same link."""
+    from commsched.links import Link
+
+    trace: list = []
+    link = Link("primary", None, trace)
+    gate = Pending("a predecessor still on the network")
+    queued = link.all_reduce(torch.ones(4), "queued", after=gate)
+    threading.Timer(0.3, lambda: gate.issued(dist.all_reduce(torch.ones(1), async_op=True))).start()
+    assert link.broadcast_object({"plan": 1}, 0, "plan") == {"plan": 1}
+    assert queued._issued.is_set(), "the broadcast overtook a collective requested before it"
+    assert [r.tag for r in trace] == ["queued", "plan"]
+    link.stop()

@@ -48,7 +48,8 @@ __all__ = ["CollectiveRecord", "InOrder", "KNOWN_COLLECTIVES", "KNOWN_LINKS", "L
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective as issued by this rank: enough to prove every rank issued the same sequence."""
+    """One collective as this rank's issuer sent it to the backend (not as it was requested): enough to
+    prove every rank sent the same sequence on each link."""
 
     link: str
     op: str
@@ -143,15 +144,19 @@ class Link:
         what = f"{op} of {tag} ({tensor.numel()} x {tensor.dtype}) on link '{self.name}'"
         sync = partial(synchronize, self.device) if self.measuring and self.device.type == "cuda" else None
         pending = Pending(what, self.clock, self.timeout_s, sync)
-        self._record(op, tag, tensor, on_wire)
         recorder = self.recorder
         timed = launch if recorder is None else partial(recorder.around, self.lane, f"{op} {tag}", launch)
-        return self._issuer.request(pending, timed, after=after, ready=ready, offload=offload)
+        return self._issuer.request(pending, partial(self._launch_and_record, timed, op, tag, tensor, on_wire),
+                                    after=after, ready=ready, offload=offload)
 
-    def _record(self, op: str, tag: str, tensor: torch.Tensor, on_wire: float) -> None:
+    def _launch_and_record(self, launch: Callable[[], Any], op: str, tag: str, tensor: torch.Tensor, on_wire: float) -> Any:
+        """Record a collective once it has gone to the backend, in the order this link's issuer sent it
+        (the issuer holds its lock: records of one link never interleave); a launch that raised sent nothing."""
+        work = launch()
         self.wire_bytes += on_wire * tensor.numel() * tensor.element_size() * (self.world_size - 1) / self.world_size
         if self.trace is not None:
             self.trace.append(CollectiveRecord(self.name, op, tag, tensor.numel(), str(tensor.dtype)))
+        return work
 
     def all_reduce(self, tensor: torch.Tensor, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    after: After = None, ready: Any = None) -> Pending:
@@ -210,10 +215,10 @@ class Link:
     def broadcast_object(self, value: Any, src: int, tag: str) -> Any:
         """Blocking broadcast of a picklable object (plans, decisions); every rank returns src's."""
         holder = [value if self.rank == src else None]
-        self._record("broadcast_object", tag, torch.empty(1), 0.0)
         source = dist.get_global_rank(self.group, src) if self.group is not None else src
+        send = partial(dist.broadcast_object_list, holder, src=source, group=self.group, device=self.device)
         try:
-            dist.broadcast_object_list(holder, src=source, group=self.group, device=self.device)
+            self._issuer.blocking(partial(self._launch_and_record, send, "broadcast_object", tag, torch.empty(1), 0.0))
         except Exception as exc:
             raise PeerFailureError(f"commsched: broadcast of {tag} on link '{self.name}' failed: {exc}") from exc
         return holder[0]

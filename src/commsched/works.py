@@ -188,12 +188,20 @@ class Issuer:
             self._enqueue(_Request(pending, launch, waits, ready))
         return pending
 
+    def blocking(self, call: Callable[[], Any]) -> Any:
+        """Run a blocking collective in this link's order: once everything requested before it has been
+        issued, with nothing issued while it runs."""
+        with self._lock:
+            while self._queue:
+                self._wakeup.wait()
+            return call()
+
     def _enqueue(self, request: _Request) -> None:
         self._queue.append(request)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"commsched-issue-{self._name}", daemon=True)
             self._thread.start()
-        self._wakeup.notify()
+        self._wakeup.notify_all()
 
     @staticmethod
     def _issue(request: _Request) -> None:
@@ -221,6 +229,7 @@ class Issuer:
                     self._issue(request)
             with self._lock:
                 self._queue.popleft()
+                self._wakeup.notify_all()  # a `blocking` call may be waiting for the queue to drain
 
     def _wait_for(self, request: _Request) -> None:
         for predecessor in request.after:
@@ -232,7 +241,7 @@ class Issuer:
         """End the issuer thread once the queue is empty (before the group is destroyed, at exit)."""
         with self._lock:
             self._stopping = True
-            self._wakeup.notify()
+            self._wakeup.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout_s)

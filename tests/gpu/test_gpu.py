@@ -18,8 +18,9 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU suite needs one")]
 
 CASES = ["ddp", "wfbp", "dear", "deft", "deft-plan", "dear-profiled", "dear-mgwfbp", "wfbp-dear-model", "dear-bayes",
-         "topk-whole", "mstopk-whole", "topk-sparse", "wfbp-streams", "dear-streams", "dear-streams-auto"]
-EXACT = [c for c in CASES if c not in ("ddp", "topk-sparse")]
+         "topk-whole", "mstopk-whole", "topk-sparse", "wfbp-streams", "dear-streams", "dear-streams-auto",
+         "ddp-adamw", "wfbp-adamw", "dear-adamw", "deft-adamw", "dear-streams-adamw"]
+EXACT = [c for c in CASES if c not in ("ddp", "ddp-adamw", "topk-sparse")]
 WORLDS = [1] + ([2] if GPUS >= 2 else [])
 
 
@@ -36,8 +37,10 @@ def runs(request, tmp_path_factory):
 @pytest.mark.parametrize("case", EXACT)
 def test_every_schedule_and_planner_equals_ddp_on_cuda(runs, case):
     world, load, _ = runs
+    reference = "ddp-adamw" if case.endswith("-adamw") else "ddp"
+    assert load(case)["optimizer"] == ("AdamW" if case.endswith("-adamw") else "SGD")
     for rank in range(world):
-        diff, key = max_abs_diff(load(case, rank)["state"], load("ddp", rank)["state"])
+        diff, key = max_abs_diff(load(case, rank)["state"], load(reference, rank)["state"])
         assert diff <= 1e-5, f"{case}, rank {rank}: {key} differs from ddp by {diff:.3g}"
         if load(case, rank)["trace"]:
             assert per_link(load(case, rank)["trace"]) == per_link(load(case, 0)["trace"])

@@ -65,7 +65,7 @@ STEPS = 12
 def fit(out: Path, case: str, world: int) -> None:
     pl.seed_everything(1234, verbose=False)
     model = ToyNet(optimizer="adamw" if case.endswith("adamw") else "sgd", batch_size=4, train_size=STEPS * 4 * world)
-    strategy = CASES[case]()
+    strategy = CASES[case.removesuffix("-adamw")]()  # "<case>-adamw": the same strategy, the model under AdamW
     trainer = pl.Trainer(accelerator="gpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          gradient_clip_val=0.5, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out / case)
@@ -73,7 +73,8 @@ def fit(out: Path, case: str, world: int) -> None:
     result = {"state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
               "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
               "profile": getattr(trainer.strategy, "profile", None),
-              "residual_devices": residual_devices(trainer)}
+              "residual_devices": residual_devices(trainer),
+              "optimizer": type(trainer.optimizers[0]).__name__}
     torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
     if case == "dear-profiled":
         clock(out, trainer, result["profile"])
