@@ -99,7 +99,7 @@ def test_a_launch_that_raises_is_local_unless_the_backend_raised(one_process_gro
         if local:
             assert raised.value is error
         else:
-            assert isinstance(raised.value, PeerFailureError) and "A peer process probably died" in str(raised.value)
+            assert isinstance(raised.value, PeerFailureError) and "a peer process probably died" in str(raised.value)
     finally:
         issuer.stop()
 

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from commsched import checks, errors, observers, options, run_files, run_summary, state
+from commsched import checks, errors, observers, options, peers, run_files, run_summary, state
 from commsched.buffer_sync import BufferSync
 from commsched.engine import Engine
 from commsched.errors import PeerFailureError
@@ -161,6 +161,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         self.run_dir = run_files.resolve(trainer)  # collective: every rank, before anything writes
+        peers.learn()  # collective: a failed collective can then name the rank that is gone
         self._clock, self._files_before = run_summary.StepClock(), len(run_files.WRITTEN)
         log.debug(f"{self.__class__.__name__}: files of this run go to {self.run_dir}")
         self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
@@ -353,6 +354,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         # Every rank stops by signal at the same step, everything applied and saved: not a failure.
         self._failed = not isinstance(exception, StoppedBySignal)
         if self._failed:
+            gone = peers.describe_gone()
+            if gone is not None and gone not in str(exception):  # e.g. Lightning's own collective failed first
+                say_from_this_rank(f"commsched: {gone}: the run stops on rank {self.global_rank} ({type(exception).__name__})")
             self._note_failure(exception)
         super().on_exception(exception)
         if isinstance(exception, PeerFailureError) and self.launcher is not None:

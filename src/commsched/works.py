@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from commsched import peers
 from commsched.errors import PeerFailureError
 
 Launch = Callable[[], dist.Work]
@@ -114,7 +115,7 @@ class Pending:
         try:
             if not self._issued.wait(self._timeout_s):
                 raise PeerFailureError(f"commsched: {self._what} was not issued within {self._timeout_s:.0f} s: the "
-                                       "collective before it on its link never completed; a peer probably died or hung")
+                                       f"collective before it on its link never completed; {_who_failed('died or hung')}")
             if self._error is not None:
                 raise self._error
             assert self._work is not None
@@ -133,8 +134,8 @@ class Pending:
                     local.add_note(note)
                 raise local from None
             raise PeerFailureError(
-                f"commsched: {self._what} failed. A peer process probably died, hung past the "
-                f"process-group timeout, or the network link broke. Original error: {exc}"
+                f"commsched: {self._what} failed: {_who_failed('died, hung past the process-group timeout, or the network link broke')}. "
+                f"Original error: {exc}"
             ) from exc
         finally:
             if self._clock is not None:
@@ -147,6 +148,12 @@ class Pending:
             return True
         assert self._work is not None
         return self._future.done() if self._future is not None else self._work.is_completed()
+
+
+def _who_failed(otherwise: str) -> str:
+    """The rank known gone ('rank 1 (process 4242) has exited'), else what probably happened."""
+    gone = peers.describe_gone()
+    return f"{gone} (a peer process died)" if gone else f"a peer process probably {otherwise}"
 
 
 def is_local(error: BaseException) -> bool:
