@@ -62,10 +62,11 @@ def describe_buckets(strategy: Any) -> str:
         how = f"fixed, {fusion.bucket_cap_mb:.3g} MB cap"
     else:
         how = f"{fusion.policy}, still deciding"
-    return f"{len(plan.buckets)} bucket(s) for {_size(total)} of gradients ({how})"
+    return f"{len(plan.buckets)} bucket(s) for {size_text(total)} of gradients ({how})"
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """'4.9 KB', '13.6 MB': the unit that keeps one decimal meaningful."""
     return f"{nbytes / 2**20:.1f} MB" if nbytes >= 0.1 * 2**20 else f"{nbytes / 2**10:.1f} KB"
 
 
@@ -76,7 +77,7 @@ def describe_time(clock: StepClock) -> Optional[str]:
     step, waited, sent = recent
     last = min(clock.steps - 1, RECENT_STEPS)
     return (f"{clock.steps} steps; over the last {last}, a median step of {step * 1e3:.1f} ms, of which the training loop "
-            f"waited {waited * 1e3:.1f} ms on communication ({waited / step:.0%}); this rank sent {_size(sent)} a step")
+            f"waited {waited * 1e3:.1f} ms on communication ({waited / step:.0%}); this rank sent {size_text(sent)} a step")
 
 
 def describe_files(folder: Optional[Path], written: list[Path]) -> Optional[str]:

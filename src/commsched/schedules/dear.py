@@ -41,6 +41,7 @@ from commsched.links import InOrder, Links, Pending
 from commsched.pending import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice
+from commsched.run_summary import size_text
 from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.partial_step import HyperParams, StepUndo, SubsetStepper, snapshot_hyperparams
@@ -245,7 +246,7 @@ class DeARSchedule(Schedule):
         return super().settled and (self.settings.fallback is None or not self.settings.fallback.deciding)
 
     def summary(self) -> list[str]:
-        rollback = ([f"copies kept to take a step back on failure: at most {self.rollback_peak_bytes / 2**20:.1f} MB "
+        rollback = ([f"copies kept to take a step back on failure: at most {size_text(self.rollback_peak_bytes)} "
                      "(DeAROptions.rollback)"] if self.rollback_peak_bytes else [])
         return ([self._describe_fallback()] if self.settings.fallback is not None else []) + rollback + super().summary()
 
