@@ -354,7 +354,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         # Every rank stops by signal at the same step, everything applied and saved: not a failure.
         self._failed = not isinstance(exception, StoppedBySignal)
         if self._failed:
-            gone = peers.describe_gone()
+            gone = None if isinstance(exception, KeyboardInterrupt) else peers.describe_gone()  # Ctrl-C: the user stops every rank
             if gone is not None and gone not in str(exception):  # e.g. Lightning's own collective failed first
                 say_from_this_rank(f"commsched: {gone}: the run stops on rank {self.global_rank} ({type(exception).__name__})")
             self._note_failure(exception)
