@@ -127,6 +127,7 @@ class DeARSchedule(Schedule):
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self._compiled = False
         self.watch = Watch(self._bring_up_to_date)
+        self._undo: Optional[StepUndo] = StepUndo() if self.settings.rollback else None
         self.rollback_peak_bytes = 0
         """The most memory the copies of one step took (`DeAROptions.rollback`)."""
         self.applied: Counter[str] = Counter()
@@ -383,7 +384,7 @@ class DeARSchedule(Schedule):
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
         self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
-                                       [True] * len(self.plan.buckets), StepUndo() if self.settings.rollback else None, set())
+                                       [True] * len(self.plan.buckets), self._undo.begin() if self._undo is not None else None, set())
         state = optimizer.state
         unwatched = []
         for b, bucket in enumerate(self.plan.buckets):

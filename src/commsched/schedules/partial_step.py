@@ -62,19 +62,32 @@ class SubsetStepper:
 class StepUndo:
     """Copies of parameters and their optimizer state taken just before part of a step is applied, so
     that a step that cannot be completed (its other buckets' all-gathers failed) can be taken back:
-    the model is then the one before the step, whole, rather than a mix of two steps."""
+    the model is then the one before the step, whole, rather than a mix of two steps. The copies'
+    memory is allocated once and reused every step (`begin`), so keeping them costs the copy alone."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[nn.Parameter, torch.Tensor, Optional[dict[str, Any]]]] = []
+        self._spare: dict[tuple[int, str], torch.Tensor] = {}
         self.nbytes = 0
+
+    def begin(self) -> "StepUndo":
+        """A new step: nothing kept yet (the memory stays for this step's copies)."""
+        self._saved.clear()
+        self.nbytes = 0
+        return self
+
+    def _copy(self, p: nn.Parameter, key: str, value: torch.Tensor) -> torch.Tensor:
+        spare = self._spare.get((id(p), key))
+        if spare is None or spare.shape != value.shape or spare.dtype != value.dtype or spare.device != value.device:
+            spare = self._spare[(id(p), key)] = torch.empty_like(value, memory_format=torch.preserve_format)
+        self.nbytes += value.numel() * value.element_size()
+        return spare.copy_(value.detach())
 
     def keep(self, params: list[nn.Parameter], state: dict[Any, dict[str, Any]]) -> None:
         for p in params:
-            before = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state[p].items()} \
+            before = {k: (self._copy(p, k, v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state[p].items()} \
                 if p in state else None
-            self._saved.append((p, p.detach().clone(), before))
-            self.nbytes += p.numel() * p.element_size() + sum(
-                v.numel() * v.element_size() for v in (before or {}).values() if isinstance(v, torch.Tensor))
+            self._saved.append((p, self._copy(p, "", p), before))
 
     def restore(self, state: dict[Any, dict[str, Any]]) -> None:
         with torch.no_grad():
@@ -85,3 +98,4 @@ class StepUndo:
                 else:
                     state[p] = before
         self._saved.clear()
+        self._spare.clear()  # the optimizer's state now holds some of them
