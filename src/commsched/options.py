@@ -279,11 +279,12 @@ class DeAROptions:
     """Steps per median watched for drift."""
     rollback: bool = option(True, flag)
     """A bucket's update applied while later all-gathers of the same step are still on the network
-    first copies the bucket's parameters and optimizer state, released when the step completes: a
-    run that fails part-way (a peer died) rolls the step back, so what is saved after the failure is
-    the model before that step, whole. Costs, at most, the memory of the parameters and optimizer
-    state applied early (nothing where the all-gathers land before the forward needs them). False:
-    no copies, and a failure part-way leaves weights that mix two steps (said when it happens)."""
+    first copies the bucket's parameters and optimizer state: a run that fails part-way (a peer
+    died) takes the step back, so what is saved after the failure is the model before that step,
+    whole. Costs the memory of the parameters and optimizer state applied early (allocated once,
+    reused every step; none where the all-gathers land before the forward needs them) and the copy
+    (within noise where measured). False: no copies, and a failure part-way leaves weights that mix
+    two steps (said when it happens)."""
 
 
 def eps_value(name: str, value: Any) -> float:
