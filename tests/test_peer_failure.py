@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from commsched import state
 from conftest import ended_with_an_error, run_worker
 
 
@@ -68,6 +69,8 @@ def test_a_dear_step_interrupted_part_way_is_taken_back(tmp_path, chain_referenc
     weights and momentum, whole (against ddp's), and one line says the step was taken back."""
     saved, output = _saved_after_failure(tmp_path, "gather-dies")
     assert "the last optimizer step was taken back (1 of 3 buckets had applied it" in output, output[-3000:]
+    # Lightning counted step 3 before it was taken back: the checkpoint says so, and a resume from it is warned
+    assert saved["global_step"] == 4 and saved[state.AFTER_FAILURE_KEY].startswith("the last optimizer step was taken back")
     for key, value in chain_reference["state_dict"].items():
         assert torch.allclose(saved["state_dict"][key], value, atol=1e-6, rtol=0), key
     for ours, theirs in zip(_momenta(saved), _momenta(chain_reference), strict=True):
@@ -80,3 +83,12 @@ def test_without_rollback_copies_the_mixed_model_is_said_for_what_it_is(tmp_path
     first = "layers.0.weight"
     assert not torch.allclose(saved["state_dict"][first], chain_reference["state_dict"][first], atol=1e-6, rtol=0)
     assert torch.allclose(saved["state_dict"]["layers.4.weight"], chain_reference["state_dict"]["layers.4.weight"], atol=1e-6, rtol=0)
+
+
+def test_a_resume_from_a_checkpoint_saved_after_a_failure_is_warned(caplog):
+    held = "the last optimizer step was taken back (1 of 3 buckets had applied it ...)"
+    with caplog.at_level("INFO", logger="commsched"):
+        state.warn_if_saved_after_failure({"global_step": 4, state.AFTER_FAILURE_KEY: held})
+        state.warn_if_saved_after_failure({"global_step": 4})  # an ordinary checkpoint: nothing said
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "its step count (4) includes a step its weights do not hold" in said[0] and held in said[0]

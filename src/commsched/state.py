@@ -30,6 +30,17 @@ from commsched.say import say
 KEY = "commsched"
 VERSION = 2
 LEGACY_PLAN_KEY = "commsched_fusion_plan"  # version 1 checkpoints held only the fusion plan
+AFTER_FAILURE_KEY = "commsched_after_failure"
+"""In a checkpoint saved after a failed run whose weights do not hold the step its counters count:
+what they hold, in a sentence (a resume from it is warned)."""
+
+
+def warn_if_saved_after_failure(checkpoint: dict[str, Any]) -> None:
+    held = checkpoint.get(AFTER_FAILURE_KEY)
+    if held:
+        say(f"commsched: this checkpoint was saved after a run failed, and its step count ({checkpoint.get('global_step')}) "
+            f"includes a step its weights do not hold ({held}): resuming from it skips that step's update; the last "
+            "checkpoint saved before the failure resumes exactly")
 
 
 def to_cpu(state: Any) -> Any:

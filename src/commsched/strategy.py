@@ -148,6 +148,13 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         super()._configure_launcher()
 
     @override
+    def setup_environment(self) -> None:
+        # A failed earlier run on this strategy is over: this one's barriers (Lightning's first comes
+        # before `setup`) and checkpoints are those of a running fit.
+        self._failed, self._failure_state = False, None
+        super().setup_environment()
+
+    @override
     def configure_ddp(self) -> None:
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper."""
         module = self.lightning_module
@@ -310,6 +317,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             what = "as said above" if self._failure_state else "those of the last step taken, whole"
             say_from_this_rank(f"commsched: this checkpoint, saved after the run failed, holds this rank's weights ({what}) "
                                "and no communication state")
+            if self._failure_state is not None:  # the step counters count a step these weights do not hold
+                checkpoint[state.AFTER_FAILURE_KEY] = self._failure_state
         elif self._engine.schedule is not None or (self._engine.finished is not None and dist.is_initialized()):
             self._flush()  # nothing to flush once the fit is over
             checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
@@ -325,6 +334,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state.warn_if_saved_after_failure(checkpoint)
         # applied once the buckets exist (configure_ddp); refused here if it cannot be resumed at this world size
         self._restored = state.Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size)
         return checkpoint

@@ -198,9 +198,13 @@ class Issuer:
     def blocking(self, call: Callable[[], Any]) -> Any:
         """Run a blocking collective in this link's order: once everything requested before it has been
         issued, with nothing issued while it runs."""
+        assert threading.current_thread() is not self._thread, "a blocking collective from the issuer thread waits for itself"
+        deadline = time.monotonic() + self._timeout_s
         with self._lock:
             while self._queue:
-                self._wakeup.wait()
+                if not self._wakeup.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                    raise PeerFailureError(f"commsched: a blocking collective on link '{self._name}' waited {self._timeout_s:.0f} s "
+                                           f"for the collectives requested before it; {_who_failed('died or hung')}")
             return call()
 
     def _enqueue(self, request: _Request) -> None:

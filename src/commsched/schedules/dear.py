@@ -129,7 +129,8 @@ class DeARSchedule(Schedule):
         self.watch = Watch(self._bring_up_to_date)
         self._undo: Optional[StepUndo] = StepUndo() if self.settings.rollback else None
         self.rollback_peak_bytes = 0
-        """The most memory the copies of one step took (`DeAROptions.rollback`)."""
+        """The memory the copies hold (`DeAROptions.rollback`): kept from step to step, so the most any
+        step's copies needed, and more where different steps copied different buckets."""
         self.applied: Counter[str] = Counter()
         """Buckets applied, by what brought them: "forward" (the module that needs them is about to run:
         the overlap DeAR is for), "touch", "after_forward", "flush", "unwatchable", "compiled" (before a
@@ -152,6 +153,10 @@ class DeARSchedule(Schedule):
     def after_failure(self) -> Optional[str]:
         """The step in progress completed where every all-gather landed, otherwise taken back (the
         copies `DeAROptions.rollback` keeps), so that the weights are those of one step."""
+        with self.watch.lock:
+            return self._settle_after_failure()
+
+    def _settle_after_failure(self) -> Optional[str]:
         pending = self._pending
         if pending is None or not any(pending.waiting):
             return None
@@ -160,7 +165,7 @@ class DeARSchedule(Schedule):
         self.watch.unmark_all()  # what is left cannot be applied: reading the tensors must not try
         self._pending = None
         applied = [b for b, waiting in enumerate(pending.waiting) if not waiting]
-        before = "the weights and optimizer state are those before that step, whole"
+        before = "the weights and optimizer state are those before that step, whole (the step count saved with them includes it)"
         if not applied:
             return f"the last optimizer step's update was not applied (its all-gathers did not complete): {before}"
         if pending.undo is not None and pending.kept.issuperset(applied):
@@ -175,7 +180,10 @@ class DeARSchedule(Schedule):
         """Apply what is left of the step if every remaining all-gather landed intact (never waits)."""
         if not all(self._landed(pending.gathers, b) for b, waiting in enumerate(pending.waiting) if waiting):
             return False
-        self.flush("after_failure")
+        try:
+            self.flush("after_failure")
+        except Exception:  # noqa: BLE001 - the optimizer failed here: the step is taken back below instead
+            return False
         return True
 
     @staticmethod
@@ -413,7 +421,7 @@ class DeARSchedule(Schedule):
                 for c in ready:
                     pending.undo.keep(self.plan.buckets[c].params, pending.stepper.optimizer.state)
                 pending.kept.update(ready)
-                self.rollback_peak_bytes = max(self.rollback_peak_bytes, pending.undo.nbytes)
+                self.rollback_peak_bytes = max(self.rollback_peak_bytes, pending.undo.reserved_bytes)
             self.hand_back_gradients(ready)
             self.applied[why] += len(ready)
             pending.stepper.step_buckets(ready, pending.hyper, pending.step)

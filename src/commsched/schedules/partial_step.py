@@ -70,6 +70,11 @@ class StepUndo:
         self._spare: dict[tuple[int, str], torch.Tensor] = {}
         self.nbytes = 0
 
+    @property
+    def reserved_bytes(self) -> int:
+        """The memory the copies hold, kept from step to step."""
+        return sum(t.numel() * t.element_size() for t in self._spare.values())
+
     def begin(self) -> "StepUndo":
         """A new step: nothing kept yet (the memory stays for this step's copies)."""
         self._saved.clear()
