@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
+from exit_report import report_issuer_threads  # noqa: E402
 from toy import ManualToyNet, ToyNet  # noqa: E402
 
 
@@ -76,7 +76,8 @@ class DiesBetweenGathers(pl.Callback):
             if full.is_floating_point():
                 self.calls += 1
                 if self.per_step and self.calls == 3 * self.per_step + 2:
-                    self.last.wait()  # the first all-gather's sends have left (a busy machine may lag)
+                    self.last.wait()  # the first all-gather's sends have left
+                    time.sleep(1.0)  # and arrived: on a busy machine the receiver may lag behind the socket
                     os._exit(17)
                 self.last = real(group, full, shard)
                 return self.last
@@ -122,11 +123,6 @@ def model_for(mode: str) -> pl.LightningModule:
             model.extra = torch.nn.Linear(2, 2)  # a parameter rank 0 does not have
         return model
     return DiesAtStep3(mode.removeprefix("peer-").removesuffix("-saved"))
-
-
-def report_issuer_threads() -> None:
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("commsched-issue") and t.is_alive()]
-    print(f"commsched-test: rank {os.environ.get('LOCAL_RANK', '0')} issuer threads alive at exit: {alive}", flush=True)
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
+from exit_report import report_issuer_threads  # noqa: E402
 from toy import ToyNet  # noqa: E402
 
 STEPS, DIES_AT = 6, 3
@@ -73,11 +73,6 @@ class Dies(pl.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         if self.point == "mid-checkpoint" and trainer.global_step == DIES_AT + 1:
             self._die()
-
-
-def report_issuer_threads() -> None:
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("commsched-issue") and t.is_alive()]
-    print(f"commsched-test: rank {os.environ.get('LOCAL_RANK', '0')} issuer threads alive at exit: {alive}", flush=True)
 
 
 def main() -> None:

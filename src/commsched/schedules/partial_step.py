@@ -68,7 +68,6 @@ class StepUndo:
     def __init__(self) -> None:
         self._saved: list[tuple[nn.Parameter, torch.Tensor, Optional[dict[str, Any]]]] = []
         self._spare: dict[tuple[int, str], torch.Tensor] = {}
-        self.nbytes = 0
 
     @property
     def reserved_bytes(self) -> int:
@@ -78,14 +77,12 @@ class StepUndo:
     def begin(self) -> "StepUndo":
         """A new step: nothing kept yet (the memory stays for this step's copies)."""
         self._saved.clear()
-        self.nbytes = 0
         return self
 
     def _copy(self, p: nn.Parameter, key: str, value: torch.Tensor) -> torch.Tensor:
         spare = self._spare.get((id(p), key))
         if spare is None or spare.shape != value.shape or spare.dtype != value.dtype or spare.device != value.device:
             spare = self._spare[(id(p), key)] = torch.empty_like(value, memory_format=torch.preserve_format)
-        self.nbytes += value.numel() * value.element_size()
         return spare.copy_(value.detach())
 
     def keep(self, params: list[nn.Parameter], state: dict[Any, dict[str, Any]]) -> None:
