@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 import commsched
-from commsched.compression import mstopk
+from commsched.compression import mstopk, sampled_topk
 from conftest import WORKERS, max_abs_diff, per_link, run_worker
 
 
@@ -77,6 +77,47 @@ def test_mstopk_window_moves_with_the_data_and_is_reproducible():
     assert not torch.equal(first, mstopk(ties * 2, 10)[1])
 
 
+# ------------------------------------------------------------------ the sampled threshold
+@pytest.mark.parametrize("d, density", [(1000, 0.01), (100_000, 0.01), (100_000, 0.001), (1_000_000, 0.001), (4096, 0.5), (50, 0.3)])
+@pytest.mark.parametrize("draw", ["normal", "heavy_tailed", "periodic"])
+def test_the_sampled_threshold_selects_exactly_torch_topks_elements(d, density, draw):
+    """Exact, not approximate: the same set of magnitudes as torch.topk, whatever the sample saw (a
+    periodic tensor whose large values fall between the strided samples needs the fallback)."""
+    g = torch.Generator().manual_seed(d)
+    if draw == "periodic":
+        x = torch.zeros(d)
+        x[1::97] = torch.rand(x[1::97].numel(), generator=g) + 1.0
+    else:
+        x = torch.randn(d, generator=g) if draw == "normal" else heavy_tailed(d, g)
+    k = math.ceil(density * d)
+    values, indices = sampled_topk(x, k)
+    assert indices.numel() == k and indices.unique().numel() == k
+    assert torch.equal(values, x[indices])
+    expected = torch.topk(x.abs(), k).values
+    assert torch.equal(x.abs()[indices].sort(descending=True).values, expected)
+
+
+def test_the_sampled_threshold_edge_cases():
+    assert sampled_topk(torch.randn(10), 0)[1].numel() == 0
+    values, indices = sampled_topk(torch.arange(5.0), 5)
+    assert sorted(indices.tolist()) == [0, 1, 2, 3, 4] and torch.equal(values, torch.arange(5.0)[indices])
+    ties = torch.ones(10_000)
+    assert sampled_topk(ties, 30)[1].unique().numel() == 30
+
+
+def test_the_density_falls_fourfold_per_stage_over_the_run_s_first_quarter():
+    from commsched.compression.warmup import SparsityWarmup, auto_span, stage_densities
+
+    assert stage_densities(0.01) == [1.0, 0.25, 0.0625, 0.015625, 0.01]
+    assert stage_densities(0.001)[-2:] == [0.00390625, 0.001] and stage_densities(0.25) == [1.0, 0.25]
+    assert auto_span(32, 96) == (24, "a quarter of this run's 96")  # a quarter of the run...
+    assert auto_span(10, 1000) == (40, "4 epochs of 10")  # ...at most four epochs
+    assert auto_span(math.inf, math.inf)[0] == 1000
+    warmup = SparsityWarmup(0.01, 3, lambda: (16, "as set"))  # after a dense warm-up of 3 steps
+    assert [warmup.density(step) for step in (0, 3, 6, 7, 11, 15, 18, 19, 100)] == [0.01, 1.0, 1.0, 0.25, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
+    assert warmup.end == 19
+
+
 def test_one_dimensional_parameters_are_sent_whole_beside_the_top_k_of_the_rest():
     """Brute force over every window a rank selects in (the whole bucket, each half-shard): the 1-d
     parameters' positions all go, and the k largest magnitudes among the other positions."""
@@ -112,10 +153,12 @@ def test_one_dimensional_parameters_are_sent_whole_beside_the_top_k_of_the_rest(
 def test_bad_compression_values_are_refused_before_spawning():
     with pytest.raises(commsched.CommSchedConfigError, match=r"CompressionOptions\(density=0.0\)"):
         commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", density=0.0))
-    with pytest.raises(commsched.CommSchedConfigError, match=r"WFBPStrategy\(compression='gzip'\); allowed: one of 'none', 'auto', 'topk', 'mstopk'"):
+    with pytest.raises(commsched.CommSchedConfigError, match=r"WFBPStrategy\(compression='gzip'\); allowed: one of 'none', 'auto', 'topk', 'sampled', 'mstopk'"):
         commsched.WFBPStrategy(compression="gzip")
     with pytest.raises(commsched.CommSchedConfigError, match=r"CompressionOptions\(method='mstopk'\).*schedule dear"):
         commsched.DeARStrategy(compression="mstopk")
+    with pytest.raises(commsched.CommSchedConfigError, match=r"CompressionOptions\(sparsity_warmup_steps=-1\); allowed: an integer >= 0 or \"auto\""):
+        commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", sparsity_warmup_steps=-1))
     with pytest.raises(commsched.CommSchedConfigError, match=r"CompressionOptions\(samplings=0\)"):
         commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", samplings=0))
 
@@ -125,10 +168,11 @@ def test_bad_compression_values_are_refused_before_spawning():
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("compression")
     proc = run_worker("run_compression.py", str(out), "2", "topk", "topk-part", "topk-resumed", "topk-no-feedback", "topk-auto",
-                      "mstopk", "topk-dense-phases", "mstopk-whole", "dense", "dense-from-topk", "topk-every-element")
+                      "mstopk", "topk-dense-phases", "mstopk-whole", "dense", "dense-from-topk", "topk-every-element",
+                      "dgc", "dgc-part", "dgc-resumed", "dgc-nesterov", "dgc-clipped", "dgc-unmasked", "dgc-warmup")
     if proc.returncode != 0:
         pytest.fail(f"compression runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    alone = run_worker("run_compression.py", str(out), "3", "topk-resharded")
+    alone = run_worker("run_compression.py", str(out), "3", "topk-resharded", "dgc-resharded")
     if alone.returncode != 0:
         pytest.fail(f"the three-process resume failed:\n{alone.stdout[-3000:]}\n{alone.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -231,11 +275,11 @@ def test_error_feedback_changes_the_result(runs):
 
 
 def test_a_sparse_run_without_warm_up_is_advised_once(runs):
-    """The six fresh sparse runs with no dense warm-up (12, 16 or 5 steps, shorter than their epoch of
-    256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
+    """The eleven fresh sparse runs with no warm-up of either kind (12, 16 or 5 steps, shorter than their
+    epoch of 256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
     warmed-up and density-1 runs are not."""
     advice = re.findall(r"no dense warm-up.*?CompressionOptions\(dense_warmup_steps=(\d+)\) \((.*?)\)", runs.said)
-    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 6, advice
+    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 11, advice  # and five dgc runs without warm-up
 
 
 def test_the_warm_up_advice_is_one_epoch_or_a_tenth_of_a_shorter_run():
@@ -314,7 +358,8 @@ def two_nodes(tmp_path_factory):
     out = tmp_path_factory.mktemp("hierarchical")
     command = [str(Path(sys.executable).parent / "commsched-cluster"), "--nodes", "2", "--workers-per-node", "2", "--rate", "1gbit",
                "--", sys.executable, str(WORKERS / "run_hierarchical.py"), str(out), "2", "2",
-               "flat-dense", "hier-dense", "hier-topk", "hier-mstopk", "hier-topk-phases", "hier-dense-streams", "auto-two-level"]
+               "flat-dense", "hier-dense", "hier-topk", "hier-mstopk", "hier-topk-phases", "hier-dense-streams", "auto-two-level",
+               "hier-dgc"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=WORKERS)
     if proc.returncode != 0:
         pytest.fail(f"two-node runs failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}")
@@ -449,3 +494,228 @@ def test_topk_by_default_takes_turns_with_dense_and_keeps_the_faster_exactly(run
     diff, key = max_abs_diff(expected, result["state"])
     assert diff <= 1e-5, f"{diff} at {key}"
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+
+
+# ------------------------------------------------------- DGC's corrections (the defaults under SGD)
+def sgd_terms(optimizer: str, param: torch.Tensor) -> tuple[float, bool, float]:
+    """(momentum, nesterov, weight decay) that run_deft's "sgd-groups"/"sgd-nesterov" give a parameter:
+    weights momentum 0.9 and decay 0.05, biases momentum 0.5 and no decay."""
+    return (0.9, optimizer == "sgd-nesterov", 0.05) if param.dim() > 1 else (0.5, optimizer == "sgd-nesterov", 0.0)
+
+
+def dgc_reference(result: dict, densities: Optional[list[float]] = None, masking: bool = True) -> tuple[dict, list, list]:
+    """One process, written from DGC's text: each rank clips each parameter's gradient to C / sqrt(P),
+    adds weight decay, updates its velocity u (Nesterov: u <- m (u + g), u + g accumulated), accumulates
+    v, sends the 1-d parameters and the k largest |v| among the rest, clears v where sent and u where
+    selected; a dense step sends all of v and keeps u. The optimizer is plain SGD (no momentum, no
+    decay) at the run's learning rate. Returns final weights, each rank's v and u (flat)."""
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import BATCH, MLP, data
+
+    world, compression, steps = result["world"], result["compression"], result["steps"]
+    model = MLP(result["optimizer"])
+    model.load_state_dict(result["initial"])
+    params = list(model.parameters())
+    terms = [sgd_terms(result["optimizer"], p) for p in params]
+    x, y = data().tensors
+    numel = sum(p.numel() for p in params)
+    vector = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in params])
+    always, ranked, _ = sent_whole_and_ranked(vector, torch.ones_like(vector), compression)
+    shares = []
+    for r in range(world):
+        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
+        sampler.set_epoch(0)
+        shares.append(list(sampler))
+    v = [torch.zeros(numel) for _ in range(world)]
+    u = [[torch.zeros_like(p) for p in params] for _ in range(world)]
+    for t in range(steps):
+        density = densities[t] if densities else compression["density"]
+        dense = density >= 1 / world
+        k = min(ranked.numel(), max(1, math.ceil(density * ranked.numel())))
+        total = torch.zeros(numel)
+        for r in range(world):
+            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), params)
+            pieces = []
+            for i, (p, grad, (m, nesterov, decay)) in enumerate(zip(params, grads, terms)):
+                g = grad / world
+                if result["clip"]:
+                    g = g * min(1.0, (result["clip"] / math.sqrt(world)) / (grad.norm().item() + 1e-6))
+                g = g + decay * p.detach() / world
+                if nesterov:
+                    u[r][i] = m * (u[r][i] + g)
+                    pieces.append(u[r][i] + g)
+                else:
+                    u[r][i] = m * u[r][i] + g
+                    pieces.append(u[r][i].clone())
+            v[r] = v[r] + torch.cat([piece.reshape(-1) for piece in pieces])
+            if dense:
+                total += v[r]
+                v[r] = torch.zeros(numel)
+                continue
+            top = ranked[torch.topk(v[r][ranked].abs(), k).indices]
+            chosen = torch.cat([always, top])
+            total[chosen] += v[r][chosen]
+            v[r][chosen] = 0.0
+            if masking:
+                flat_u = torch.cat([piece.reshape(-1) for piece in u[r]])
+                flat_u[top] = 0.0
+                u[r] = [piece.view_as(p) for piece, p in zip(flat_u.split([p.numel() for p in params]), params)]
+        lr = 0.2 / (1.0 + 0.05 * t)  # run_deft's LambdaLR
+        with torch.no_grad():
+            for p, piece in zip(params, total.split([p.numel() for p in params])):
+                p -= lr * piece.view_as(p)
+    return ({k: v_.detach() for k, v_ in model.state_dict().items()}, v,
+            [torch.cat([piece.reshape(-1) for piece in ur]) for ur in u])
+
+
+def flat_state(result: dict, key: str) -> torch.Tensor:
+    names = [n for n, _ in __import__("run_deft").MLP("sgd").named_parameters()]
+    return torch.cat([result[key][name].reshape(-1) for name in names])
+
+
+@pytest.mark.parametrize("case", ["dgc", "dgc-nesterov", "dgc-clipped", "dgc-unmasked", "dgc-warmup"])
+def test_dgc_corrections_equal_the_single_process_reference(runs, case):
+    """Momentum correction, masking, weight decay before accumulation, local clipping and the density's
+    warm-up, under two param groups with their own momentum and decay: the 2-process run equals the
+    reference written from DGC's description, weights, residuals and velocities of both ranks."""
+    result, other = runs(case), runs(case, 1)
+    densities = [1.0] * 4 + [0.25] * 4 + [0.1] * 4 if case == "dgc-warmup" else None
+    expected, residuals, velocities = dgc_reference(result, densities, masking=case != "dgc-unmasked")
+    diff, key = max_abs_diff(expected, result["state"])
+    assert diff <= 1e-5, f"{case}: {diff} at {key}"
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    for rank, run in enumerate((result, other)):
+        assert torch.allclose(flat_state(run, "residuals"), residuals[rank], atol=1e-6), rank
+        assert torch.allclose(flat_state(run, "velocities"), velocities[rank], atol=1e-6), rank
+        assert flat_state(run, "velocities").abs().sum() > 0
+    # the user's param groups are as they wrote them after the run (the step ran with momentum and decay 0)
+    assert [(g["momentum"], g["weight_decay"]) for g in result["param_groups"]] == [(0.9, 0.05), (0.5, 0.0)]
+    ops = [op for link, op, tag, numel, dtype in result["trace"] if tag.startswith("bucket")]
+    assert ops == (["all_reduce"] * 4 + ["all_gather"] * 8 if case == "dgc-warmup" else ["all_gather"] * 12)
+
+
+def test_each_dgc_correction_changes_the_result(runs):
+    """The reference tells each correction apart (so the equality above could not hold without it)."""
+    result = runs("dgc")
+    expected, _, _ = dgc_reference(result)
+    assert max_abs_diff(expected, dgc_reference(result, masking=False)[0])[0] > 1e-4
+    assert max_abs_diff(runs("dgc")["state"], runs("dgc-unmasked")["state"])[0] > 1e-4
+    assert max_abs_diff(runs("dgc")["state"], runs("dgc-clipped")["state"])[0] > 1e-4
+    assert max_abs_diff(runs("dgc")["state"], runs("dgc-nesterov")["state"])[0] > 1e-4
+
+
+def test_a_resumed_dgc_run_equals_the_uninterrupted_one(runs):
+    for rank in (0, 1):
+        whole, resumed = runs("dgc", rank), runs("dgc-resumed", rank)
+        assert max_abs_diff(whole["state"], resumed["state"])[0] == 0.0
+        for key in ("residuals", "velocities"):
+            assert set(whole[key]) == set(resumed[key]) and whole[key]
+            for name in whole[key]:
+                assert torch.equal(whole[key][name], resumed[key][name]), (key, name)
+
+
+def test_a_dgc_resume_at_another_world_size_keeps_the_sums_of_residuals_and_velocities(runs):
+    for key in ("residuals", "velocities"):
+        parts = [runs("dgc-part", rank)[key] for rank in (0, 1)]
+        now = [runs("dgc-resharded", rank)[key] for rank in (0, 1, 2)]
+        assert set(now[0]) == set(parts[0]) and parts[0]
+        for name in parts[0]:
+            owed = parts[0][name] + parts[1][name]
+            assert torch.allclose(now[0][name] + now[1][name] + now[2][name], owed, atol=1e-6), (key, name)
+            assert torch.allclose(now[2][name], owed / 3, atol=1e-7)
+    assert "error-feedback residuals and velocities of 2 processes are re-sharded over 3" in runs.said
+
+
+def test_the_corrections_and_the_warm_up_are_said_once_each(runs):
+    assert "commsched topk: DGC's corrections under SGD: momentum correction, momentum factor masking, weight decay before " \
+           "accumulation; the optimizer steps with momentum and weight decay 0" in runs.said
+    assert "local clipping to norm 0.05/sqrt(P) per parameter" in runs.said
+    assert re.search(r"density warm-up 1 -> 0.25 -> 0.1 over the first 8 optimizer steps \(as set", runs.said)
+
+
+def hierarchical_dgc_reference(result: dict, densities: list[float]) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+    """One process, 4 ranks on 2 nodes, DGC split as the two-level exchange splits it: each rank's
+    gradient / P plus its weight decay / P; each node sums its ranks' gradients per shard; the rank
+    owning a shard keeps that shard's velocity (u <- m u + node sum, m per element from the parameter's
+    group, 0 on the padding) and accumulation v, sends the 1-d elements and the k largest |v| of the
+    rest across nodes (or all of v on a dense step, u kept), clears v where sent and u where selected."""
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import BATCH, MLP, data
+
+    world, nodes, compression = result["world"], result["nodes"], result["compression"]
+    per_node = world // nodes
+    names, padded, buckets = result["layout"]
+    assert buckets == 1
+    model = MLP(result["optimizer"])
+    model.load_state_dict(result["initial"])
+    by_name = dict(model.named_parameters())
+    ordered = [by_name[n] for n in names]
+    real_numel = sum(p.numel() for p in ordered)
+    momentum = torch.zeros(padded)
+    momentum[:real_numel] = torch.cat([torch.full((p.numel(),), sgd_terms(result["optimizer"], p)[0]) for p in ordered])
+    x, y = data().tensors
+    shares = []
+    for r in range(world):
+        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
+        sampler.set_epoch(0)
+        shares.append(list(sampler))
+    shard = padded // per_node
+    vector = torch.zeros(padded, dtype=torch.bool)
+    vector[:real_numel] = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in ordered])
+    real = torch.arange(padded) < real_numel
+    v = [torch.zeros(shard) for _ in range(world)]
+    u = [torch.zeros(shard) for _ in range(world)]
+    for t in range(result["steps"]):
+        density = densities[t]
+        dense = density >= 1 / nodes
+        flats = []
+        for r in range(world):
+            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), ordered)
+            flat = torch.zeros(padded)
+            flat[:real_numel] = torch.cat([(g / world + sgd_terms(result["optimizer"], p)[2] * p.detach() / world).reshape(-1)
+                                           for g, p in zip(grads, ordered)])
+            flats.append(flat)
+        total = torch.zeros(padded)
+        for node in range(nodes):
+            for j in range(per_node):
+                rank = node * per_node + j
+                part = sum(flats[node * per_node + l][j * shard:(j + 1) * shard] for l in range(per_node))
+                u[rank] = momentum[j * shard:(j + 1) * shard] * u[rank] + part
+                v[rank] = v[rank] + u[rank]
+                if dense:
+                    total[j * shard:(j + 1) * shard] += v[rank]
+                    v[rank] = torch.zeros(shard)
+                    continue
+                always, ranked, _ = sent_whole_and_ranked(vector[j * shard:(j + 1) * shard], real[j * shard:(j + 1) * shard], compression)
+                k = min(ranked.numel(), max(1, math.ceil(density * ranked.numel())))
+                top = ranked[torch.topk(v[rank][ranked].abs(), k).indices]
+                chosen = torch.cat([always, top])
+                total[j * shard + chosen] += v[rank][chosen]
+                v[rank][chosen] = 0.0
+                u[rank][top] = 0.0
+        lr = 0.2 / (1.0 + 0.05 * t)
+        with torch.no_grad():
+            for p, piece in zip(ordered, total[:real_numel].split([p.numel() for p in ordered])):
+                p -= lr * piece.view_as(p)
+    return {k: v_.detach() for k, v_ in model.state_dict().items()}, v, u
+
+
+@needs_root
+def test_hierarchical_dgc_equals_the_single_process_reference(two_nodes):
+    """2 nodes x 2 workers, DGC's corrections and the density's warm-up on the two-level exchange."""
+    result = two_nodes("hier-dgc")
+    expected, residuals, velocities = hierarchical_dgc_reference(result, [1.0] * 2 + [0.25] * 2 + [0.1] * 6)
+    diff, key = max_abs_diff(expected, result["state"])
+    assert diff <= 1e-5, f"{diff} at {key}"
+    names, padded, _ = result["layout"]
+    for rank in range(4):
+        mine = two_nodes("hier-dgc", rank)
+        assert max_abs_diff(mine["state"], result["state"])[0] == 0.0
+        for key, expected_shards in (("residuals", residuals), ("velocities", velocities)):
+            whole = torch.zeros(padded)
+            whole[:sum(mine[key][n].numel() for n in names)] = torch.cat([mine[key][n].reshape(-1) for n in names])
+            assert torch.allclose(whole.view(2, -1)[rank % 2], expected_shards[rank], atol=1e-6), (key, rank)
+    across = [op for link, op, tag, *_ in result["trace"] if tag.startswith("bucket") and link == "inter"]
+    assert across == ["all_reduce"] * 2 + ["all_gather"] * 8

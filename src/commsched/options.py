@@ -24,7 +24,7 @@ FUSION_POLICIES = ("auto", "fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
 FALLBACKS = ("when_faster", "when_undelayed", "never")
-COMPRESSION_METHODS = ("none", "auto", "topk", "mstopk")
+COMPRESSION_METHODS = ("none", "auto", "topk", "sampled", "mstopk")
 COMPRESSING_SCHEDULES = ("wfbp",)  # the built-in schedules whose `Schedule.compresses` is True (tested equal)
 STRIPING_SCHEDULES = ("wfbp", "dear")  # the built-in schedules whose `Schedule.stripes` is True (tested equal)
 MAX_STREAMS = 16
@@ -105,6 +105,14 @@ def network_interface(name: str, value: Any) -> str:
 def timeout(value: Any) -> Optional[timedelta]:
     if value is not None and not (isinstance(value, timedelta) and value.total_seconds() > 0):
         raise bad_value("timeout", value, "a datetime.timedelta > 0 or None")
+    return value
+
+
+def warmup_value(name: str, value: Any) -> int | str:
+    if value == "auto":
+        return "auto"
+    if not (_integer(value) and value >= 0):
+        raise bad_value(name, value, 'an integer >= 0 or "auto"')
     return value
 
 
@@ -337,9 +345,10 @@ class CompressionOptions:
     elements of largest magnitude; what it did not send is kept and sent later."""
 
     method: str = option("none", one_of(*COMPRESSION_METHODS))
-    """"auto" (``strategy="topk"``): top-k with the selection measured faster here, kept only while it
-    beats the dense all-reduce on real steps; "topk": torch.topk; "mstopk": the paper's threshold
-    search (no sort, fixed-size outputs); "none": dense all-reduce."""
+    """"auto" (``strategy="topk"``): top-k with the selection measured fastest here, kept only while it
+    beats the dense all-reduce on real steps; "topk": torch.topk; "sampled": the same elements as
+    torch.topk, found from a threshold read in a sample (several times faster on CPUs); "mstopk":
+    the paper's threshold search (approximate; no sort, fixed-size outputs); "none": dense all-reduce."""
     density: float = option(0.01, density_value)
     """The share of each bucket's elements a rank sends (0 < density <= 1; at least one element)."""
     hierarchical: Optional[bool] = option(None, optional(flag))
@@ -367,6 +376,26 @@ class CompressionOptions:
     """auto: a median step this much slower than the kept exchange measured compares them again. 0: never."""
     drift_steps: int = option(50, positive_int)
     """auto: steps per median watched for drift."""
+    momentum_correction: bool = option(True, flag)
+    """Under torch's SGD with momentum (DGC's momentum correction): each rank keeps its own velocity
+    u <- m u + g (Nesterov: u <- m (u + g), and u + g is accumulated), adds it to its residual and
+    selects from that; the optimizer then steps with momentum 0, since what it receives has already
+    moved with momentum. Without it, a coordinate held back for many steps lands as one large
+    gradient that momentum keeps applying. Needs `error_feedback`; other optimizers: error feedback alone."""
+    momentum_masking: bool = option(True, flag)
+    """With momentum correction: where a rank sent a coordinate, its velocity is cleared as well as its
+    residual (DGC's momentum factor masking), so stale momentum does not push that update again."""
+    decay_before_accumulation: bool = option(True, flag)
+    """Under torch's SGD: the weight decay joins each rank's gradient before accumulation and selection,
+    and the optimizer steps with weight decay 0 (decay added to the sparse update after the exchange
+    cost PaddlePaddle's DGC 2 points of top-1)."""
+    local_clipping: bool = option(True, flag)
+    """With Trainer(gradient_clip_val=C) by norm and a correction on: each rank clips each parameter's
+    gradient to norm C / sqrt(P) before accumulation (DGC), and the exchanged update is not clipped again."""
+    sparsity_warmup_steps: Any = option("auto", warmup_value)
+    """The density starts at 1 (dense) and falls fourfold per stage to `density` over this many optimizer
+    steps (DGC's exponential warm-up; dense stages and those at more than 1/P exchange densely). "auto":
+    a quarter of the run, at most four epochs (none after a `dense_warmup_steps` phase); 0: none."""
     dense_final_steps: int = option(0, non_negative_int)
     """The last optimizer steps of the run (`Trainer.estimated_stepping_batches`) are dense again: the
     paper kept its last epochs dense because top-k cost accuracy there. Entering a dense phase, each

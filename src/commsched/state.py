@@ -108,28 +108,34 @@ class Restored:
         self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
         self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}
         if resharded and same_schedule:
-            say(f"commsched: the checkpoint's error-feedback residuals of {saved_world} processes are re-sharded over "
+            kinds = " and ".join({"residual": "error-feedback residuals", "momentum": "velocities"}[kind] for kind in resharded)
+            say(f"commsched: the checkpoint's {kinds} of {saved_world} processes are re-sharded over "
                 f"{world_size}: their sum is kept, each rank takes its share")
             self.mine = {"reducers": {RESIDUAL_TOTAL: resharded}}
 
 
 RESIDUAL_TOTAL = "residual_total"
-"""Every old rank's residuals summed, per parameter name: what a resume at another world size hands each rank."""
+"""Every old rank's residuals (and DGC velocities) summed, by kind and parameter name: what a resume at
+another world size hands each rank."""
+SUMMABLE = ("residual", "momentum")
+"""Per-rank kinds whose sum over ranks is all that matters: what the ranks together still owe the model
+(error feedback) and the velocity of their summed gradients (DGC's momentum is linear)."""
 
 
-def summed_residuals(per_rank: list[Any]) -> Optional[dict[str, torch.Tensor]]:
-    """The sum over ranks of the reducers' residuals, when they are the only tensors of the per-rank
-    state (None otherwise: other state cannot be re-sharded). Error feedback only needs their sum
-    to be kept: it is what the ranks together still owe the model."""
-    total: dict[str, torch.Tensor] = {}
+def summed_residuals(per_rank: list[Any]) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+    """The sum over ranks of the reducers' residuals and velocities, by kind, when they are the only
+    tensors of the per-rank state (None otherwise: other state cannot be re-sharded)."""
+    total: dict[str, dict[str, torch.Tensor]] = {}
     for state in per_rank:
         state = state or {}
         reducers = state.get("reducers", {})
-        if has_tensors({k: v for k, v in state.items() if k != "reducers"}) or set(reducers) - {"residual"}:
+        if has_tensors({k: v for k, v in state.items() if k != "reducers"}) or set(reducers) - set(SUMMABLE):
             return None
-        for name, tensor in reducers.get("residual", {}).items():
-            total[name] = total[name] + tensor if name in total else tensor.clone()
-    return total
+        for kind in SUMMABLE:
+            kept = total.setdefault(kind, {})
+            for name, tensor in reducers.get(kind, {}).items():
+                kept[name] = kept[name] + tensor if name in kept else tensor.clone()
+    return {kind: kept for kind, kept in total.items() if kept}
 
 
 def refuse_unknown(schedule: str, state: dict[str, Any], known: Iterable[str]) -> None:

@@ -100,7 +100,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             deft: `DeFTOptions` for ``schedule="deft"``.
             preserver: `PreserverOptions` for ``schedule="deft"``: the guard of delayed plans, on unless
                 ``PreserverOptions(enabled=False)``; a `commsched.Preserver` among the callbacks replaces it.
-            compression: a method name ("auto", "topk", "mstopk", "none") or `CompressionOptions`: sparse
+            compression: a method name ("auto", "topk", "sampled", "mstopk", "none") or `CompressionOptions`: sparse
                 exchanges of each bucket (schedules that support them: wfbp).
             streams: 1..16 concurrent collective streams (process groups) carrying each bucket's units,
                 or ``"auto"``: searched on the run's own steps (schedules: wfbp, dear).

@@ -24,33 +24,52 @@ from run_deft import MLP, SEED
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*Checkpoint directory.*exists.*")
 
+def plain(**options) -> commsched.CompressionOptions:
+    """Error feedback alone (the reference in test_compression.py): no DGC correction, no density warm-up."""
+    return commsched.CompressionOptions(momentum_correction=False, decay_before_accumulation=False, sparsity_warmup_steps=0, **options)
+
+
 CASES = {
     # name: (compression, steps, resume_from)
-    "topk": (commsched.CompressionOptions(method="topk", density=0.1), 12, None),
-    "topk-part": (commsched.CompressionOptions(method="topk", density=0.1), 5, None),
-    "topk-resumed": (commsched.CompressionOptions(method="topk", density=0.1), 12, "topk-part"),
-    "topk-no-feedback": (commsched.CompressionOptions(method="topk", density=0.1, error_feedback=False), 12, None),
-    "mstopk": (commsched.CompressionOptions(method="mstopk", density=0.05), 12, None),
-    "topk-dense-phases": (commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=3, dense_final_steps=3), 12, None),
-    "mstopk-whole": (commsched.CompressionOptions(method="mstopk", density=1.0), 12, None),
-    "topk-every-element": (commsched.CompressionOptions(method="topk", density=0.1, whole_vectors=False), 12, None),
+    "topk": (plain(method="topk", density=0.1), 12, None),
+    "topk-part": (plain(method="topk", density=0.1), 5, None),
+    "topk-resumed": (plain(method="topk", density=0.1), 12, "topk-part"),
+    "topk-no-feedback": (plain(method="topk", density=0.1, error_feedback=False), 12, None),
+    "mstopk": (plain(method="mstopk", density=0.05), 12, None),
+    "topk-dense-phases": (plain(method="topk", density=0.1, dense_warmup_steps=3, dense_final_steps=3), 12, None),
+    "mstopk-whole": (plain(method="mstopk", density=1.0), 12, None),
+    "topk-every-element": (plain(method="topk", density=0.1, whole_vectors=False), 12, None),
     # strategy="topk"'s default: the faster selection, sparse and dense taking turns after 5 steps (2 rounds
     # of 1 + 1 steps each), then the faster kept
-    "topk-auto": (commsched.CompressionOptions(method="auto", density=0.1, confirm_steps=1, confirm_rounds=2), 16, None),
+    "topk-auto": (plain(method="auto", density=0.1, confirm_steps=1, confirm_rounds=2), 16, None),
     "dense": (None, 12, None),
     "dense-from-topk": (None, 12, "topk-part"),  # a dense run takes the residuals into its first step
     # run by three processes: resumes the 2-process checkpoint (no step taken), its residuals re-sharded
-    "topk-resharded": (commsched.CompressionOptions(method="topk", density=0.1), 5, "topk-part"),
+    "topk-resharded": (plain(method="topk", density=0.1), 5, "topk-part"),
+    # DGC's corrections (the defaults) under SGD with two param groups: test_compression's dgc_reference
+    "dgc": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
+    "dgc-part": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 5, None),
+    "dgc-resumed": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, "dgc-part"),
+    "dgc-nesterov": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
+    "dgc-clipped": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
+    "dgc-unmasked": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0, momentum_masking=False), 12, None),
+    # the density's warm-up: 1 for steps 0-3, 0.25 for 4-7, then 0.1 (sampled threshold: the same elements as torch.topk)
+    "dgc-warmup": (commsched.CompressionOptions(method="sampled", density=0.1, sparsity_warmup_steps=8), 12, None),
+    "dgc-resharded": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 5, "dgc-part"),
 }
+OPTIMIZER = {"dgc-nesterov": "sgd-nesterov"}  # the dgc cases' optimizer where it is not "sgd-groups"
+CLIP = {"dgc-clipped": 0.05}  # Trainer(gradient_clip_val=...)
 
 
 def fit(out: Path, name: str, world: int) -> None:
     compression, steps, resume_from = CASES[name]
     pl.seed_everything(SEED, verbose=False)
-    model = MLP("sgd")
+    optimizer = OPTIMIZER.get(name, "sgd-groups") if name.startswith("dgc") else "sgd"
+    model = MLP(optimizer)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     strategy = commsched.WFBPStrategy(compression=compression, fusion="fixed", trace_collectives=True)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                         gradient_clip_val=CLIP.get(name),
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=out / name,
                          callbacks=[ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)])
     ckpt = str(out / f"{resume_from}-ckpt" / f"epoch=0-step={CASES[resume_from][1]}.ckpt") if resume_from else None
@@ -61,11 +80,16 @@ def fit(out: Path, name: str, world: int) -> None:
         return
     schedule = trainer.strategy.last_schedule
     residuals = {name: tensor for reducer in schedule.reducers for name, tensor in reducer.state_dict().get("residual", {}).items()}
+    velocities = {name: tensor for reducer in schedule.reducers for name, tensor in reducer.state_dict().get("momentum", {}).items()}
     result = {
         "initial": initial,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
         "residuals": residuals,
+        "velocities": velocities,
+        "optimizer": optimizer,
+        "clip": CLIP.get(name),
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizers[0].param_groups],
         "steps": steps,
         "world": world,
         "seed": SEED,

@@ -66,6 +66,12 @@ class MLP(pl.LightningModule):
 def make_optimizer(name: str, params) -> dict:
     if name == "sgd":
         opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    elif name in ("sgd-groups", "sgd-nesterov"):  # weights decayed, biases not, with another momentum (DGC's cases)
+        params = list(params)
+        nesterov = name == "sgd-nesterov"
+        opt = torch.optim.SGD([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.05},
+                               {"params": [p for p in params if p.dim() <= 1], "momentum": 0.5}],
+                              lr=0.2, momentum=0.9, nesterov=nesterov)
     else:
         opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))

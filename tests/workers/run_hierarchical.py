@@ -22,12 +22,21 @@ from run_deft import MLP, SEED
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 STEPS = 10
+
+
+def plain(**options) -> commsched.CompressionOptions:
+    """Error feedback alone (test_compression's hierarchical_reference): no DGC correction, no density warm-up."""
+    return commsched.CompressionOptions(momentum_correction=False, decay_before_accumulation=False, sparsity_warmup_steps=0, **options)
+
+
 CASES = {
     "flat-dense": None,
     "hier-dense": commsched.CompressionOptions(method="none", hierarchical=True),
-    "hier-topk": commsched.CompressionOptions(method="topk", density=0.1),  # hierarchical by default on 2 nodes
-    "hier-mstopk": commsched.CompressionOptions(method="mstopk", density=0.1),
-    "hier-topk-phases": commsched.CompressionOptions(method="topk", density=0.1, dense_warmup_steps=2, dense_final_steps=3),
+    "hier-topk": plain(method="topk", density=0.1),  # hierarchical by default on 2 nodes
+    "hier-mstopk": plain(method="mstopk", density=0.1),
+    "hier-topk-phases": plain(method="topk", density=0.1, dense_warmup_steps=2, dense_final_steps=3),
+    # DGC's corrections (the defaults) under run_deft's "sgd-groups", the density's warm-up 1 (steps 0-1), 0.25 (2-3), 0.1
+    "hier-dgc": commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=4),
     "hier-dense-streams": commsched.CompressionOptions(method="none", hierarchical=True),
     "auto-two-level": None,  # dense: the stream search tries flat and node first
 }
@@ -41,7 +50,8 @@ STREAMS = {
 
 def fit(out: Path, name: str, nodes: int, devices: int) -> None:
     pl.seed_everything(SEED, verbose=False)
-    model = MLP("sgd")
+    optimizer = "sgd-groups" if name == "hier-dgc" else "sgd"
+    model = MLP(optimizer)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     strategy = commsched.WFBPStrategy(compression=CASES[name], fusion="fixed", trace_collectives=True, **STREAMS.get(name, {}))
     trainer = pl.Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
@@ -54,6 +64,8 @@ def fit(out: Path, name: str, nodes: int, devices: int) -> None:
         "initial": initial,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "residuals": {n: t for r in schedule.reducers for n, t in r.state_dict().get("residual", {}).items()},
+        "velocities": {n: t for r in schedule.reducers for n, t in r.state_dict().get("momentum", {}).items()},
+        "optimizer": optimizer, "clip": None,
         "layout": (list(bucket.names), bucket.buffer.numel(), len(schedule.plan.buckets)),
         "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
         "steps": STEPS, "world": trainer.world_size, "nodes": nodes, "seed": SEED,

@@ -2,9 +2,9 @@
 
 Two choices a user should not have to make, each made from measurements on the run's machine:
 
-- the selection: torch.topk or MSTopK, timed once on a tensor the size of the largest bucket (up
-  to `SELECTION_PROBE_MAX` elements); rank 0's measurement decides for every rank. MSTopK stays
-  available by name (``method="mstopk"``) to reproduce the paper;
+- the selection: torch.topk, the sampled threshold or MSTopK, timed once on a tensor the size of
+  the largest bucket (up to `SELECTION_PROBE_MAX` elements); rank 0's measurement decides for
+  every rank. MSTopK stays available by name (``method="mstopk"``) to reproduce the paper;
 - sparse or dense: on a fast link, or when selecting costs more than the bytes it saves, the dense
   all-reduce is faster and loses nothing. After `WARMUP_STEPS` steps both exchanges take turns on
   real steps (`commsched.interleaved`), the slowest rank's step times decide, and sparse is kept
@@ -22,7 +22,7 @@ import torch
 
 from commsched.interleaved import Choice
 from commsched.options import CompressionOptions
-from commsched.reducers.topk import selector
+from commsched.reducers.topk import SELECTIONS, selector
 
 SELECTION_PROBE_MAX = 2**22
 """Elements the selection probe times at most (both selections cost about linearly in the size)."""
@@ -46,15 +46,15 @@ def _seconds(select: Callable[..., Any], x: torch.Tensor, k: int, repeats: int =
 
 
 def fastest_selection(numel: int, density: float, samplings: int, device: torch.device, control: Any) -> tuple[str, dict[str, float]]:
-    """"topk" or "mstopk", whichever rank 0 measured faster (ties to torch.topk), and the times in ms."""
+    """The selection (`SELECTIONS`) rank 0 measured fastest (ties to the earlier: torch.topk first), and the times in ms."""
     mine = None
     if control.rank == 0:
         n = max(1, min(numel, SELECTION_PROBE_MAX))
         x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
         k = max(1, int(density * n))
-        mine = {method: _seconds(selector(method, samplings), x, k) * 1e3 for method in ("topk", "mstopk")}
+        mine = {method: _seconds(selector(method, samplings), x, k) * 1e3 for method in SELECTIONS}
     times = control.broadcast_object(mine, 0, "selection-times")
-    return ("mstopk" if times["mstopk"] < times["topk"] else "topk"), times
+    return min(SELECTIONS, key=lambda method: times[method]), times
 
 
 class SparseOrDense:

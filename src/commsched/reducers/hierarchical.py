@@ -1,4 +1,4 @@
-"""A bucket reduced in two levels, node first ([cloud-topk] §3.2, HiTopKComm; DESIGN.md §9).
+"""A bucket reduced in two levels, node first ([cloud-topk] §3.2, HiTopKComm).
 
 On m nodes of n workers: (1) a reduce-scatter among the node's n ranks (fast links) leaves each
 worker the node's sum of one n-th of the bucket, its shard; (2) the shard is combined across nodes
@@ -12,6 +12,10 @@ before, so each link issues them in the same order on every rank; the selection 
 scatter-add run as continuations of the stage they follow. The residual lives on the shard (where
 the selection happens) and is kept by parameter name over the whole bucket (zeros outside the
 shard), so a checkpoint holds it with every other rank's state.
+
+DGC's corrections (`commsched.compression.dgc`) split the same way: clipping and weight decay on the
+rank's own bucket before the reduce-scatter, the velocity on the shard (the node's sum: momentum is
+linear, so one velocity per shard is the sum of the node's ranks' velocities), kept like the residual.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Mapping, Optional
 import torch
 
 from commsched.buckets import Bucket
+from commsched.compression.dgc import Corrections
 from commsched.compression.whole_vectors import Selector, WholeVectors
 from commsched.links import Link, Pending
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
@@ -30,24 +35,36 @@ from commsched.reducers.topk import SparsePacket
 
 class HierarchicalReduce(Reducer):
     def __init__(self, bucket: Bucket, intra: Link, inter: Link, density: Optional[float] = None,
-                 select: Optional[Selector] = None, error_feedback: bool = True, whole_vectors: bool = True) -> None:
+                 select: Optional[Selector] = None, error_feedback: bool = True, whole_vectors: bool = True,
+                 corrections: Optional[Corrections] = None) -> None:
         """`density` None: the dense two-level all-reduce; else HiTopKComm with `select`."""
         self.bucket = bucket
         self.intra, self.inter = intra, inter
         self._node = ShardedReduce(bucket.buffer, intra)
         shard = self._node.shard
         self.sparse = density is not None
-        self.kinds: tuple[str, ...] = ("residual",) if self.sparse and error_feedback else ()
-        self.residual: Optional[torch.Tensor] = torch.zeros_like(shard) if self.kinds else None
+        self.residual: Optional[torch.Tensor] = torch.zeros_like(shard) if self.sparse and error_feedback else None
+        corrections = corrections if self.sparse else None
+        self._local = corrections.local(bucket, intra.world_size * inter.world_size) if corrections is not None else None
+        start = intra.rank * shard.numel()
+        self.velocity = corrections.velocity(bucket, start, shard.numel()) if corrections is not None and error_feedback else None
+        self._masking = corrections is not None and corrections.masking
+        self.kinds: tuple[str, ...] = (("residual",) if self.residual is not None else ()) + (("momentum",) if self.velocity is not None else ())
         if self.sparse:
-            assert select is not None
+            assert select is not None and density is not None
             self._select = select
-            window = WholeVectors(bucket, intra.rank * shard.numel(), shard.numel(), whole_vectors)
+            window = WholeVectors(bucket, start, shard.numel(), whole_vectors)
             self._packet = SparsePacket(density, window, inter)
         self.dense = False
-        """A dense phase of a sparse exchange: the shard all-reduced across nodes, the residual added once."""
+        """A dense phase of a sparse exchange: the shard all-reduced across nodes, the residual added once
+        (under momentum correction the shard's velocity, unmasked)."""
+
+    def set_density(self, density: float) -> None:
+        self._packet = self._packet.at_density(density, self.inter)
 
     def start(self, tag: str) -> Pending:
+        if self._local is not None:
+            self._local.apply()
         scattered = self._node.scatter(tag)
         if self.sparse and self.dense:
             if self.residual is not None:
@@ -63,36 +80,48 @@ class HierarchicalReduce(Reducer):
 
     def _empty_residual_into_shard(self) -> None:
         assert self.residual is not None
+        if self.velocity is not None:
+            self.velocity.accumulate(self._node.shard)
         self._node.shard.add_(self.residual)
         self.residual.zero_()
 
     def _select_from_shard(self) -> None:
         shard = self._node.shard
+        if self.velocity is not None:
+            self.velocity.accumulate(shard)
         if self.residual is not None:
             shard.add_(self.residual)
-        self._packet.select(shard, self._select, self.residual)
+        sent = self._packet.select(shard, self._select, self.residual)
+        if self.velocity is not None and self._masking:
+            self.velocity.mask(sent)
 
-    def _whole(self) -> torch.Tensor:
-        """The residual placed at this rank's shard of a bucket-sized tensor."""
+    def _kept(self) -> dict[str, torch.Tensor]:
+        """The per-shard state by kind."""
+        kept = {"residual": self.residual} if self.residual is not None else {}
+        if self.velocity is not None:
+            kept["momentum"] = self.velocity.u
+        return kept
+
+    def _whole(self, shard: torch.Tensor) -> torch.Tensor:
+        """`shard` placed at this rank's shard of a bucket-sized tensor."""
         whole = torch.zeros_like(self.bucket.buffer)
-        assert self.residual is not None
-        whole.view(self.intra.world_size, -1)[self.intra.rank].copy_(self.residual)
+        whole.view(self.intra.world_size, -1)[self.intra.rank].copy_(shard)
         return whole
 
     def state_dict(self) -> ReducerState:
-        return {"residual": by_parameter(self.bucket, self._whole())} if self.residual is not None else {}
+        return {kind: by_parameter(self.bucket, self._whole(shard)) for kind, shard in self._kept().items()}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        self._load_whole(state.get("residual", {}), 1)
+        for kind, shard in self._kept().items():
+            self._load_whole(state.get(kind, {}), shard, 1)
 
-    def load_total(self, total: Mapping[str, torch.Tensor]) -> None:
-        """Every old rank's residuals summed (a resume at another world size): a shard's residual is
-        owed once per node, so each rank takes its shard of the sum over the number of nodes."""
-        self._load_whole(total, self.inter.world_size)
+    def load_total(self, totals: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Every old rank's residuals and velocities summed, by kind (a resume at another world size): a
+        shard's state is owed once per node, so each rank takes its shard of the sum over the number of nodes."""
+        for kind, shard in self._kept().items():
+            self._load_whole(totals.get(kind, {}), shard, self.inter.world_size)
 
-    def _load_whole(self, saved: Mapping[str, torch.Tensor], share: int) -> None:
-        if self.residual is None:
-            return
+    def _load_whole(self, saved: Mapping[str, torch.Tensor], shard: torch.Tensor, share: int) -> None:
         whole = torch.zeros_like(self.bucket.buffer)
         into_bucket(self.bucket, saved, whole)
-        self.residual.copy_(whole.view(self.intra.world_size, -1)[self.intra.rank]).div_(share)
+        shard.copy_(whole.view(self.intra.world_size, -1)[self.intra.rank]).div_(share)

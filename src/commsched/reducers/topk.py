@@ -2,10 +2,14 @@
 elements of its bucket, every rank gathers every rank's (values, indices) and adds them into a
 zeroed bucket. The capture scaled the gradients by 1/P, so the sum is the average of what was sent.
 
-Error feedback (DESIGN.md §9: the paper cites DGC and does not specify it): what this rank did not
-send stays in its residual, in the bucket's units (gradient / P), and is added to the bucket before
-the next selection, so applied + residual always sums to the dense gradients. The residual is this
-rank's communication state, saved by parameter name (`reducers.base`).
+Error feedback (the paper cites DGC for it and does not specify it): what this rank did not send
+stays in its residual, in the bucket's units (gradient / P), and is added to the bucket before the
+next selection, so applied + residual always sums to the dense gradients. Under torch's SGD, DGC's
+corrections run first (`commsched.compression.dgc`): clipping and weight decay on the rank's
+gradient, then its velocity takes the gradient's place; where a coordinate is selected its velocity
+is cleared too (the one-dimensional parameters, sent whole every step, keep theirs: for them the
+exchange is dense). Residuals and velocities are this rank's communication state, saved by
+parameter name (`reducers.base`).
 
 Values and indices travel in one all-gather: float32 values and int32 indices side by side, the
 indices reinterpreted bit for bit as float32 (one latency instead of two on a slow link). The
@@ -21,7 +25,9 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from commsched.buckets import Bucket
+from commsched.compression.dgc import Corrections
 from commsched.compression.mstopk import mstopk
+from commsched.compression.sampled import sampled_topk
 from commsched.compression.whole_vectors import Selector, WholeVectors
 from commsched.links import Link, Pending
 from commsched.reducers.allreduce import AllReduce
@@ -33,9 +39,16 @@ def exact_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[indices], indices
 
 
+SELECTIONS = {"topk": "torch.topk", "sampled": "the sampled threshold", "mstopk": "MSTopK"}
+"""The selections by name, and how a message calls them: torch.topk, the sampled threshold (the same
+elements, faster on CPUs), MSTopK (the paper's, approximate)."""
+
+
 def selector(method: str, samplings: int) -> Selector:
     if method == "topk":
         return exact_topk
+    if method == "sampled":
+        return sampled_topk
     return lambda x, k: mstopk(x, k, samplings)
 
 
@@ -52,14 +65,20 @@ class SparsePacket:
 
     def __init__(self, density: float, window: WholeVectors, link: Link) -> None:
         self.window = window
+        self.density = density
         self.k = k_of(density, window.ranked_numel)
         self.width = 2 * self.k + window.whole_numel
         self.world_size = link.world_size
         self.mine = torch.empty(self.width, dtype=torch.float32, device=link.device)
         self.everyone = torch.empty(link.world_size * self.width, dtype=torch.float32, device=link.device)
 
-    def select(self, x: torch.Tensor, select: Selector, residual: Optional[torch.Tensor]) -> None:
-        """Pack what `x` sends; what is not sent stays in `residual` (error feedback)."""
+    def at_density(self, density: float, link: Link) -> "SparsePacket":
+        """This packet, or a new one for another density (a sparsity warm-up's next stage)."""
+        return self if density == self.density else SparsePacket(density, self.window, link)
+
+    def select(self, x: torch.Tensor, select: Selector, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """Pack what `x` sends; what is not sent stays in `residual` (error feedback). Returns the
+        positions selected (window-relative; not those of the one-dimensional parameters, always sent)."""
         values, indices = self.window.select(x, select, self.k)
         if residual is not None:
             residual.copy_(x)
@@ -68,6 +87,7 @@ class SparsePacket:
         self.mine[:k].copy_(values[:k])
         self.mine[k : 2 * k].copy_(indices[:k].to(torch.int32).view(torch.float32))
         self.mine[2 * k :].copy_(values[k:])
+        return indices[:k]
 
     def add_everyones(self, target: torch.Tensor) -> None:
         """`target` becomes the sum of what every rank sent (zeros elsewhere)."""
@@ -93,44 +113,63 @@ class SparseExchange:
 
 
 class TopKAllReduce(Reducer):
-    kinds = ("residual",)
-
     def __init__(self, bucket: Bucket, link: Link, density: float, select: Selector, error_feedback: bool = True,
-                 whole_vectors: bool = True) -> None:
+                 whole_vectors: bool = True, corrections: Optional[Corrections] = None) -> None:
         if bucket.buffer.dtype != torch.float32:
             raise TypeError(f"commsched compression: sparse exchanges carry float32 gradients, this bucket holds {bucket.buffer.dtype}")
         self.bucket = bucket
         self.link = link
         self._select = select
         self.residual: Optional[torch.Tensor] = torch.zeros_like(bucket.buffer) if error_feedback else None
-        self.kinds = ("residual",) if error_feedback else ()
+        self._local = corrections.local(bucket, link.world_size) if corrections is not None else None
+        self.velocity = corrections.velocity(bucket, 0, bucket.buffer.numel()) if corrections is not None and error_feedback else None
+        self._masking = corrections is not None and corrections.masking
+        self.kinds = (("residual",) if error_feedback else ()) + (("momentum",) if self.velocity is not None else ())
         self._packet = SparsePacket(density, WholeVectors(bucket, 0, bucket.buffer.numel(), whole_vectors), link)
         self.dense = False
-        """A dense phase (`CompressionOptions.dense_warmup_steps`, `dense_final_steps`): all-reduce the
-        bucket, the residual added to it once and emptied."""
+        """A dense phase (`CompressionOptions.dense_warmup_steps`, `dense_final_steps`, a sparsity warm-up's
+        dense stages): all-reduce the bucket, the residual added to it once and emptied; under momentum
+        correction the velocity is what is all-reduced, unmasked (momentum is linear: this is SGD with
+        momentum on the averaged gradient)."""
         self._dense = AllReduce(bucket.buffer, link)
+
+    def set_density(self, density: float) -> None:
+        self._packet = self._packet.at_density(density, self.link)
 
     def start(self, tag: str) -> SparseExchange | Pending:
         buffer = self.bucket.buffer
+        if self._local is not None:
+            self._local.apply()
+        if self.velocity is not None:
+            self.velocity.accumulate(buffer)
         if self.residual is not None:
             buffer.add_(self.residual)
         if self.dense:
             if self.residual is not None:
                 self.residual.zero_()
             return self._dense.start(tag)
-        self._packet.select(buffer, self._select, self.residual)
+        sent = self._packet.select(buffer, self._select, self.residual)
+        if self.velocity is not None and self._masking:
+            self.velocity.mask(sent)
         pending = self.link.all_gather(self._packet.everyone, self._packet.mine, tag)
         return SparseExchange(pending, lambda: self._packet.add_everyones(buffer))
 
     def state_dict(self) -> ReducerState:
-        return {"residual": by_parameter(self.bucket, self.residual)} if self.residual is not None else {}
+        state = {"residual": by_parameter(self.bucket, self.residual)} if self.residual is not None else {}
+        if self.velocity is not None:
+            state["momentum"] = by_parameter(self.bucket, self.velocity.u)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         if self.residual is not None:
             into_bucket(self.bucket, state.get("residual", {}), self.residual)
+        if self.velocity is not None:
+            into_bucket(self.bucket, state.get("momentum", {}), self.velocity.u)
 
-    def load_total(self, total: Mapping[str, torch.Tensor]) -> None:
-        """Every old rank's residuals summed (a resume at another world size): each rank takes 1/P."""
-        if self.residual is not None:
-            into_bucket(self.bucket, total, self.residual)
-            self.residual.div_(self.link.world_size)
+    def load_total(self, totals: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Every old rank's residuals and velocities summed, by kind (a resume at another world size):
+        each rank takes 1/P of each."""
+        for kind, kept in (("residual", self.residual), ("momentum", self.velocity.u if self.velocity is not None else None)):
+            if kept is not None:
+                into_bucket(self.bucket, totals.get(kind, {}), kept)
+                kept.div_(self.link.world_size)

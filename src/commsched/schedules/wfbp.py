@@ -23,14 +23,17 @@ from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.compression.auto import SparseOrDense, fastest_selection
-from commsched.reducers.topk import SparseExchange, TopKAllReduce, selector
+from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections
+from commsched.compression.warmup import SparsityWarmup
+from commsched.reducers.topk import SELECTIONS, SparseExchange, TopKAllReduce, selector
 from commsched.schedules.base import Schedule
+from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import schedules
 from commsched.sim.network import CostModel
 from commsched.sim.schedules import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.say import say
-from commsched.state import RESIDUAL_TOTAL
+from commsched.state import RESIDUAL_TOTAL, refuse_unknown
 from commsched.streams.control import StreamControl
 from commsched.streams.units import Striping, plan_units
 
@@ -51,6 +54,10 @@ class WFBPSettings:
     """method "auto": whether sparse exchanges pay, decided on real steps (kept across bucket rebuilds)."""
     selection: dict[str, Any] = field(default_factory=dict)
     """method "auto": the selection measured faster ("method") and the times ("ms"), measured once per fit."""
+    corrections: Optional[Corrections] = None
+    """DGC's corrections of a sparse exchange (None: error feedback alone)."""
+    warmup: Optional[SparsityWarmup] = None
+    """The density's fall from dense to `compression.density` at the start of the run (None: none)."""
 
 
 def warm_up_advice(epoch_steps: float, total_steps: float) -> str:
@@ -60,6 +67,18 @@ def warm_up_advice(epoch_steps: float, total_steps: float) -> str:
     if math.isfinite(total_steps):
         return f"{setting('compression.dense_warmup_steps', max(1, int(total_steps) // 10))} (a tenth of this run, shorter than an epoch)"
     return "a dense warm-up (compression.dense_warmup_steps) of about one epoch"
+
+
+def _step_without(optimizer: Any, zeroed: tuple[str, ...], real_step: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """`real_step` with the SGD terms the exchange applied set to 0 in every param group, then restored."""
+    saved = [{key: group[key] for key in zeroed} for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group.update({key: 0.0 for key in zeroed})
+    try:
+        real_step(**kwargs)
+    finally:
+        for group, values in zip(optimizer.param_groups, saved):
+            group.update(values)
 
 
 def _epoch_steps(batches: float, accumulate: int) -> float:
@@ -86,10 +105,11 @@ class WFBPSchedule(Schedule):
         if sparse and compression.hierarchical:
             intra, inter = links["intra"], links["inter"]
             self.reducers = [HierarchicalReduce(b, intra, inter, compression.density, select, compression.error_feedback,
-                                                 compression.whole_vectors)
+                                                 compression.whole_vectors, self.settings.corrections)
                              for b in plan.buckets]
         elif sparse:
-            self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback, compression.whole_vectors)
+            self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback, compression.whole_vectors,
+                                           self.settings.corrections)
                              for b in plan.buckets]
         self.streams = self.settings.streams or StreamControl(1, StreamOptions(), two_level=bool(compression.hierarchical))
         if not sparse:
@@ -108,8 +128,8 @@ class WFBPSchedule(Schedule):
             method, times = fastest_selection(largest, compression.density, compression.samplings,
                                               self.plan.buckets[0].buffer.device, self.links.control)
             chosen.update(method=method, ms=times)
-            say(f"commsched topk: selecting with {'torch.topk' if method == 'topk' else 'MSTopK'} "
-                f"({times['topk']:.2f} ms for torch.topk, {times['mstopk']:.2f} ms for MSTopK, measured here)")
+            measured = ", ".join(f"{times[m]:.2f} ms for {name}" for m, name in SELECTIONS.items())
+            say(f"commsched topk: selecting with {SELECTIONS[method]} ({measured}, measured here)")
         return chosen["method"]
 
     def _dense_reducers(self, striping: Striping) -> list[StripedAllReduce]:
@@ -140,8 +160,18 @@ class WFBPSchedule(Schedule):
         streams = StreamControl.of(options.streams, options.stream_options, trainer,
                                    two_level=None if searched else bool(compression.hierarchical))
         judge = SparseOrDense(compression) if compression.method == "auto" else None
+        sparse = compression.method != "none"
+        corrections = None
+        if sparse and (compression.momentum_correction and compression.error_feedback or compression.decay_before_accumulation):
+            by_norm = trainer.gradient_clip_algorithm in (None, "norm")  # Lightning's default algorithm is the norm
+            clip = trainer.gradient_clip_val if compression.local_clipping and by_norm else None
+            corrections = Corrections(OptimizerTerms(lambda: trainer.strategy.optimizers),
+                                      compression.momentum_correction and compression.error_feedback, compression.momentum_masking,
+                                      compression.decay_before_accumulation, float(clip) if clip else None)
+        epoch_steps = lambda: _epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)  # noqa: E731
+        warmup = SparsityWarmup.of(compression, epoch_steps, lambda: trainer.estimated_stepping_batches) if sparse else None
         return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams,
-                            lambda: _epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches), judge)
+                            epoch_steps, judge, corrections=corrections, warmup=warmup)
 
     @classmethod
     def links_for(cls, settings: Any) -> tuple[str, ...]:
@@ -156,10 +186,10 @@ class WFBPSchedule(Schedule):
         if chosen is not None:
             self._restripe(chosen)
         compression = self.settings.compression
-        if not self._advised and compression.method != "none" and not compression.dense_warmup_steps:
-            self._advise_warm_up()
         if compression.method == "none":
             return None
+        if not self._advised:
+            self._advise_warm_up()
         step, total = self.settings.progress()
         phased = bool(compression.dense_warmup_steps or compression.dense_final_steps)
         dense = phased and (step < compression.dense_warmup_steps or step >= total - compression.dense_final_steps)
@@ -168,8 +198,13 @@ class WFBPSchedule(Schedule):
                 say(f"commsched wfbp: step {step}: {'dense all-reduce' if dense else f'{compression.method} at density {compression.density:g}'}"
                     + (" (residuals join this step's gradient)" if dense and self._dense_phase is False and compression.error_feedback else ""))
             self._dense_phase = dense
+        warmup = self.settings.warmup
+        density = warmup.density(step) if warmup is not None else compression.density
+        for reducer in self.reducers:
+            reducer.set_density(density)  # type: ignore[attr-defined]
+        dense = dense or density >= self._sparse_pays_below
         judge = self.settings.sparse_or_dense
-        if judge is not None and not dense and not self.settling:
+        if judge is not None and not dense and not self.settling and not self._warming(step):
             judge.at_boundary(self.links.control, say)
         dense = dense or (judge is not None and judge.dense)
         for reducer in self.reducers:
@@ -177,9 +212,37 @@ class WFBPSchedule(Schedule):
         return None
 
     @property
+    def _sparse_pays_below(self) -> float:
+        """Densities above 1/P send more than the dense all-reduce among the P ranks of the exchange
+        (every rank gathers P x 2 x density of the bucket; a ring all-reduce moves 2 (P - 1) / P)."""
+        exchange = self.links["inter"] if self.settings.compression.hierarchical else self.link
+        return 1.0 / max(2, exchange.world_size)
+
+    def _warming(self, step: int) -> bool:
+        return self.settings.warmup is not None and step < self.settings.warmup.end
+
+    @property
     def settled(self) -> bool:
         judge = self.settings.sparse_or_dense
-        return super().settled and (judge is None or not judge.deciding)
+        step, _ = self.settings.progress()
+        return super().settled and (judge is None or not judge.deciding) and not self._warming(step)
+
+    def optimizer_step(self, optimizer: Any, run_step: Callable[[], Any]) -> Any:
+        """Under DGC's corrections the exchanged update already moved with momentum and decay: the
+        user's SGD steps with momentum 0 and weight decay 0 (its param groups are as the user set
+        them before and after the step, so schedulers and callbacks see their own values)."""
+        corrections = self.settings.corrections
+        if corrections is None or not corrected(optimizer) or self.settings.compression.method == "none":
+            return run_step()
+        zeroed = ("momentum",) * corrections.momentum + ("weight_decay",) * corrections.decay
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs))
+
+    def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: str) -> None:
+        """Clipping by norm already ran on each rank before accumulation (DGC's local clipping)."""
+        corrections = self.settings.corrections
+        if algorithm == "norm" and corrections is not None and corrections.clip_norm is not None and corrected(optimizer):
+            return
+        super().clip_gradients(optimizer, clip_val, algorithm)
 
     def summary(self) -> list[str]:
         compression = self.settings.compression
@@ -192,16 +255,29 @@ class WFBPSchedule(Schedule):
             method = f"top-k ({self.settings.selection.get('method', 'topk')} selection)"
         judge = self.settings.sparse_or_dense
         kept = f"; {judge.describe()}" if judge is not None else ""
-        return [f"{method} at density {compression.density:g}, {how}, {feedback} error feedback{kept}", *super().summary()]
+        corrections = f"; {describe_corrections(self.settings.corrections, self._optimizers())}" if self.settings.corrections else ""
+        return [f"{method} at density {compression.density:g}, {how}, {feedback} error feedback{corrections}{kept}", *super().summary()]
+
+    def _optimizers(self) -> list[Any]:
+        corrections = self.settings.corrections
+        return list(corrections.terms.optimizers()) if corrections is not None else []
 
     def _advise_warm_up(self) -> None:
-        """A sparse run from its first step converges worse (early gradients are large and momentum
-        carries a late residual as one stale update): say so once, with this run's numbers, rather
-        than change what the user asked for."""
+        """Say once, at the start, what a sparse run does beyond the selection: DGC's corrections and the
+        density's warm-up. A run that turned every warm-up off converges worse (early gradients are
+        large and momentum carries a late residual as one stale update): it is told so, with this
+        run's numbers, rather than changed."""
         self._advised = True
         step, total = self.settings.progress()
         if step > 0 or self.settings.compression.density >= 1:
             return  # a resumed run (it was said when it started), or one that sends everything
+        if self.settings.corrections is not None:
+            say(f"commsched topk: {describe_corrections(self.settings.corrections, self._optimizers())}")
+        if self.settings.warmup is not None:
+            say(f"commsched topk: {self.settings.warmup.describe(self._sparse_pays_below)}")
+            return
+        if self.settings.compression.dense_warmup_steps:
+            return
         method = {"auto": "top-k"}.get(self.settings.compression.method, self.settings.compression.method)
         say(f"commsched wfbp: {method} from the first step, with no dense warm-up; sparse "
             f"exchanges with momentum go wrong early in training (in the README's digits runs a dense first epoch "
@@ -211,17 +287,20 @@ class WFBPSchedule(Schedule):
         """Residuals move with the run: by name (same world), re-sharded (`residual_total`, another
         world size), or, where this run exchanges dense gradients, into the first step's gradient."""
         saved = dict(state.get("reducers", {}))
-        total = saved.pop(RESIDUAL_TOTAL, None)
+        totals = saved.pop(RESIDUAL_TOTAL, None)
         keeps = any("residual" in reducer.kinds for reducer in self.reducers)
+        if totals and not any("momentum" in reducer.kinds for reducer in self.reducers):
+            refuse_unknown(self.name, {"momentum": totals.get("momentum", {})}, ())
+        total = totals.get("residual") if totals else None
         if not keeps and (total or "residual" in saved):
             owed, share = (total, self.link.world_size) if total else (saved.pop("residual"), 1)
             self._carry = [self._into_bucket(bucket, owed, share) for bucket in self.plan.buckets]
             say("commsched wfbp: this run exchanges dense gradients; the checkpoint's error-feedback residuals "
                 "join the first step's gradient")
         super().load_state_dict({**state, "reducers": saved} if "reducers" in state else state)
-        if keeps and total:
+        if keeps and totals:
             for reducer in self.reducers:
-                reducer.load_total(total)  # type: ignore[attr-defined]
+                reducer.load_total(totals)  # type: ignore[attr-defined]
 
     @staticmethod
     def _into_bucket(bucket: Any, saved: Any, share: int) -> torch.Tensor:
