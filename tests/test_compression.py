@@ -99,6 +99,12 @@ def test_the_sampled_threshold_selects_exactly_torch_topks_elements(d, density, 
 
 def test_the_sampled_threshold_edge_cases():
     assert sampled_topk(torch.randn(10), 0)[1].numel() == 0
+    sparse = torch.zeros(100_000)
+    sparse[::400] = torch.randn(250, generator=torch.Generator().manual_seed(1))  # fewer non-zeros than k: zeros tie
+    assert torch.equal(sampled_topk(sparse, 1000)[0].abs().sort().values, torch.topk(sparse.abs(), 1000).values.sort().values)
+    poisoned = torch.randn(100_000, generator=torch.Generator().manual_seed(2))
+    poisoned[12_345] = float("nan")  # between the strided samples: still selected, as torch.topk selects it
+    assert 12_345 in sampled_topk(poisoned, 100)[1].tolist()
     values, indices = sampled_topk(torch.arange(5.0), 5)
     assert sorted(indices.tolist()) == [0, 1, 2, 3, 4] and torch.equal(values, torch.arange(5.0)[indices])
     ties = torch.ones(10_000)
@@ -169,7 +175,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("compression")
     proc = run_worker("run_compression.py", str(out), "2", "topk", "topk-part", "topk-resumed", "topk-no-feedback", "topk-auto",
                       "mstopk", "topk-dense-phases", "mstopk-whole", "dense", "dense-from-topk", "topk-every-element",
-                      "dgc", "dgc-part", "dgc-resumed", "dgc-nesterov", "dgc-clipped", "dgc-unmasked", "dgc-warmup")
+                      "dgc", "dgc-part", "dgc-resumed", "dgc-nesterov", "dgc-clipped", "dgc-unmasked", "dgc-warmup",
+                      "dense-from-dgc", "adamw-default", "adamw-plain")
     if proc.returncode != 0:
         pytest.fail(f"compression runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     alone = run_worker("run_compression.py", str(out), "3", "topk-resharded", "dgc-resharded")
@@ -275,11 +282,11 @@ def test_error_feedback_changes_the_result(runs):
 
 
 def test_a_sparse_run_without_warm_up_is_advised_once(runs):
-    """The eleven fresh sparse runs with no warm-up of either kind (12, 16 or 5 steps, shorter than their
+    """The thirteen fresh sparse runs with no warm-up of either kind (12, 16 or 5 steps, shorter than their
     epoch of 256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
     warmed-up and density-1 runs are not."""
     advice = re.findall(r"no dense warm-up.*?CompressionOptions\(dense_warmup_steps=(\d+)\) \((.*?)\)", runs.said)
-    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 11, advice  # and five dgc runs without warm-up
+    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 13, advice  # and the dgc and adamw runs without warm-up
 
 
 def test_the_warm_up_advice_is_one_epoch_or_a_tenth_of_a_shorter_run():
@@ -420,6 +427,19 @@ def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
                 total[j * shard:(j + 1) * shard] += sent
         step_with(ordered, total, optimizer, scheduler)
     return {k: v.detach() for k, v in model.state_dict().items()}, residuals
+
+
+@needs_root
+def test_the_step_timer_tells_node_local_bytes_from_the_rest(two_nodes):
+    """The dense two-level all-reduce of a B-byte bucket on 2 nodes x 2: inside the node a ring
+    reduce-scatter and all-gather each send B / 2 (node-local: B); across nodes the all-reduce of the
+    B / 2 shard between 2 sends B / 2. The flat all-reduce has no node-local link."""
+    _, padded, _ = two_nodes("hier-dense")["layout"]
+    for rank in range(4):
+        hier, flat = two_nodes("hier-dense", rank), two_nodes("flat-dense", rank)
+        assert hier["local_bytes"] and set(hier["local_bytes"]) == {4 * padded}
+        assert set(hier["wire_bytes"]) == {4 * padded * 1.5}
+        assert set(flat["local_bytes"]) == {0.0} and flat["wire_bytes"][0] > 0
 
 
 @needs_root
@@ -719,3 +739,18 @@ def test_hierarchical_dgc_equals_the_single_process_reference(two_nodes):
             assert torch.allclose(whole.view(2, -1)[rank % 2], expected_shards[rank], atol=1e-6), (key, rank)
     across = [op for link, op, tag, *_ in result["trace"] if tag.startswith("bucket") and link == "inter"]
     assert across == ["all_reduce"] * 2 + ["all_gather"] * 8
+
+
+def test_a_dense_resume_of_dgc_velocities_is_refused_not_dropped(runs):
+    refused = runs("dense-from-dgc")["refused"]
+    assert "['momentum']" in refused and "resuming would drop it" in refused
+
+
+def test_adamw_runs_the_defaults_as_error_feedback_alone_and_lightning_clips_it(runs):
+    """The corrections are SGD's: under AdamW the defaults equal error feedback alone bit for bit, gradient
+    clipping included (Lightning's, once), and no velocity is kept."""
+    for rank in (0, 1):
+        default, plain = runs("adamw-default", rank), runs("adamw-plain", rank)
+        assert max_abs_diff(default["state"], plain["state"])[0] == 0.0
+        assert default["velocities"] == {}
+    assert "AdamW: DGC's corrections apply to torch's SGD (without dampening or maximize) only: error feedback alone" in runs.said

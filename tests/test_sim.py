@@ -251,6 +251,22 @@ def test_compressed_exchanges_match_their_closed_forms():
     assert hitopk.iteration_s < dense.iteration_s < simulate("wfbp", work, inter, 16).iteration_s
 
 
+def test_the_simulator_counts_the_one_dimensional_values_sent_whole():
+    """A 4 MB layer of which 40 KB are biases and norms: k counts the rest, and the 40 KB go as values."""
+    from commsched.sim.compressed import sent_bytes
+    from commsched.sim.workload import builtin
+
+    k = 9_900  # density 0.01 of the 990,000 other floats
+    assert sent_bytes(4_000_000, 0.01, 40_000) == 8 * k + 40_000
+    work = Workload("one", (Layer("only", 4_000_000, 0.005, 0.010, 40_000),), batch_size=1)
+    inter = AlphaBeta(alpha=1e-4, beta=1e-8)
+    assert simulate("topk", work, inter, 16, density=0.01).iteration_s == pytest.approx(0.015 + 15 * (1e-4 + (8 * k + 40_000) * 1e-8))
+    resnet = builtin("resnet50")
+    whole = sum(layer.whole_nbytes for layer in resnet.layers)
+    assert 0.001 < whole / resnet.nbytes < 0.01  # ResNet-50: 0.2% of its elements are one-dimensional
+    assert Workload.from_dict(resnet.to_dict()) == resnet
+
+
 def test_simulate_cli_takes_the_compression_options(capsys):
     cli.main(["--workload", "vgg16", "--schedules", "wfbp,topk,hitopk,hier_dense", "--workers", "16,2048",
               "--density", "0.001", "--gpus-per-node", "8"])

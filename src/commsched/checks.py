@@ -20,10 +20,18 @@ def refuse_before_launch(strategy: Any, grads_complete_after_closure: bool, name
             "commsched: Trainer(sync_batchnorm=True) is not supported on CPU (SyncBatchNorm needs GPUs). "
             "Use sync_batchnorm=False; BatchNorm buffers are then broadcast from rank 0 as under DDP."
         )
-    if getattr(strategy.precision_plugin, "scaler", None) is not None and not grads_complete_after_closure:
+    scaled = getattr(strategy.precision_plugin, "scaler", None) is not None
+    if scaled and not grads_complete_after_closure:
         raise CommSchedConfigError(
             f"commsched: precision with a GradScaler (fp16 '16-mixed') is not supported by strategy='{name}': "
             "gradients are sharded when the scaler would unscale them. Use precision='bf16-mixed' or strategy='wfbp'."
+        )
+    compression = getattr(getattr(strategy, "options", None), "compression", None)
+    if scaled and compression is not None and compression.method != "none":
+        raise CommSchedConfigError(
+            f"commsched: precision with a GradScaler (fp16 '16-mixed') is not supported with {compression.method} compression: "
+            "the residuals and velocities a sparse exchange keeps across steps would mix gradients of different loss "
+            "scales, and an overflowing step would leave inf in them. Use precision='bf16-mixed' or '32-true', or compression='none'."
         )
 
 

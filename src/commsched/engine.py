@@ -77,6 +77,8 @@ class Engine:
         if self.policy.decided is not None:  # a plan file or a checkpoint's plan: made for this model?
             self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
         self.policy.compiled = runs_compiled(module)
+        compression = getattr(self.settings, "compression", None)
+        self.policy.sparse = compression is not None and compression.method != "none"
         log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}'")
         self.build(module, world_size)
         if restored is not None:

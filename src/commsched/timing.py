@@ -27,12 +27,16 @@ class StepTimer(pl.Callback):
         self.cpu: list[float] = []
         self.wire_bytes: list[float] = []
         """Per timed step, the bytes this rank sent on all of a commsched strategy's links."""
-        self._last: tuple[float, float, float] | None = None
+        self.local_bytes: list[float] = []
+        """Per timed step, the part of `wire_bytes` sent on node-local links (a two-level exchange's
+        "intra" links): the rest may cross nodes."""
+        self._last: tuple[float, float, float, float] | None = None
         self._seen = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         wire = getattr(trainer.strategy, "wire_bytes", None)  # None: not a commsched strategy
-        now = (time.perf_counter(), time.process_time(), sum(wire.values()) if wire is not None else float("nan"))
+        now = (time.perf_counter(), time.process_time(), sum(wire.values()) if wire is not None else float("nan"),
+               sum(sent for name, sent in wire.items() if name.startswith("intra")) if wire is not None else float("nan"))
         if not getattr(trainer.strategy, "settled", True):
             self.deciding_steps += 1
             self._seen, self._last = 0, None
@@ -42,6 +46,7 @@ class StepTimer(pl.Callback):
             self.cpu.append(now[1] - self._last[1])
             if wire is not None:
                 self.wire_bytes.append(now[2] - self._last[2])
+                self.local_bytes.append(now[3] - self._last[3])
         self._last = now
         self._seen += 1
         if self.stop_after and len(self.durations) >= self.stop_after:
@@ -60,3 +65,7 @@ class StepTimer(pl.Callback):
     @property
     def median_wire_bytes(self) -> float:
         return statistics.median(self.wire_bytes) if self.wire_bytes else float("nan")
+
+    @property
+    def median_local_bytes(self) -> float:
+        return statistics.median(self.local_bytes) if self.local_bytes else float("nan")

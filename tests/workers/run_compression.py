@@ -56,15 +56,20 @@ CASES = {
     # the density's warm-up: 1 for steps 0-3, 0.25 for 4-7, then 0.1 (sampled threshold: the same elements as torch.topk)
     "dgc-warmup": (commsched.CompressionOptions(method="sampled", density=0.1, sparsity_warmup_steps=8), 12, None),
     "dgc-resharded": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 5, "dgc-part"),
+    "dense-from-dgc": (None, 12, "dgc-part"),  # velocities a dense run cannot take: refused, not dropped
+    # AdamW: the corrections stand in for nothing, so the defaults are error feedback alone, clipping Lightning's
+    "adamw-default": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
+    "adamw-plain": (plain(method="topk", density=0.1), 12, None),
 }
-OPTIMIZER = {"dgc-nesterov": "sgd-nesterov"}  # the dgc cases' optimizer where it is not "sgd-groups"
-CLIP = {"dgc-clipped": 0.05}  # Trainer(gradient_clip_val=...)
+OPTIMIZER = {"dgc-nesterov": "sgd-nesterov", "dgc-part": "sgd-groups", "dense-from-dgc": "sgd-groups",
+             "adamw-default": "adamw", "adamw-plain": "adamw"}
+CLIP = {"dgc-clipped": 0.05, "adamw-default": 0.05, "adamw-plain": 0.05}  # Trainer(gradient_clip_val=...)
 
 
 def fit(out: Path, name: str, world: int) -> None:
     compression, steps, resume_from = CASES[name]
     pl.seed_everything(SEED, verbose=False)
-    optimizer = OPTIMIZER.get(name, "sgd-groups") if name.startswith("dgc") else "sgd"
+    optimizer = OPTIMIZER.get(name, "sgd-groups" if name.startswith("dgc") else "sgd")
     model = MLP(optimizer)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     strategy = commsched.WFBPStrategy(compression=compression, fusion="fixed", trace_collectives=True)

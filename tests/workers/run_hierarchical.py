@@ -17,6 +17,7 @@ import torch
 import commsched
 import lightning.pytorch as pl
 
+from commsched.timing import StepTimer
 from run_deft import MLP, SEED
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -56,7 +57,7 @@ def fit(out: Path, name: str, nodes: int, devices: int) -> None:
     strategy = commsched.WFBPStrategy(compression=CASES[name], fusion="fixed", trace_collectives=True, **STREAMS.get(name, {}))
     trainer = pl.Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=out / name)
+                         default_root_dir=out / name, callbacks=[timer := StepTimer(warmup=0)])
     trainer.fit(model)
     schedule = trainer.strategy.last_schedule
     bucket = schedule.plan.buckets[0]
@@ -66,6 +67,7 @@ def fit(out: Path, name: str, nodes: int, devices: int) -> None:
         "residuals": {n: t for r in schedule.reducers for n, t in r.state_dict().get("residual", {}).items()},
         "velocities": {n: t for r in schedule.reducers for n, t in r.state_dict().get("momentum", {}).items()},
         "optimizer": optimizer, "clip": None,
+        "wire_bytes": timer.wire_bytes, "local_bytes": timer.local_bytes,
         "layout": (list(bucket.names), bucket.buffer.numel(), len(schedule.plan.buckets)),
         "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
         "steps": STEPS, "world": trainer.world_size, "nodes": nodes, "seed": SEED,

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from commsched import netns
 
-COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "median_speedup_vs_ddp", "wire_mb",
+COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "median_speedup_vs_ddp", "wire_mb", "local_mb",
            "theoretical_ms", "measured_over_theoretical", "predicted_ms", "prediction_error", "weights_vs_ddp", "chose",
            "deciding_steps")
 ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
@@ -103,12 +103,12 @@ def print_results(results: list[dict], spec: dict, rate: str, console: Console, 
 def _full_table(result: dict) -> Table:
     table = Table()
     for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "median vs ddp", "MB sent/step",
-                   "best possible (ms)", "measured / best", "simulated (ms)", "sim error", "weights vs ddp"):
+                   "of which node-local", "best possible (ms)", "measured / best", "simulated (ms)", "sim error", "weights vs ddp"):
         table.add_column(column, justify="right")
     for row in result["rows"]:
         table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}",
                       _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row.get("median_speedup_vs_ddp"), ".3f"),
-                      _fmt(row.get("wire_mb"), ".2f"), _fmt(row["theoretical_ms"], ".1f"),
+                      _fmt(row.get("wire_mb"), ".2f"), _fmt(row.get("local_mb"), ".2f"), _fmt(row["theoretical_ms"], ".1f"),
                       _fmt(row["measured_over_theoretical"], ".2f"), _fmt(row["predicted_ms"], ".1f"),
                       _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
     return table

@@ -221,20 +221,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     results = []
     rank = 0
     for model_name in spec["models"]:
-        rounds: dict[str, list[tuple[float, float, float]]] = {s: [] for s in spec["schedules"]}
+        rounds: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in spec["schedules"]}
         final: dict[str, tuple[dict, int]] = {}  # the first round's weights and the steps it ran
         deft: dict[str, Any] = {}
         chose: dict[str, dict] = {}
         for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
                 timer, rank, state, decided, chose[schedule] = time_schedule(model_name, schedule, spec, out / model_name)
-                rounds[schedule].append((timer.median, timer.median_cpu, timer.median_wire_bytes))
+                rounds[schedule].append((timer.median, timer.median_cpu, timer.median_wire_bytes, timer.median_local_bytes))
                 final.setdefault(schedule, (state, chose[schedule]["steps_run"]))
                 if decided:
                     deft.setdefault("streams" if "entry" in decided else "rounds", []).append(decided)
         exact = [s for s in spec["schedules"] if not s.startswith(("deft", "topk")) and ":auto" not in s]
         reference = ddp_weights(model_name, spec, {final[s][1] for s in exact}, out / model_name) if exact else {}
-        measured = {s: min(step for step, _, _ in r) for s, r in rounds.items()}
+        measured = {s: min(step for step, *_ in r) for s, r in rounds.items()}
         best = {s: min(r) for s, r in rounds.items()}  # CPU time and bytes of the best round
         profile = profile_components(model_name, spec, out / model_name)
         summary = profile["summary"]
@@ -248,7 +248,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             "rows": [{
                 "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": best[s][1] * 1e3, **chose[s],
                 "wire_mb": best[s][2] / 1e6 if best[s][2] == best[s][2] else None,  # this rank, per step (ddp: not counted)
-                "rounds_ms": [step * 1e3 for step, _, _ in rounds[s]],
+                "local_mb": best[s][3] / 1e6 if best[s][3] == best[s][3] else None,  # of which on node-local links
+                "rounds_ms": [step * 1e3 for step, *_ in rounds[s]],
                 # deft's delayed updates are another trajectory by design: not compared
                 "weights_vs_ddp": _max_difference(final[s][0], reference[final[s][1]]) if s in exact else None,
                 "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],

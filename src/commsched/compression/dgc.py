@@ -71,6 +71,14 @@ class OptimizerTerms:
                             for group in opt.param_groups for p in group["params"]}
         return self._groups.get(id(param))
 
+    def refresh(self) -> None:
+        """Read the param groups afresh at the next question (a group added, an optimizer state loaded)."""
+        self._groups = None
+
+    def covers(self, param: nn.Parameter) -> bool:
+        """Whether an SGD the corrections stand in for steps this parameter."""
+        return self._group_of(param) is not None
+
     def of(self, param: nn.Parameter) -> SGDTerms:
         group = self._group_of(param)
         if group is None:
@@ -106,10 +114,13 @@ class LocalCorrections:
 
     def apply(self) -> None:
         if self._clip is not None:
-            # the bucket holds g / P: a parameter's local gradient norm is P times its view's
-            norms = torch._foreach_norm(self._views)
-            scales = [torch.clamp(self._clip / (n * self._world + 1e-6), max=1.0) for n in norms]
-            torch._foreach_mul_(self._views, scales)
+            # the parameters of SGDs the corrections stand in for (Lightning clips the others' averaged gradients)
+            clipped = [view for view, p in zip(self._views, self.bucket.params) if self._terms.covers(p)]
+            if clipped:
+                # the bucket holds g / P: a parameter's local gradient norm is P times its view's
+                norms = torch._foreach_norm(clipped)
+                scales = [torch.clamp(self._clip / (n * self._world + 1e-6), max=1.0) for n in norms]
+                torch._foreach_mul_(clipped, scales)
         if self._decay:
             for view, param in zip(self._views, self.bucket.params):
                 decay = self._terms.of(param).weight_decay

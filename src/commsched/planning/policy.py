@@ -50,6 +50,10 @@ class PlanPolicy:
         """The module runs under torch.compile (set by the engine): its backward is one compiled graph that
         hands every gradient over at its end, so no bucket plan can overlap it, and timing layers would
         break the graph. `fusion="auto"` keeps fixed buckets then."""
+        self.sparse = False
+        """The schedule exchanges top-k of each bucket (set by the engine): which elements are sent depends
+        on how parameters share buckets, so a layout chosen by timings would make the trained model
+        depend on them (and the planners model dense all-reduces). `fusion="auto"` keeps fixed buckets then."""
         self._start_tuning()
 
     def _start_tuning(self) -> None:
@@ -69,7 +73,7 @@ class PlanPolicy:
     def wants_profile(self) -> bool:
         """A model policy still waiting for the profile it plans from."""
         if self.auto is not None:
-            return self.deciding and self.auto.wants_profile and not self.compiled
+            return self.deciding and self.auto.wants_profile and not self.compiled and not self.sparse
         return self.deciding and self.fusion.policy in MODEL_POLICIES
 
     def planner(self) -> Planner:
@@ -132,12 +136,15 @@ class PlanPolicy:
             auto.reopen(strategy.profile)
             self.decided = None
             return True  # back to fixed buckets, profiled afresh
-        if strategy.world_size == 1 or self.compiled:  # nothing to plan for (see `compiled`)
+        if strategy.world_size == 1 or self.compiled or self.sparse:  # nothing to plan for (see `compiled`, `sparse`)
             self.decided = self._current(strategy, "fixed")
             auto.decided_without_confirming()
             if self.compiled:
                 say("commsched fusion: the model runs under torch.compile, whose backward hands every gradient over at "
                     "its end: fixed buckets (a bucket plan could not overlap them)")
+            elif self.sparse and strategy.world_size > 1:
+                say("commsched fusion: top-k selects within each bucket, so the buckets stay fixed: a layout chosen by "
+                    "timings would make what is sent, and the trained model, depend on them")
             return False
         if auto.phase is Phase.PROFILE:
             profile = auto.fresh_profile(strategy.profile)

@@ -145,7 +145,9 @@ class LayerTimer:
         if totals is not None:
             forward = _scaled(forward, totals[0])
             backward = _scaled(backward, totals[1])
-        layers = [Layer(self._owners[i].name, self._owners[i].nbytes, f, b) for i, f, b in zip(order, forward, backward)]
+        layers = [Layer(self._owners[i].name, self._owners[i].nbytes, f, b,
+                        sum(p.numel() * p.element_size() for p in self._owners[i].params if p.dim() <= 1))
+                  for i, f, b in zip(order, forward, backward)]
         return Workload(name, tuple(layers), batch_size)
 
 

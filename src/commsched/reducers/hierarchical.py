@@ -102,14 +102,15 @@ class HierarchicalReduce(Reducer):
             kept["momentum"] = self.velocity.u
         return kept
 
+    def state_dict(self) -> ReducerState:
+        kept = {kind: shard for kind, shard in self._kept().items() if kind != "momentum" or shard.any()}  # no velocity without momentum
+        return {kind: by_parameter(self.bucket, self._whole(shard)) for kind, shard in kept.items()}
+
     def _whole(self, shard: torch.Tensor) -> torch.Tensor:
         """`shard` placed at this rank's shard of a bucket-sized tensor."""
         whole = torch.zeros_like(self.bucket.buffer)
         whole.view(self.intra.world_size, -1)[self.intra.rank].copy_(shard)
         return whole
-
-    def state_dict(self) -> ReducerState:
-        return {kind: by_parameter(self.bucket, self._whole(shard)) for kind, shard in self._kept().items()}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         for kind, shard in self._kept().items():

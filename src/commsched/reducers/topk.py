@@ -156,7 +156,7 @@ class TopKAllReduce(Reducer):
 
     def state_dict(self) -> ReducerState:
         state = {"residual": by_parameter(self.bucket, self.residual)} if self.residual is not None else {}
-        if self.velocity is not None:
+        if self.velocity is not None and self.velocity.u.any():  # none under optimizers without momentum
             state["momentum"] = by_parameter(self.bucket, self.velocity.u)
         return state
 

@@ -162,12 +162,13 @@ class WFBPSchedule(Schedule):
         judge = SparseOrDense(compression) if compression.method == "auto" else None
         sparse = compression.method != "none"
         corrections = None
-        if sparse and (compression.momentum_correction and compression.error_feedback or compression.decay_before_accumulation):
+        if sparse and compression.error_feedback and (compression.momentum_correction or compression.decay_before_accumulation):
             by_norm = trainer.gradient_clip_algorithm in (None, "norm")  # Lightning's default algorithm is the norm
             clip = trainer.gradient_clip_val if compression.local_clipping and by_norm else None
-            corrections = Corrections(OptimizerTerms(lambda: trainer.strategy.optimizers),
-                                      compression.momentum_correction and compression.error_feedback, compression.momentum_masking,
-                                      compression.decay_before_accumulation, float(clip) if clip else None)
+            # without error feedback the unsent part of what joined the gradient is dropped: decay and
+            # velocity would be lost with it, so the corrections need it
+            corrections = Corrections(OptimizerTerms(lambda: trainer.strategy.optimizers), compression.momentum_correction,
+                                      compression.momentum_masking, compression.decay_before_accumulation, float(clip) if clip else None)
         epoch_steps = lambda: _epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)  # noqa: E731
         warmup = SparsityWarmup.of(compression, epoch_steps, lambda: trainer.estimated_stepping_batches) if sparse else None
         return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams,
@@ -188,6 +189,8 @@ class WFBPSchedule(Schedule):
         compression = self.settings.compression
         if compression.method == "none":
             return None
+        if self.settings.corrections is not None:
+            self.settings.corrections.terms.refresh()  # param groups added or replaced since the last step
         if not self._advised:
             self._advise_warm_up()
         step, total = self.settings.progress()
@@ -289,8 +292,8 @@ class WFBPSchedule(Schedule):
         saved = dict(state.get("reducers", {}))
         totals = saved.pop(RESIDUAL_TOTAL, None)
         keeps = any("residual" in reducer.kinds for reducer in self.reducers)
-        if totals and not any("momentum" in reducer.kinds for reducer in self.reducers):
-            refuse_unknown(self.name, {"momentum": totals.get("momentum", {})}, ())
+        if totals and "momentum" in totals and not any("momentum" in reducer.kinds for reducer in self.reducers):
+            refuse_unknown(self.name, {"momentum": totals["momentum"]}, ())
         total = totals.get("residual") if totals else None
         if not keeps and (total or "residual" in saved):
             owed, share = (total, self.link.world_size) if total else (saved.pop("residual"), 1)

@@ -27,6 +27,8 @@ class Layer:
     nbytes: int
     forward_s: float
     backward_s: float
+    whole_nbytes: int = 0
+    """Bytes of the layer's one-dimensional parameters (biases, norms), which a sparse exchange sends whole."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class Workload:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Workload":
-        layers = tuple(Layer(l["name"], int(l["nbytes"]), float(l["forward_s"]), float(l["backward_s"])) for l in data["layers"])
+        layers = tuple(Layer(l["name"], int(l["nbytes"]), float(l["forward_s"]), float(l["backward_s"]), int(l.get("whole_nbytes", 0)))
+                       for l in data["layers"])
         if not layers:
             raise ValueError("a workload needs at least one layer with parameters")
         return cls(str(data.get("name", "profile")), layers, int(data.get("batch_size", 0)))
@@ -118,5 +121,6 @@ def builtin(name: str, batch_size: int | None = None, device_tflops: float = 10.
         params = [p for p in module.parameters(recurse=False) if id(p) not in seen and p.requires_grad]
         seen.update(id(p) for p in params)
         seconds = flops[n] * total / owned / (device_tflops * 1e12)
-        layers.append(Layer(n, sum(p.numel() * p.element_size() for p in params), seconds, 2 * seconds))
+        layers.append(Layer(n, sum(p.numel() * p.element_size() for p in params), seconds, 2 * seconds,
+                            sum(p.numel() * p.element_size() for p in params if p.dim() <= 1)))
     return Workload(name, tuple(layers), batch_size)
