@@ -88,7 +88,7 @@ def test_full_size_variant_is_one_override_away(full_size):
         ("schedule=deft deft.fallback=sometimes", "deft.fallback=sometimes; allowed: one of 'when_faster', 'when_undelayed', 'never'"),
         ("schedule=deft deft.confirm_steps=-1", "deft.confirm_steps=-1; allowed: an integer >= 0"),
         ("schedule=wfbp compression=mstopk compression.density=2", "compression.density=2.0; allowed: a number in (0, 1]"),
-        ("schedule=wfbp compression.method=gzip", "compression.method=gzip; allowed: one of 'none', 'auto', 'topk', 'mstopk'"),
+        ("schedule=wfbp compression.method=gzip", "compression.method=gzip; allowed: one of 'none', 'auto', 'topk', 'sampled', 'mstopk'"),
         ("schedule=dear compression=mstopk", "compression.method=mstopk; allowed: 'none' with schedule dear"),
         ("schedule=ddp compression=topk", "compression.method=topk; allowed: none with schedule=ddp"),
         ("schedule=wfbp streams=17", "streams=17; allowed: an integer 1..16 or \"auto\""),
