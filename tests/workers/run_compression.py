@@ -52,7 +52,7 @@ CASES = {
     "dgc-resumed": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, "dgc-part"),
     "dgc-nesterov": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
     "dgc-clipped": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
-    "dgc-unmasked": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0, momentum_masking=False), 12, None),
+    "dgc-masked": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0, momentum_masking=True), 12, None),
     # the density's warm-up: 1 for steps 0-3, 0.25 for 4-7, then 0.1 (sampled threshold: the same elements as torch.topk)
     "dgc-warmup": (commsched.CompressionOptions(method="sampled", density=0.1, sparsity_warmup_steps=8), 12, None),
     "dgc-resharded": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 5, "dgc-part"),

@@ -36,8 +36,8 @@ CASES = {
     "hier-topk": plain(method="topk", density=0.1),  # hierarchical by default on 2 nodes
     "hier-mstopk": plain(method="mstopk", density=0.1),
     "hier-topk-phases": plain(method="topk", density=0.1, dense_warmup_steps=2, dense_final_steps=3),
-    # DGC's corrections (the defaults) under run_deft's "sgd-groups", the density's warm-up 1 (steps 0-1), 0.25 (2-3), 0.1
-    "hier-dgc": commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=4),
+    # DGC's corrections under run_deft's "sgd-groups", with masking (on the shard), the density's warm-up 1 (steps 0-1), 0.25 (2-3), 0.1
+    "hier-dgc": commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=4, momentum_masking=True),
     "hier-dense-streams": commsched.CompressionOptions(method="none", hierarchical=True),
     "auto-two-level": None,  # dense: the stream search tries flat and node first
 }
