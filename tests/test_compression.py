@@ -207,6 +207,16 @@ def sent_whole_and_ranked(vector: torch.Tensor, real: torch.Tensor, compression:
     return vector.nonzero().flatten(), ranked, min(ranked.numel(), max(1, math.ceil(compression["density"] * ranked.numel())))
 
 
+def rank_shares(dataset, world: int, seed: int) -> list[list[int]]:
+    """Each rank's sample indices of epoch 0, as Lightning's DistributedSampler hands them out."""
+    shares = []
+    for r in range(world):
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True, seed=seed)
+        sampler.set_epoch(0)
+        shares.append(list(sampler))
+    return shares
+
+
 def reference(result: dict, dense_steps: Optional[set[int]] = None) -> tuple[dict, list[torch.Tensor]]:
     """One process: each rank's gradient / P plus its residual; every element of the 1-d parameters
     and the k largest magnitudes among the others sent, the rest kept; the sum of what every rank
@@ -225,11 +235,7 @@ def reference(result: dict, dense_steps: Optional[set[int]] = None) -> tuple[dic
     numel = sum(p.numel() for p in params)
     vector = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in params])
     always, ranked, k = sent_whole_and_ranked(vector, torch.ones_like(vector), compression)
-    shares = []
-    for r in range(world):
-        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
-        sampler.set_epoch(0)
-        shares.append(list(sampler))
+    shares = rank_shares(data(), world, result["seed"])
     residuals = [torch.zeros(numel) for _ in range(world)]
     for t in range(result["steps"]):
         total = torch.zeros(numel)
@@ -392,11 +398,7 @@ def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
     by_name = dict(model.named_parameters())
     ordered = [by_name[n] for n in names]
     x, y = data().tensors
-    shares = []
-    for r in range(world):
-        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
-        sampler.set_epoch(0)
-        shares.append(list(sampler))
+    shares = rank_shares(data(), world, result["seed"])
     shard = padded // per_node
     vector = torch.zeros(padded, dtype=torch.bool)
     vector[:sum(p.numel() for p in ordered)] = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in ordered])
@@ -543,11 +545,7 @@ def dgc_reference(result: dict, densities: Optional[list[float]] = None, masking
     numel = sum(p.numel() for p in params)
     vector = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in params])
     always, ranked, _ = sent_whole_and_ranked(vector, torch.ones_like(vector), compression)
-    shares = []
-    for r in range(world):
-        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
-        sampler.set_epoch(0)
-        shares.append(list(sampler))
+    shares = rank_shares(data(), world, result["seed"])
     v = [torch.zeros(numel) for _ in range(world)]
     u = [[torch.zeros_like(p) for p in params] for _ in range(world)]
     for t in range(steps):
@@ -678,11 +676,7 @@ def hierarchical_dgc_reference(result: dict, densities: list[float], masking: bo
     momentum = torch.zeros(padded)
     momentum[:real_numel] = torch.cat([torch.full((p.numel(),), sgd_terms(result["optimizer"], p)[0]) for p in ordered])
     x, y = data().tensors
-    shares = []
-    for r in range(world):
-        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
-        sampler.set_epoch(0)
-        shares.append(list(sampler))
+    shares = rank_shares(data(), world, result["seed"])
     shard = padded // per_node
     vector = torch.zeros(padded, dtype=torch.bool)
     vector[:real_numel] = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in ordered])
