@@ -216,7 +216,7 @@ class WFBPSchedule(Schedule):
 
     @property
     def _sparse_pays_below(self) -> float:
-        """Densities above 1/P send more than the dense all-reduce among the P ranks of the exchange
+        """Densities of 1/P or more send at least what the dense all-reduce among the P ranks of the exchange sends
         (every rank gathers P x 2 x density of the bucket; a ring all-reduce moves 2 (P - 1) / P)."""
         exchange = self.links["inter"] if self.settings.compression.hierarchical else self.link
         return 1.0 / max(2, exchange.world_size)
