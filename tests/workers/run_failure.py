@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from exit_report import report_issuer_threads  # noqa: E402
+from exit_report import report_issuer_threads, watch_workers_slowly  # noqa: E402
 from toy import ManualToyNet, ToyNet  # noqa: E402
 
 
@@ -128,6 +128,7 @@ def model_for(mode: str) -> pl.LightningModule:
 def main() -> None:
     mode = sys.argv[1]
     atexit.register(report_issuer_threads)
+    watch_workers_slowly()
     if mode.startswith(("gather-", "chain-")):
         return chain_run(mode, sys.argv[2])
     pl.seed_everything(0, verbose=False)

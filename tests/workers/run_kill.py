@@ -28,11 +28,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from exit_report import report_issuer_threads  # noqa: E402
+from exit_report import report_issuer_threads, watch_workers_slowly  # noqa: E402
 from toy import ToyNet  # noqa: E402
 
 STEPS, DIES_AT = 6, 3
 TIMEOUT = timedelta(seconds=15)
+watch_workers_slowly()
+
 
 
 def strategy_for(schedule: str):
