@@ -51,7 +51,7 @@ def test_exact_plan_equals_brute_force_and_never_loses_to_greedy():
         greedy = chain_end(plan_greedy(ready, nbytes, cost), ready, nbytes, cost)
         assert end <= greedy + 1e-12
         greedy_lost += end < greedy - 1e-12
-    assert greedy_lost > 0  # the greedy rule is not optimal (DESIGN.md §5): the comparison must show it
+    assert greedy_lost > 0  # the greedy rule is not optimal: the comparison must show it
 
 
 def random_dear(rng: random.Random, n: int) -> DearInstance:

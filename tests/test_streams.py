@@ -1,4 +1,4 @@
-"""Several streams (DESIGN.md §10): units dispatched deterministically, weights equal to ddp with any
+"""Several streams: units dispatched deterministically, weights equal to ddp with any
 S and U and through the search itself, identical unit-to-stream records on every rank under random
 per-rank delays, the decision kept in checkpoints, a search cut short going on from its trials on
 resume, drift re-opening the search, the closing line and the trials file of a run shorter than its

@@ -416,7 +416,7 @@ def streams_value(name: str, value: Any) -> int | str:
 
 @dataclass
 class StreamOptions:
-    """Concurrent collectives on several streams ([AIACC] §IV-VI, DESIGN.md §10): each bucket is
+    """Concurrent collectives on several streams ([AIACC] §IV-VI): each bucket is
     sliced into units, unit i goes on stream i mod S (a process group of its own: on NCCL its own
     communicator and CUDA stream), so S transfers share the network at once. One flow often cannot
     fill a cloud link (per-flow caps, one TCP connection per pair in gloo)."""

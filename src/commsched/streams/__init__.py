@@ -1,4 +1,4 @@
-"""Concurrent collectives on several streams ([AIACC] §IV-VI, DESIGN.md §10): buckets sliced into
+"""Concurrent collectives on several streams ([AIACC] §IV-VI): buckets sliced into
 units (`units`), unit i on stream i mod S, and the search that picks S, the unit size and the
 algorithm while training (`tuner`, `bandit`, `techniques`, `control`)."""
 
