@@ -116,3 +116,67 @@ def test_stale_reference_reproduces_the_digits_table_and_the_guard_rejects_the_h
     model, optimizer, loss = after_steps(0.05, 0.9, 6, seed=0, width=8, model_name="resnet18")
     curvature = top_curvature(loss, list(model.parameters()))
     assert curvature > largest_stable_curvature(Stepper.of(optimizer), 1)
+
+
+def _trajectory(optimizer_step, params: list[torch.Tensor], steps: int = 6) -> list[torch.Tensor]:
+    """Weights after `steps` updates on fixed, seeded gradients (the same sequence for every optimizer)."""
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(steps)]
+    for step_grads in grads:
+        optimizer_step(step_grads)
+    return [p.detach().clone() for p in params]
+
+
+def _fresh() -> list[torch.Tensor]:
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(1))), torch.nn.Parameter(torch.ones(5))]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_written_out_sgd_of_the_reference_is_torchs(momentum):
+    """Uncompensated, the reference's SGD is torch's (momentum, weight decay), update for update."""
+    from stale_reference import StaleSGD
+
+    ours_params, torch_params = _fresh(), _fresh()
+    ours = StaleSGD(ours_params, 0.1, momentum, 5e-4, staleness=1)
+    theirs = torch.optim.SGD(torch_params, lr=0.1, momentum=momentum, weight_decay=5e-4)
+
+    def torch_step(grads):
+        for p, g in zip(torch_params, grads):
+            p.grad = g.clone()
+        theirs.step()
+
+    expected = _trajectory(torch_step, torch_params)
+    got = _trajectory(lambda grads: ours.step(grads, [p.detach().clone() for p in ours_params]), ours_params)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+
+
+def test_spike_compensation_of_one_step_is_nesterov_momentum():
+    """At D = 1, spike compensation (a = 1, b = m) is Nesterov's momentum with its buffer scaled by m."""
+    from stale_reference import StaleSGD
+
+    spike_params, nesterov_params = _fresh(), _fresh()
+    spike = StaleSGD(spike_params, 0.1, 0.9, 5e-4, staleness=1, compensation="spike")
+    nesterov = torch.optim.SGD(nesterov_params, lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
+
+    def nesterov_step(grads):
+        for p, g in zip(nesterov_params, grads):
+            p.grad = g.clone()
+        nesterov.step()
+
+    expected = _trajectory(nesterov_step, nesterov_params)
+    got = _trajectory(lambda grads: spike.step(grads, [p.detach().clone() for p in spike_params]), spike_params)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 3])
+def test_spike_compensation_gives_each_gradient_its_synchronous_total_weight(staleness):
+    """One gradient, then zeros: under spike compensation its summed effect on the weights is
+    lr / (1 - m), as in synchronous momentum SGD (closed form), however late it came."""
+    from stale_reference import StaleSGD
+
+    w = torch.nn.Parameter(torch.zeros(1))
+    spike = StaleSGD([w], 0.1, 0.9, 0.0, staleness=staleness, compensation="spike")
+    spike.step([torch.ones(1)], [w.detach().clone()])
+    for _ in range(400):
+        spike.step([torch.zeros(1)], [w.detach().clone()])
+    assert w.item() == pytest.approx(-0.1 / (1 - 0.9), rel=1e-6)

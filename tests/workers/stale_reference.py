@@ -1,12 +1,28 @@
-"""A single-process reference for stale updates, written apart from the engine: plain PyTorch SGD
-(momentum, weight decay) on a BatchNorm network, each step applying the gradient computed
-`staleness` steps earlier (0: synchronous). BatchNorm's running statistics follow the forwards,
-which run on the current weights, as they do under DeFT's delayed plans."""
+"""A single-process reference for stale updates, written apart from the engine: SGD (momentum, weight
+decay) on a BatchNorm network, each step applying the gradient computed `staleness` steps earlier
+(0: synchronous). BatchNorm's running statistics follow the forwards, which run on the current
+weights, as they do under DeFT's delayed plans.
+
+Compensations of the delay, each written out here from its paper (`COMPENSATIONS`):
+- "spike" (Kosson et al., Pipelined Backpropagation at Scale, 2021): a gradient D steps late missed
+  the momentum contributions lr (1 + m + ... + m^(D-1)) it would have made by now: it is applied at once
+  with that weight, a = (1 - m^D) / (1 - m), and joins the velocity scaled by b = m^D, so that its total
+  contribution, lr / (1 - m), is the synchronous one;
+- "nesterov": torch's Nesterov momentum on the stale gradient (what spike compensation nearly is at D = 1);
+- "dc" (DC-ASGD, Zheng et al. 2017): g + lambda g * g * (w_now - w_then), lambda 0.04 (MXNet's default);
+- "dc-adaptive": DC-ASGD-a, lambda_t = lambda_0 / sqrt(mean square of g), lambda_0 2, mean square an
+  average of g^2 with factor 0.95;
+- "predict" (linear weight prediction, after Kosson et al.): the forward and backward run on the
+  weights extrapolated D steps along the last update, w + D (w_now - w_before), so that the gradient
+  is taken where it will be applied; the update applies to the weights themselves;
+- "spike+predict": both.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +66,82 @@ def resnet18(width: int = 8) -> nn.Module:
     return ResNet(18, num_classes=10, cifar_stem=True, width=width)
 
 
-MODELS = {"bn_net": bn_net, "resnet18": resnet18}
+def vgg16_bn(width: int = 8) -> nn.Module:
+    """VGG-16 with BatchNorm and the CIFAR-size head; five poolings: 32x32 inputs."""
+    from commsched.models.vgg import VGG
+
+    return VGG(16, num_classes=10, batch_norm=True, cifar_head=True, width=width, hidden=64)
+
+
+MODELS = {"bn_net": bn_net, "resnet18": resnet18, "vgg16_bn": vgg16_bn}
+
+
+COMPENSATIONS = ("none", "spike", "nesterov", "dc", "dc-adaptive", "predict", "spike+predict")
+
+
+class StaleSGD:
+    """SGD with momentum and weight decay (torch's update, written out) whose gradient is `staleness`
+    steps late, with one of `COMPENSATIONS`."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float, momentum: float, weight_decay: float, staleness: int,
+                 compensation: str = "none", dc_lambda: float = 0.04, dc_lambda0: float = 2.0) -> None:
+        if compensation not in COMPENSATIONS:
+            raise ValueError(f"compensation: one of {COMPENSATIONS}, not {compensation!r}")
+        self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
+        self.staleness, self.compensation = staleness, compensation
+        self.dc_lambda, self.dc_lambda0 = dc_lambda, dc_lambda0
+        self.velocity: list[Optional[torch.Tensor]] = [None] * len(params)
+        self.mean_square = [torch.zeros_like(p) for p in params]
+        self.last_update = [torch.zeros_like(p) for p in params]
+
+    @property
+    def predicts(self) -> bool:
+        return self.compensation.endswith("predict")
+
+    def predicted(self) -> list[torch.Tensor]:
+        """The weights the forward should run on: the current ones, or extrapolated along the last update."""
+        if not self.predicts:
+            return [p.detach().clone() for p in self.params]
+        return [p.detach() + self.staleness * u for p, u in zip(self.params, self.last_update)]
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], weights_then: list[torch.Tensor]) -> None:
+        m, late = self.momentum, self.staleness
+        spike = self.compensation.startswith("spike") and late > 0 and m > 0
+        a = (1 - m ** late) / (1 - m) if spike else 0.0
+        b = m ** late if spike else 1.0
+        for i, (p, g, then) in enumerate(zip(self.params, grads, weights_then)):
+            if self.compensation == "dc":
+                g = g + self.dc_lambda * g * g * (p - then)
+            elif self.compensation == "dc-adaptive":
+                self.mean_square[i].mul_(0.95).add_(g * g, alpha=0.05)
+                g = g + self.dc_lambda0 / (self.mean_square[i].sqrt() + 1e-7) * g * g * (p - then)
+            d = g + self.weight_decay * p
+            before = p.clone()
+            if m == 0:
+                p.sub_(d, alpha=self.lr)
+            else:
+                v = self.velocity[i]
+                v = (b * d).clone() if v is None else v.mul_(m).add_(d, alpha=b)
+                self.velocity[i] = v
+                if self.compensation == "nesterov":
+                    p.sub_(d + m * v, alpha=self.lr)
+                else:
+                    p.sub_(v + a * d, alpha=self.lr)
+            self.last_update[i] = p - before
 
 
 def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, weight_decay: float = 5e-4,
-          batch_size: int = 64, width: int = 16, model_name: str = "bn_net", resolution: int = 8) -> Run:
-    """Held-out accuracy after `epochs` of SGD whose every step applies the gradient of `staleness` steps ago."""
+          batch_size: int = 64, width: int = 16, model_name: str = "bn_net", resolution: int = 8,
+          compensation: str = "none") -> Run:
+    """Held-out accuracy after `epochs` of SGD whose every step applies the gradient of `staleness` steps
+    ago, compensated as `compensation` says (one of `COMPENSATIONS`)."""
     torch.manual_seed(seed)
     (x, y), (x_val, y_val) = digits(resolution)
     model = MODELS[model_name](width)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    late: deque[list[torch.Tensor]] = deque()
+    params = list(model.parameters())
+    optimizer = StaleSGD(params, lr, momentum, weight_decay, staleness, compensation)
+    late: deque[tuple[list[torch.Tensor], list[torch.Tensor]]] = deque()
     run = Run(0.0)
     shuffle = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
@@ -68,15 +149,21 @@ def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, we
         for start in range(0, len(y) - batch_size + 1, batch_size):
             batch = order[start : start + batch_size]
             model.train()
+            weights = [p.detach().clone() for p in params]
+            forward_at = optimizer.predicted()
+            with torch.no_grad():
+                for p, w in zip(params, forward_at):
+                    p.copy_(w)
             loss = F.cross_entropy(model(x[batch]), y[batch])
-            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             loss.backward()
+            with torch.no_grad():
+                for p, w in zip(params, weights):
+                    p.copy_(w)
             run.losses.append(float(loss.detach()))
-            late.append([p.grad.detach().clone() for p in model.parameters()])
+            late.append(([p.grad.detach().clone() for p in params], forward_at))
             if len(late) > staleness:
-                for p, g in zip(model.parameters(), late.popleft()):
-                    p.grad = g
-                optimizer.step()
+                optimizer.step(*late.popleft())
     model.eval()
     with torch.no_grad():
         run.accuracy = float((model(x_val).argmax(1) == y_val).float().mean())

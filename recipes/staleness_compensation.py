@@ -1,0 +1,54 @@
+"""Which compensation of one step of staleness keeps synchronous accuracy? The single-process stale-SGD
+reference of the tests (`tests/workers/stale_reference.py`: SGD written out, BatchNorm, weight decay
+5e-4, batch 64, digits, 3 epochs) trained synchronously, one step stale, and one step stale with each
+compensation it implements, at the same learning rate and momentum; mean held-out accuracy over SEEDS
+seeds, points against synchronous.
+
+    .venv/bin/python recipes/staleness_compensation.py [--models bn_net resnet18 vgg16_bn] [--seeds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
+from stale_reference import COMPENSATIONS, train  # noqa: E402
+
+SETTINGS = ((0.05, 0.9), (0.02, 0.9), (0.01, 0.9), (0.1, 0.5), (0.3, 0.0), (0.1, 0.0))
+SHAPES = {"bn_net": (16, 8), "resnet18": (8, 8), "vgg16_bn": (8, 32)}
+"""Each model's width and input resolution."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--compensations", nargs="+", default=list(COMPENSATIONS), choices=COMPENSATIONS)
+    parser.add_argument("--settings", nargs="+", default=[f"{lr:g}/{m:g}" for lr, m in SETTINGS], help="lr/momentum")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    names = " | ".join(f"stale, {c}" if c != "none" else "stale" for c in args.compensations)
+    print(f"| model | lr | momentum | sync acc | {names} |")
+    print("|---|---|---|---|" + "---|" * len(args.compensations))
+    for name in args.models:
+        width, resolution = SHAPES[name]
+        for setting in args.settings:
+            lr, momentum = (float(v) for v in setting.split("/"))
+
+            def accuracy(staleness: int, compensation: str = "none") -> float:
+                return statistics.mean(train(lr, momentum, staleness, epochs=3, seed=seed, width=width, model_name=name,
+                                             resolution=resolution, compensation=compensation).accuracy
+                                       for seed in range(args.seeds))
+
+            sync = accuracy(0)
+            cells = " | ".join(f"{100 * (accuracy(1, c) - sync):+.1f}" for c in args.compensations)
+            print(f"| {name} | {lr:g} | {momentum:g} | {sync:.3f} | {cells} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
