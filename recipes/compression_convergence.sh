@@ -17,7 +17,7 @@ WARMUP="${WARMUP:-0}"  # compression.dense_warmup_steps of the sparse variants (
 FINAL="${FINAL:-0}"    # compression.dense_final_steps of the sparse variants (the paper kept its last epochs dense)
 SEEDS="${SEEDS:-0 1 2}"
 DEVICES="${DEVICES:-4}"
-VARIANTS="${VARIANTS:-ddp ef dgc dgc-no-correction dgc-no-masking dgc-no-decay-first dgc-no-warmup}"
+VARIANTS="${VARIANTS:-ddp ef dgc dgc-masking dgc-no-correction dgc-no-decay-first dgc-no-warmup}"
 OUT="${OUT:-outputs/compression_convergence/$DENSITY-w$WARMUP-f$FINAL}"
 RECIPE=("${@:-+recipe=digits}")
 sparse=(schedule=wfbp compression=topk compression.density="$DENSITY" compression.dense_warmup_steps="$WARMUP" compression.dense_final_steps="$FINAL")
@@ -29,10 +29,10 @@ for seed in $SEEDS; do
       ef-no-feedback) extra=("${sparse[@]}" compression.error_feedback=false compression.decay_before_accumulation=false compression.sparsity_warmup_steps=0) ;;
       dgc) extra=("${sparse[@]}") ;;
       dgc-no-correction) extra=("${sparse[@]}" compression.momentum_correction=false) ;;
-      dgc-no-masking) extra=("${sparse[@]}" compression.momentum_masking=false) ;;
+      dgc-masking) extra=("${sparse[@]}" compression.momentum_masking=true) ;;
       dgc-no-decay-first) extra=("${sparse[@]}" compression.decay_before_accumulation=false) ;;
       dgc-no-warmup) extra=("${sparse[@]}" compression.sparsity_warmup_steps=0) ;;
-      *) echo "VARIANTS: ddp, ef, ef-no-feedback, dgc, dgc-no-correction, dgc-no-masking, dgc-no-decay-first or dgc-no-warmup, not $variant" >&2; exit 2 ;;
+      *) echo "VARIANTS: ddp, ef, ef-no-feedback, dgc, dgc-masking, dgc-no-correction, dgc-no-decay-first or dgc-no-warmup, not $variant" >&2; exit 2 ;;
     esac
     "$bin/commsched-train" "${RECIPE[@]}" "${extra[@]}" seed="$seed" trainer.devices="$DEVICES" \
       checkpoint.enabled=false hydra.run.dir="$OUT/$variant/seed$seed"
