@@ -381,7 +381,8 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 @pytest.fixture(scope="module")
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
-    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed", "preserved", "preserved-stale",
+    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed",
+                      "forced-spike", "forced-spike-part", "forced-spike-resumed", "preserved", "preserved-stale",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
                       "handed-wfbp", "confirmed-dear", "undelayed-two-links")
     if proc.returncode != 0:
@@ -391,8 +392,11 @@ def deft_runs(tmp_path_factory):
     return load
 
 
-def replay(result: dict) -> dict:
-    """One process, every rank's gradient recomputed: the plan's merges, staleness and steps."""
+def replay(result: dict, compensation: str = "none") -> dict:
+    """One process, every rank's gradient recomputed: the plan's merges, staleness and steps. With
+    compensation "spike", SGD's step is written out here: a generation D optimizer steps late (steps
+    taken since its newest gradient) moves the weights by lr (v + a d) with v <- m v + b d, d its gradient
+    plus weight decay, a = (1 - m^D) / (1 - m), b = m^D."""
     sys.path.insert(0, str(WORKERS))
     from run_deft import BATCH, MLP, data, make_optimizer
 
@@ -419,10 +423,35 @@ def replay(result: dict) -> dict:
             total = [a + g / world for a, g in zip(total, grads)]
         return total
 
-    def step(gradient: list[torch.Tensor]) -> None:
-        for p, g in zip(params, gradient):
-            p.grad = g.clone()
-        optimizer.step()
+    velocity: dict[int, torch.Tensor] = {}
+    taken = 0  # optimizer steps so far
+    joined_at: dict[int, int] = {}
+
+    @torch.no_grad()
+    def spike(gradient: list[torch.Tensor], late: int) -> None:
+        index = {id(p): i for i, p in enumerate(params)}
+        for group in optimizer.param_groups:
+            m, decay, lr = group["momentum"], group["weight_decay"], group["lr"]
+            for p in group["params"]:
+                i = index[id(p)]
+                d = gradient[i] + decay * p
+                if m == 0:
+                    p.sub_(lr * d)
+                    continue
+                a, b = (1 - m ** late) / (1 - m), m ** late
+                velocity[i] = b * d if i not in velocity else m * velocity[i] + b * d
+                p.sub_(lr * (velocity[i] + a * d))
+
+    def step(gradient: list[torch.Tensor], late: int = 0) -> None:
+        nonlocal taken
+        if compensation == "spike":
+            spike(gradient, late)
+            optimizer._opt_called = True  # the step is written out here: the scheduler must not warn
+        else:
+            for p, g in zip(params, gradient):
+                p.grad = g.clone()
+            optimizer.step()
+        taken += 1
 
     generations: dict[int, list] = {}
     for t in range(result["steps"]):
@@ -434,13 +463,14 @@ def replay(result: dict) -> dict:
         it = plan.at(t - result["sync_steps"])
         summed, k = generations.get(it.joins, ([torch.zeros_like(p) for p in params], 0))
         generations[it.joins] = ([a + g for a, g in zip(summed, gradient)], k + 1)
+        joined_at[it.joins] = taken
         for number in it.steps:
             summed, k = generations.pop(number)
-            step([g / k for g in summed])
+            step([g / k for g in summed], taken - joined_at[number])
             scheduler.step()
     for number in sorted(generations):  # the end of training applies what is left
         summed, k = generations.pop(number)
-        step([g / k for g in summed])
+        step([g / k for g in summed], taken - joined_at[number])
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -456,6 +486,24 @@ def test_forced_delays_equal_a_single_process_replay(deft_runs, case):
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
     assert per_link(result["trace"]) == per_link(other["trace"])
     assert {"primary", "secondary"} <= set(per_link(result["trace"]))
+
+
+def test_spike_compensated_delays_equal_a_single_process_replay(deft_runs):
+    """compensation="spike", two param groups with their own momentum and decay: the product equals
+    the replay's written-out compensated SGD, not the uncompensated trajectory."""
+    result = deft_runs("forced-spike")
+    plan = DeFTPlan.from_json(result["plan"])
+    assert plan.delayed and max(plan.k) > 1, plan.describe()
+    diff, key = max_abs_diff(replay(result, compensation="spike"), result["state"])
+    assert diff <= 1e-5, f"{diff} at {key}"
+    assert max_abs_diff(replay(result), result["state"])[0] > 1e-3
+    assert max_abs_diff(result["state"], deft_runs("forced-spike", 1)["state"])[0] == 0.0
+
+
+def test_resumed_with_compensated_generations_in_flight_equals_uninterrupted(deft_runs):
+    for rank in (0, 1):
+        whole, resumed = deft_runs("forced-spike", rank), deft_runs("forced-spike-resumed", rank)
+        assert max_abs_diff(whole["state"], resumed["state"])[0] <= 1e-6
 
 
 def test_resumed_with_delayed_gradients_equals_uninterrupted(deft_runs):
@@ -578,3 +626,18 @@ def test_when_everything_fits_both_links_share_the_work():
     for assignment in (multi_knapsack_greedy(weights, capacities, primary), multi_knapsack_exact(weights[:], capacities, primary)):
         assert len(assignment.chosen()) == 8
         assert assignment.chosen(0) and assignment.chosen(1)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd-nesterov"])
+def test_spike_compensation_is_refused_where_it_does_not_stand_in_for_the_momentum(optimizer, tmp_path):
+    import commsched
+    import lightning.pytorch as pl
+
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import MLP
+
+    strategy = commsched.DeFTStrategy(deft=commsched.DeFTOptions(compensation="spike"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.raises(commsched.CommSchedConfigError, match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: none, spike"):
+        trainer.fit(MLP(optimizer))

@@ -177,6 +177,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             if self.schedule_class.skips_steps:
                 self._lr_follow = FollowOptimizerSteps(trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration)
             checks.refuse_optimizers(self.optimizers, self.schedule_class.name, self.schedule_class.steps_whole)
+            self.schedule_class.refuse_optimizers(self.options, self.optimizers)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
             self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]
             observers.FlushPoints.install(trainer, self._flush_points)

@@ -90,6 +90,10 @@ CASES = {
     "forced-adamw": ("adamw", 17, None, None, 1.0),
     "forced-sgd-part": ("sgd", 9, None, None, 1.0),
     "forced-sgd-resumed": ("sgd", 17, "forced-sgd-part", None, 1.0),
+    # spike compensation of the late generations, two param groups (their own momentum and decay)
+    "forced-spike": ("sgd-groups", 17, None, None, 1.0),
+    "forced-spike-part": ("sgd-groups", 9, None, None, 1.0),
+    "forced-spike-resumed": ("sgd-groups", 17, "forced-spike-part", None, 1.0),
     "preserved": ("sgd", 12, None, 0, 1.0),
     "preserved-stale": ("sgd", 12, None, 0, 1.0),  # one iteration of staleness allowed: judged by curvature
     "undelayed-two-links": ("sgd", 12, None, None, 50.0),  # room for everything on both links: no delay, the plan itself
@@ -159,7 +163,7 @@ def fit(out: Path, name: str, world: int) -> None:
                                         fallback="when_undelayed")
     else:
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
-                                        timings_file=str(timings_file))
+                                        timings_file=str(timings_file), compensation="spike" if "spike" in name else "none")
     profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
     # Cases without a Preserver of their own run their forced plans unguarded, as asked.
     strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile,

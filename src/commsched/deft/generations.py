@@ -24,6 +24,9 @@ class Generation:
         self.sent: set[int] = set()
         self.works: list[Pending] = []
         self.used: list[list[bool]] = [[False] * len(b.params) for b in plan.buckets]
+        self.joined_at = 0
+        """Optimizer steps the run had taken when its newest iteration's gradient was taken: the steps
+        taken since are how late it is applied."""
 
     def merge(self, bucket: int, gradient: torch.Tensor, first: bool) -> None:
         """Add this iteration's (already 1/P-scaled) gradient of `bucket`; the first iteration copies."""
@@ -64,13 +67,14 @@ class Generation:
         names = [n for b in plan.buckets for n in b.names]
         grads = [v for b in range(len(plan.buckets)) for v in self.views(plan, b)]
         used = [u for per_bucket in self.used for u in per_bucket]
-        return {"number": self.number, "k": self.k, "sent": sorted(self.sent),
+        return {"number": self.number, "k": self.k, "sent": sorted(self.sent), "joined_at": self.joined_at,
                 "grads": {n: g.clone() for n, g in zip(names, grads)}, "used": dict(zip(names, used))}
 
     @classmethod
     def restore(cls, saved: dict[str, Any], buffers: list[torch.Tensor], plan: BucketPlan) -> "Generation":
         generation = cls(saved["number"], buffers, plan)
         generation.k = saved["k"]
+        generation.joined_at = saved.get("joined_at", 0)
         generation.sent = set(saved["sent"])
         for b, bucket in enumerate(plan.buckets):
             for slot, (name, view) in enumerate(zip(bucket.names, generation.views(plan, b))):

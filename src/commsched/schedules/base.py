@@ -189,6 +189,11 @@ class Schedule:
         raise NotImplementedError
 
     @classmethod
+    def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
+        """Raise `CommSchedConfigError` when these options cannot serve the run's optimizers (checked at
+        setup, once the optimizers exist, before any step)."""
+
+    @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
         """Schedule-specific settings built from the strategy's options and the Trainer (None: none)."""
         return None

@@ -32,6 +32,7 @@ import torch
 from torch.optim import Optimizer
 
 from commsched.buckets import BucketPlan
+from commsched.deft.compensation import COMPENSATIONS, spike_applies, spike_step
 from commsched.deft.confirm import Confirmation
 from commsched.deft.decide import decide, describe
 from commsched.deft.generations import BufferPool, Generation
@@ -103,6 +104,8 @@ class DeFTSchedule(Schedule):
         self._curvature_step = False
         self._confirmation: Optional[Confirmation] = None
         """While the predicted choice and its runner-up are timed on real steps."""
+        self.updates = 0
+        """Optimizer steps taken: a generation stepped now is `updates - joined_at` steps late."""
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -117,6 +120,17 @@ class DeFTSchedule(Schedule):
                                   max_staleness=guard.max_staleness, curvature_margin=guard.curvature_margin)
             trainer.callbacks.append(preserver)
         return DeFTSettings(options.deft, preserver, advance_schedulers)
+
+    @classmethod
+    def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
+        if options.deft.compensation != "spike":
+            return
+        refused = [type(opt).__name__ for opt in optimizers if not spike_applies(opt)]
+        if refused:
+            raise CommSchedConfigError(
+                f"commsched deft: compensation='spike' stands in for heavy-ball momentum, and applies to torch's SGD "
+                f"without dampening, Nesterov or maximize; this run's optimizer is {', '.join(refused)}. Allowed "
+                f"values of compensation: {', '.join(COMPENSATIONS)}; use 'none' with this optimizer")
 
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
@@ -190,12 +204,14 @@ class DeFTSchedule(Schedule):
 
     def summary(self) -> list[str]:
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
-        return [f"plan {self.deft_plan.describe()}{ran}", *super().summary()]
+        late = self.deft_plan.staleness and self.choice.runs == "plan"
+        compensated = "; late generations spike-compensated" if late and self.options.compensation == "spike" else ""
+        return [f"plan {self.deft_plan.describe()}{ran}{compensated}", *super().summary()]
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
         described = self.deft_plan.describe() + (f"; {describe(self.choice, self.options.fallback, self.links.control.world_size)}" if self.decided else "")
-        return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k),
+        return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k), "compensation": self.options.compensation,
                 "staleness": self.deft_plan.staleness, "runs": self.choice.runs, "dear_links": list(self.choice.dear_links),
                 "predicted": self.choice.predicted, "measured": self.choice.measured, "mu": self.timings.mu if self.timings is not None else None,
                 "preserver": self.decisions}
@@ -235,6 +251,7 @@ class DeFTSchedule(Schedule):
         self.capture.read_mask()
         generation = self._generation(self._now.joins)
         generation.k += 1
+        generation.joined_at = self.updates
         for b, flags in enumerate(self.capture.globally_used):
             generation.used[b] = [u or f for u, f in zip(generation.used[b], flags)]
         self._due = list(self._now.steps)
@@ -291,13 +308,23 @@ class DeFTSchedule(Schedule):
                 self.settings.advance_schedulers()
             if self._measuring and position == 0:
                 self._probes.step(optimizer, real_step)
+                self.updates += 1
             else:
-                real_step()
+                self._apply(optimizer, real_step, number)
             self._release(number)
             self.steps_this_iteration += 1
         self._due = []
         # Lightning's loop called step(); torch's schedulers must not warn that they stepped first.
         optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _apply(self, optimizer: Optimizer, real_step: Callable[[], Any], number: int) -> None:
+        """The user's step on generation `number`'s gradients, compensated for how late they are."""
+        late = self.updates - self._generations[number].joined_at
+        if self.options.compensation == "spike":
+            spike_step(optimizer, real_step, late)
+        else:
+            real_step()
+        self.updates += 1
 
     def _release(self, number: int) -> None:
         generation = self._generations.pop(number)
@@ -349,7 +376,7 @@ class DeFTSchedule(Schedule):
                 if index not in generation.sent:
                     self._send(generation, index, 0)
             generation.hand_to_optimizer(self.plan, len(self.deft_plan.items))
-            real_step()
+            self._apply(optimizer, real_step, number)
             self._release(number)
         for p in params_of(optimizer):
             p.grad = None
@@ -361,14 +388,14 @@ class DeFTSchedule(Schedule):
         return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided and not measuring_again,
                            "iteration": self.iteration, "seen": self.options.warmup_steps if measuring_again else self.seen,
                            "decisions": self.decisions, "choice": self.choice.to_json(),
-                           "confirmed": self._confirmation is None,
+                           "confirmed": self._confirmation is None, "updates": self.updates,
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         refuse_unknown(self.name, state, ("deft_plan", "decided", "iteration", "seen", "decisions", "choice",
-                                          "bucket_numels", "generations", "meter", "projections", "confirmed"))
+                                          "bucket_numels", "generations", "meter", "projections", "confirmed", "updates"))
         if not state:
             return
         if state.get("bucket_numels") != [b.buffer.numel() for b in self.plan.buckets]:
@@ -382,6 +409,7 @@ class DeFTSchedule(Schedule):
             return
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
+        self.updates = state.get("updates", 0)
         self.decisions = list(state.get("decisions", []))
         self.choice = Choice.from_json(state.get("choice", {"runs": "plan"}))
         if self.decided and not state.get("confirmed", True):
