@@ -382,7 +382,8 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
     proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed",
-                      "forced-spike", "forced-spike-part", "forced-spike-resumed", "preserved", "preserved-stale",
+                      "forced-spike", "forced-spike-part", "forced-spike-resumed", "forced-predict", "forced-both",
+                      "forced-both-part", "forced-both-resumed", "preserved", "preserved-stale",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
                       "handed-wfbp", "confirmed-dear", "undelayed-two-links")
     if proc.returncode != 0:
@@ -396,7 +397,9 @@ def replay(result: dict, compensation: str = "none") -> dict:
     """One process, every rank's gradient recomputed: the plan's merges, staleness and steps. With
     compensation "spike", SGD's step is written out here: a generation D optimizer steps late (steps
     taken since its newest gradient) moves the weights by lr (v + a d) with v <- m v + b d, d its gradient
-    plus weight decay, a = (1 - m^D) / (1 - m), b = m^D."""
+    plus weight decay, a = (1 - m^D) / (1 - m), b = m^D. With "predict", each planned iteration's
+    gradients are taken at w + D (w - w_before_last_step), D the optimizer steps until its generation
+    steps; "spike+predict": both."""
     sys.path.insert(0, str(WORKERS))
     from run_deft import BATCH, MLP, data, make_optimizer
 
@@ -426,6 +429,14 @@ def replay(result: dict, compensation: str = "none") -> dict:
     velocity: dict[int, torch.Tensor] = {}
     taken = 0  # optimizer steps so far
     joined_at: dict[int, int] = {}
+    before_last_step = [p.detach().clone() for p in params]
+
+    # every optimizer step of the plan in order (iteration, generation): how late each iteration's gradient lands
+    events = [(i, number) for i in range(result["steps"] + 2 * plan.n + 8) for number in plan.at(i).steps]
+
+    def late_by(i: int) -> int:
+        applied = next(e for e, (_, number) in enumerate(events) if number == plan.at(i).joins)
+        return applied - sum(1 for j, _ in events if j < i)
 
     @torch.no_grad()
     def spike(gradient: list[torch.Tensor], late: int) -> None:
@@ -443,8 +454,9 @@ def replay(result: dict, compensation: str = "none") -> dict:
                 p.sub_(lr * (velocity[i] + a * d))
 
     def step(gradient: list[torch.Tensor], late: int = 0) -> None:
-        nonlocal taken
-        if compensation == "spike":
+        nonlocal taken, before_last_step
+        before_last_step = [p.detach().clone() for p in params]
+        if compensation.startswith("spike"):
             spike(gradient, late)
             optimizer._opt_called = True  # the step is written out here: the scheduler must not warn
         else:
@@ -455,7 +467,15 @@ def replay(result: dict, compensation: str = "none") -> dict:
 
     generations: dict[int, list] = {}
     for t in range(result["steps"]):
+        now = [p.detach().clone() for p in params]
+        if compensation.endswith("predict") and t >= result["sync_steps"]:  # linear weight prediction
+            with torch.no_grad():
+                for p, w, before in zip(params, now, before_last_step):
+                    p.copy_(w + late_by(t - result["sync_steps"]) * (w - before))
         gradient = averaged_gradient(t)
+        with torch.no_grad():
+            for p, w in zip(params, now):
+                p.copy_(w)
         if t < result["sync_steps"]:
             step(gradient)
             scheduler.step()
@@ -500,9 +520,22 @@ def test_spike_compensated_delays_equal_a_single_process_replay(deft_runs):
     assert max_abs_diff(result["state"], deft_runs("forced-spike", 1)["state"])[0] == 0.0
 
 
-def test_resumed_with_compensated_generations_in_flight_equals_uninterrupted(deft_runs):
+@pytest.mark.parametrize("case, compensation", [("forced-predict", "predict"), ("forced-both", "spike+predict")])
+def test_predicted_weights_equal_a_single_process_replay(deft_runs, case, compensation):
+    """Linear weight prediction under AdamW, and with spike compensation under SGD: the product equals
+    the replay's gradients taken at the extrapolated weights, not the trajectory without them."""
+    result = deft_runs(case)
+    diff, key = max_abs_diff(replay(result, compensation=compensation), result["state"])
+    assert diff <= 1e-5, f"{diff} at {key}"
+    without = compensation.removesuffix("predict").removesuffix("+") or "none"
+    assert max_abs_diff(replay(result, compensation=without), result["state"])[0] > 1e-3
+    assert max_abs_diff(result["state"], deft_runs(case, 1)["state"])[0] == 0.0
+
+
+@pytest.mark.parametrize("case", ["forced-spike", "forced-both"])
+def test_resumed_with_compensated_generations_in_flight_equals_uninterrupted(deft_runs, case):
     for rank in (0, 1):
-        whole, resumed = deft_runs("forced-spike", rank), deft_runs("forced-spike-resumed", rank)
+        whole, resumed = deft_runs(case, rank), deft_runs(f"{case}-resumed", rank)
         assert max_abs_diff(whole["state"], resumed["state"])[0] <= 1e-6
 
 

@@ -259,12 +259,14 @@ class DeFTOptions:
     whenever the plan delays nothing; "never": the plan. DeAR never when callbacks read gradients
     or weights every step (it gives up its overlap then); with a timings file, only if the file
     gives DeAR's halves too."""
-    compensation: str = option("none", one_of("none", "spike"))
+    compensation: str = option("none", one_of("none", "spike", "predict", "spike+predict"))
     """What a generation applied late gets: "none" (its gradient as it is); "spike": under torch's SGD
     with heavy-ball momentum, the moves its gradient missed while late, lr (1 - m^D) / (1 - m) for D
     optimizer steps, are applied at once and its velocity scaled by m^D, so that each gradient's total
-    weight is the synchronous one (Kosson et al. 2021; Nesterov's momentum at D = 1). Other optimizers
-    are refused with it."""
+    weight is the synchronous one (Kosson et al. 2021; Nesterov's momentum at D = 1; other optimizers
+    are refused with it); "predict": any optimizer; the forward and backward of an iteration whose
+    gradient will be applied D steps later run on the weights extrapolated D updates along the last
+    one (one more copy of the parameters, kept in checkpoints); "spike+predict": both."""
     confirm_steps: int = option(3, non_negative_int)
     """With fallback "when_faster": timed steps per turn when the predicted choice and its runner-up
     (plan or WFBP against DeAR) take turns, twice each, on real steps (one more step runs first each

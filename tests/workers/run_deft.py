@@ -84,6 +84,9 @@ def timings(buckets: int) -> dict:
     return {"forward": 1.0, "backward": [0.3] * buckets, "costs": [[1.0] * buckets, [1.2] * buckets]}
 
 
+COMPENSATION = {"spike": "spike", "predict": "predict", "both": "spike+predict"}
+"""What the forced cases named forced-<key>... compensate."""
+
 CASES = {
     # name: (optimizer, steps, resume_from, preserver (None, or steps between re-checks), capacity)
     "forced-sgd": ("sgd", 17, None, None, 1.0),
@@ -94,6 +97,11 @@ CASES = {
     "forced-spike": ("sgd-groups", 17, None, None, 1.0),
     "forced-spike-part": ("sgd-groups", 9, None, None, 1.0),
     "forced-spike-resumed": ("sgd-groups", 17, "forced-spike-part", None, 1.0),
+    # linear weight prediction (any optimizer), and both compensations with a resume between
+    "forced-predict": ("adamw", 17, None, None, 1.0),
+    "forced-both": ("sgd-groups", 17, None, None, 1.0),
+    "forced-both-part": ("sgd-groups", 9, None, None, 1.0),
+    "forced-both-resumed": ("sgd-groups", 17, "forced-both-part", None, 1.0),
     "preserved": ("sgd", 12, None, 0, 1.0),
     "preserved-stale": ("sgd", 12, None, 0, 1.0),  # one iteration of staleness allowed: judged by curvature
     "undelayed-two-links": ("sgd", 12, None, None, 50.0),  # room for everything on both links: no delay, the plan itself
@@ -163,7 +171,7 @@ def fit(out: Path, name: str, world: int) -> None:
                                         fallback="when_undelayed")
     else:
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
-                                        timings_file=str(timings_file), compensation="spike" if "spike" in name else "none")
+                                        timings_file=str(timings_file), compensation=COMPENSATION.get((name.split("-") + [""])[1], "none"))
     profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
     # Cases without a Preserver of their own run their forced plans unguarded, as asked.
     strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile,

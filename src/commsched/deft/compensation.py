@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 from torch.optim import Optimizer
 
-COMPENSATIONS = ("none", "spike")
+COMPENSATIONS = ("none", "spike", "predict", "spike+predict")
+"""Besides spike: "predict", linear weight prediction (`commsched.deft.prediction`); "spike+predict", both."""
 
 
 def spike_applies(optimizer: Optimizer) -> bool:

@@ -106,6 +106,18 @@ class DeFTPlan:
         return Iteration(it.joins + shift, tuple(Launch(l.generation + shift, l.item, l.link, l.stage) for l in it.launches),
                          tuple(g + shift for g in it.steps))
 
+    def steps_until_applied(self, iteration: int) -> int:
+        """Optimizer steps taken after iteration `iteration`'s forward and before the generation it joins
+        steps: how late that iteration's gradient is applied."""
+        joins = self.at(iteration).joins
+        taken = 0
+        for t in range(iteration, iteration + len(self.prefix) + 2 * self.n + 1):
+            for number in self.at(t).steps:
+                if number == joins:
+                    return taken
+                taken += 1
+        raise ValueError(f"generation {joins} of iteration {iteration} never steps: {self.describe()}")
+
     @property
     def staleness(self) -> int:
         """The most iterations any generation waits after its last gradient before it steps (0: each

@@ -37,6 +37,7 @@ from commsched.deft.confirm import Confirmation
 from commsched.deft.decide import decide, describe
 from commsched.deft.generations import BufferPool, Generation
 from commsched.deft.measure import StageMeter
+from commsched.deft.prediction import WeightPrediction
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
 from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
@@ -106,6 +107,8 @@ class DeFTSchedule(Schedule):
         """While the predicted choice and its runner-up are timed on real steps."""
         self.updates = 0
         """Optimizer steps taken: a generation stepped now is `updates - joined_at` steps late."""
+        self._prediction = (WeightPrediction([p for b in plan.buckets for p in b.params], [n for b in plan.buckets for n in b.names])
+                            if self.options.compensation.endswith("predict") else None)
 
     @classmethod
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
@@ -123,14 +126,14 @@ class DeFTSchedule(Schedule):
 
     @classmethod
     def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
-        if options.deft.compensation != "spike":
+        if not options.deft.compensation.startswith("spike"):
             return
         refused = [type(opt).__name__ for opt in optimizers if not spike_applies(opt)]
         if refused:
             raise CommSchedConfigError(
-                f"commsched deft: compensation='spike' stands in for heavy-ball momentum, and applies to torch's SGD "
+                f"commsched deft: compensation='{options.deft.compensation}' stands in for heavy-ball momentum, and applies to torch's SGD "
                 f"without dampening, Nesterov or maximize; this run's optimizer is {', '.join(refused)}. Allowed "
-                f"values of compensation: {', '.join(COMPENSATIONS)}; use 'none' with this optimizer")
+                f"values of compensation: {', '.join(COMPENSATIONS)}; use 'none' or 'predict' with this optimizer")
 
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
@@ -205,7 +208,7 @@ class DeFTSchedule(Schedule):
     def summary(self) -> list[str]:
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
         late = self.deft_plan.staleness and self.choice.runs == "plan"
-        compensated = "; late generations spike-compensated" if late and self.options.compensation == "spike" else ""
+        compensated = f"; late generations compensated: {self.options.compensation}" if late and self.options.compensation != "none" else ""
         return [f"plan {self.deft_plan.describe()}{ran}{compensated}", *super().summary()]
 
     def report(self) -> dict[str, Any]:
@@ -223,6 +226,8 @@ class DeFTSchedule(Schedule):
         self._now = self.deft_plan.at(self.iteration)
         self.steps_this_iteration = 0
         self._clip = None
+        if self._prediction is not None and self.decided and self.choice.runs == "plan":
+            self._prediction.predict(self.deft_plan.steps_until_applied(self.iteration))
         self._launch(FORWARD, lambda launch: True)
         if self._measuring:
             self._meter.forward_started()
@@ -248,6 +253,8 @@ class DeFTSchedule(Schedule):
         self._launch(BACKWARD, lambda launch: launch.generation == joins and items[launch.item].bucket == b)
 
     def _backward_end(self) -> None:
+        if self._prediction is not None:
+            self._prediction.restore()
         self.capture.read_mask()
         generation = self._generation(self._now.joins)
         generation.k += 1
@@ -307,6 +314,8 @@ class DeFTSchedule(Schedule):
                     super().clip_gradients(optimizer, *self._clip)
                 self.settings.advance_schedulers()
             if self._measuring and position == 0:
+                if self._prediction is not None:
+                    self._prediction.before_step()
                 self._probes.step(optimizer, real_step)
                 self.updates += 1
             else:
@@ -320,7 +329,9 @@ class DeFTSchedule(Schedule):
     def _apply(self, optimizer: Optimizer, real_step: Callable[[], Any], number: int) -> None:
         """The user's step on generation `number`'s gradients, compensated for how late they are."""
         late = self.updates - self._generations[number].joined_at
-        if self.options.compensation == "spike":
+        if self._prediction is not None:
+            self._prediction.before_step()
+        if self.options.compensation.startswith("spike"):
             spike_step(optimizer, real_step, late)
         else:
             real_step()
@@ -342,6 +353,8 @@ class DeFTSchedule(Schedule):
             self._curvature_step = True
 
     def _end_iteration(self) -> None:
+        if self._prediction is not None:
+            self._prediction.restore()  # a step whose backward never ran
         if self._now is None:
             return
         if self._curvature_step:
@@ -391,11 +404,12 @@ class DeFTSchedule(Schedule):
                            "confirmed": self._confirmation is None, "updates": self.updates,
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
-                             "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections]}}
+                             "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections],
+                             "prediction": self._prediction.state() if self._prediction is not None else {}}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         refuse_unknown(self.name, state, ("deft_plan", "decided", "iteration", "seen", "decisions", "choice",
-                                          "bucket_numels", "generations", "meter", "projections", "confirmed", "updates"))
+                                          "bucket_numels", "generations", "meter", "projections", "confirmed", "updates", "prediction"))
         if not state:
             return
         if state.get("bucket_numels") != [b.buffer.numel() for b in self.plan.buckets]:
@@ -418,6 +432,8 @@ class DeFTSchedule(Schedule):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
         self._probes.projections = [list(p) for p in state.get("projections", [])]
+        if self._prediction is not None:
+            self._prediction.load(state.get("prediction", {}))
 
     @staticmethod
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
