@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--compensations", nargs="+", default=list(COMPENSATIONS), choices=COMPENSATIONS)
     parser.add_argument("--settings", nargs="+", default=[f"{lr:g}/{m:g}" for lr, m in SETTINGS], help="lr/momentum")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                        help="adamw: torch's AdamW (weight decay 0.01; momentum ignored), compensations none and predict")
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = " | ".join(f"stale, {c}" if c != "none" else "stale" for c in args.compensations)
@@ -41,8 +43,10 @@ def main() -> None:
             lr, momentum = (float(v) for v in setting.split("/"))
 
             def accuracy(staleness: int, compensation: str = "none") -> float:
+                decay = 0.01 if args.optimizer == "adamw" else 5e-4
                 return statistics.mean(train(lr, momentum, staleness, epochs=3, seed=seed, width=width, model_name=name,
-                                             resolution=resolution, compensation=compensation).accuracy
+                                             resolution=resolution, compensation=compensation, weight_decay=decay,
+                                             optimizer_name=args.optimizer).accuracy
                                        for seed in range(args.seeds))
 
             sync = accuracy(0)

@@ -131,16 +131,41 @@ class StaleSGD:
             self.last_update[i] = p - before
 
 
+class StaleAdamW:
+    """torch's AdamW on gradients `staleness` steps late; compensations "none" or "predict" (the
+    momentum-specific ones do not apply), the same interface as `StaleSGD`."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: float, staleness: int, compensation: str = "none") -> None:
+        if compensation not in ("none", "predict"):
+            raise ValueError(f"compensation under AdamW: 'none' or 'predict', not {compensation!r}")
+        self.params, self.staleness, self.compensation = params, staleness, compensation
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        self.last_update = [torch.zeros_like(p) for p in params]
+
+    def predicted(self) -> list[torch.Tensor]:
+        if self.compensation != "predict":
+            return [p.detach().clone() for p in self.params]
+        return [p.detach() + self.staleness * u for p, u in zip(self.params, self.last_update)]
+
+    def step(self, grads: list[torch.Tensor], weights_then: list[torch.Tensor]) -> None:
+        before = [p.detach().clone() for p in self.params]
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.optimizer.step()
+        self.last_update = [p.detach() - b for p, b in zip(self.params, before)]
+
+
 def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, weight_decay: float = 5e-4,
           batch_size: int = 64, width: int = 16, model_name: str = "bn_net", resolution: int = 8,
-          compensation: str = "none") -> Run:
+          compensation: str = "none", optimizer_name: str = "sgd") -> Run:
     """Held-out accuracy after `epochs` of SGD whose every step applies the gradient of `staleness` steps
     ago, compensated as `compensation` says (one of `COMPENSATIONS`)."""
     torch.manual_seed(seed)
     (x, y), (x_val, y_val) = digits(resolution)
     model = MODELS[model_name](width)
     params = list(model.parameters())
-    optimizer = StaleSGD(params, lr, momentum, weight_decay, staleness, compensation)
+    optimizer = (StaleAdamW(params, lr, weight_decay, staleness, compensation) if optimizer_name == "adamw"
+                 else StaleSGD(params, lr, momentum, weight_decay, staleness, compensation))
     late: deque[tuple[list[torch.Tensor], list[torch.Tensor]]] = deque()
     run = Run(0.0)
     shuffle = torch.Generator().manual_seed(seed)
