@@ -53,6 +53,21 @@ def top_k(values: torch.Tensor, density: float) -> torch.Tensor:
     return kept.view_as(values)
 
 
+def sparse_mean(residuals: list[list[torch.Tensor]], contributions: list[list[torch.Tensor]], density: float) -> list[torch.Tensor]:
+    """Each worker adds its contribution to its residual, sends the top-k of it and keeps the rest
+    (error feedback); the mean over the workers of what was sent."""
+    sent = []
+    for mine, theirs in zip(residuals, contributions):
+        out = []
+        for r, c in zip(mine, theirs):
+            r.add_(c)
+            s = top_k(r, density)
+            r.sub_(s)
+            out.append(s)
+        sent.append(out)
+    return [torch.stack(s).mean(0) for s in zip(*sent)]
+
+
 def worker_gradients(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, workers: int) -> list[list[torch.Tensor]]:
     """Each worker's gradients on its shard; BatchNorm's running statistics end as the first shard left them."""
     grads, kept = [], None
@@ -100,35 +115,10 @@ def train(variant: str, seed: int, args: argparse.Namespace, data: tuple) -> flo
             dense_warmup = density >= 1 / args.workers  # the product exchanges such densities densely
             dense_phase = variant == "dense" or (variant == "ef-warmup" and dense_warmup) \
                 or (variant == "frozen" and step < warmup.end and preconditioner is None)
-            if dense_phase or (variant == "ef-warmup"):
-                if dense_phase:
-                    mean = [torch.stack(g).mean(0) for g in zip(*grads)]
-                else:
-                    sent = []
-                    for rank in range(args.workers):
-                        mine = []
-                        for r, g in zip(residuals[rank], grads[rank]):
-                            r.add_(g)
-                            s = top_k(r, density)
-                            r.sub_(s)
-                            mine.append(s)
-                        sent.append(mine)
-                    mean = [torch.stack(s).mean(0) for s in zip(*sent)]
+            if variant != "frozen" or dense_phase:
+                mean = [torch.stack(g).mean(0) for g in zip(*grads)] if dense_phase else sparse_mean(residuals, grads, density)
                 for p, g in zip(params, mean):
                     p.grad = g
-                optimizer.step()
-            elif variant == "ef":
-                sent = []
-                for rank in range(args.workers):
-                    mine = []
-                    for r, g in zip(residuals[rank], grads[rank]):
-                        r.add_(g)
-                        s = top_k(r, density)
-                        r.sub_(s)
-                        mine.append(s)
-                    sent.append(mine)
-                for p, s in zip(params, (torch.stack(s).mean(0) for s in zip(*sent))):
-                    p.grad = s
                 optimizer.step()
             else:  # frozen: the variance stops here; the velocity carries Adam's first moment on
                 if preconditioner is None:
@@ -138,19 +128,12 @@ def train(variant: str, seed: int, args: argparse.Namespace, data: tuple) -> flo
                     velocities = [[u.clone() for u in start] for _ in range(args.workers)]
                     frozen_step = t
                 frozen_step += 1
-                sent = []
-                for rank in range(args.workers):
-                    mine = []
-                    for u, r, g, c in zip(velocities[rank], residuals[rank], grads[rank], preconditioner):
+                for mine, worker_grads in zip(velocities, grads):
+                    for u, g, c in zip(mine, worker_grads, preconditioner):
                         u.mul_(beta1).add_(g * c, alpha=1 - beta1)
-                        r.add_(u)
-                        s = top_k(r, density)
-                        r.sub_(s)
-                        mine.append(s)
-                    sent.append(mine)
                 lr = optimizer.param_groups[0]["lr"]
                 with torch.no_grad():
-                    for p, s in zip(params, (torch.stack(s).mean(0) for s in zip(*sent))):
+                    for p, s in zip(params, sparse_mean(residuals, velocities, density)):
                         p.mul_(1 - lr * args.weight_decay)
                         p.sub_(s, alpha=lr / (1 - beta1 ** frozen_step))
             step += 1

@@ -118,53 +118,40 @@ def test_stale_reference_reproduces_the_digits_table_and_the_guard_rejects_the_h
     assert curvature > largest_stable_curvature(Stepper.of(optimizer), 1)
 
 
-def _trajectory(optimizer_step, params: list[torch.Tensor], steps: int = 6) -> list[torch.Tensor]:
-    """Weights after `steps` updates on fixed, seeded gradients (the same sequence for every optimizer)."""
+def _gradients(params: list[torch.Tensor], steps: int = 6) -> list[list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(3)
-    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(steps)]
-    for step_grads in grads:
-        optimizer_step(step_grads)
-    return [p.detach().clone() for p in params]
+    return [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(steps)]
 
 
 def _fresh() -> list[torch.Tensor]:
     return [torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(1))), torch.nn.Parameter(torch.ones(5))]
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_the_written_out_sgd_of_the_reference_is_torchs(momentum):
-    """Uncompensated, the reference's SGD is torch's (momentum, weight decay), update for update."""
+def _torchs_and_reference_weights(torch_options: dict, momentum: float, compensation: str) -> tuple[list, list]:
+    """Weights after the same seeded gradients under torch's SGD and under the reference's written-out one."""
     from stale_reference import StaleSGD
 
-    ours_params, torch_params = _fresh(), _fresh()
-    ours = StaleSGD(ours_params, 0.1, momentum, 5e-4, staleness=1)
-    theirs = torch.optim.SGD(torch_params, lr=0.1, momentum=momentum, weight_decay=5e-4)
-
-    def torch_step(grads):
+    torch_params, ours_params = _fresh(), _fresh()
+    theirs = torch.optim.SGD(torch_params, lr=0.1, momentum=momentum, weight_decay=5e-4, **torch_options)
+    ours = StaleSGD(ours_params, 0.1, momentum, 5e-4, staleness=1, compensation=compensation)
+    for grads in _gradients(torch_params):
         for p, g in zip(torch_params, grads):
             p.grad = g.clone()
         theirs.step()
+        ours.step(grads, [p.detach().clone() for p in ours_params])
+    return [p.detach() for p in torch_params], [p.detach() for p in ours_params]
 
-    expected = _trajectory(torch_step, torch_params)
-    got = _trajectory(lambda grads: ours.step(grads, [p.detach().clone() for p in ours_params]), ours_params)
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_written_out_sgd_of_the_reference_is_torchs(momentum):
+    """Uncompensated, the reference's SGD is torch's (momentum, weight decay), update for update."""
+    expected, got = _torchs_and_reference_weights({}, momentum, "none")
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
 
 
 def test_spike_compensation_of_one_step_is_nesterov_momentum():
     """At D = 1, spike compensation (a = 1, b = m) is Nesterov's momentum with its buffer scaled by m."""
-    from stale_reference import StaleSGD
-
-    spike_params, nesterov_params = _fresh(), _fresh()
-    spike = StaleSGD(spike_params, 0.1, 0.9, 5e-4, staleness=1, compensation="spike")
-    nesterov = torch.optim.SGD(nesterov_params, lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
-
-    def nesterov_step(grads):
-        for p, g in zip(nesterov_params, grads):
-            p.grad = g.clone()
-        nesterov.step()
-
-    expected = _trajectory(nesterov_step, nesterov_params)
-    got = _trajectory(lambda grads: spike.step(grads, [p.detach().clone() for p in spike_params]), spike_params)
+    expected, got = _torchs_and_reference_weights({"nesterov": True}, 0.9, "spike")
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
 
 
