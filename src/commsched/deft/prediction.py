@@ -21,6 +21,11 @@ from torch import nn
 
 
 class WeightPrediction:
+    """The trained parameters' weights before the last step, and the swap to predicted weights and back.
+    The swap replaces each parameter's data (the optimizer, the buckets and the hooks keep the same
+    parameter objects); callbacks that run between the forward and the end of the backward see the
+    predicted weights, every other one the weights themselves."""
+
     def __init__(self, params: list[nn.Parameter], names: list[str]) -> None:
         self.params, self.names = params, names
         self._before_last_step: Optional[list[torch.Tensor]] = None
