@@ -674,3 +674,28 @@ def test_spike_compensation_is_refused_where_it_does_not_stand_in_for_the_moment
                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
     with pytest.raises(commsched.CommSchedConfigError, match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: none, spike"):
         trainer.fit(MLP(optimizer))
+
+
+def test_weight_prediction_extrapolates_the_last_update_restores_exactly_and_forgets():
+    from commsched.deft.prediction import WeightPrediction
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    prediction = WeightPrediction([w], ["w"])
+    prediction.predict(1)  # no step seen yet: nothing to extrapolate
+    assert w.tolist() == [1.0, 2.0]
+    prediction.before_step()
+    with torch.no_grad():
+        w.sub_(torch.tensor([0.5, -0.25]))  # the update: -0.5, +0.25
+    stepped = w.data_ptr()
+    prediction.predict(2)
+    assert w.tolist() == [-0.5, 2.75]  # two more updates like the last
+    prediction.restore()
+    assert w.data_ptr() == stepped and w.tolist() == [0.5, 2.25]  # the weights themselves, not a copy
+    saved = prediction.state()
+    prediction.forget()  # an exact schedule's steps came between
+    prediction.predict(1)
+    assert w.tolist() == [0.5, 2.25] and prediction.state() == {}
+    prediction.load(saved)
+    prediction.predict(1)
+    assert w.tolist() == [0.0, 2.5]
+    prediction.restore()

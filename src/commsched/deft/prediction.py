@@ -57,6 +57,11 @@ class WeightPrediction:
             p.data = now
         self._held = None
 
+    def forget(self) -> None:
+        """Steps are about to be taken by someone else (an exact schedule's turn): the next update seen
+        here would not be the last one, so predict nothing until a step of ours is seen again."""
+        self._before_last_step = None
+
     def state(self) -> dict[str, torch.Tensor]:
         if self._before_last_step is None:
             return {}

@@ -159,6 +159,8 @@ class DeFTSchedule(Schedule):
         running = self._confirmation.running if self._confirmation is not None else self.choice
         if running.runs != "plan" and self._generations:
             self.drain()  # a delayed plan timed before an exact schedule: its generations step now
+        if running.runs != "plan" and self._prediction is not None:
+            self._prediction.forget()
         if running.runs == "dear":
             return Handover("dear", DeARSettings(tuple(running.dear_links)))
         if running.runs == "wfbp":
