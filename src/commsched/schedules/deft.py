@@ -223,13 +223,14 @@ class DeFTSchedule(Schedule):
 
     # ---------------------------------------------------------------- iteration
     def before_forward(self) -> None:
+        if self._prediction is not None and self.decided and self.choice.runs == "plan":
+            # every micro-batch of the iteration (accumulated ones too) on the same predicted weights
+            self._prediction.predict(self.deft_plan.steps_until_applied(self.iteration))
         if self._now is not None or not self.sync_enabled:
             return  # a later micro-batch of the same step, or an accumulation micro-batch
         self._now = self.deft_plan.at(self.iteration)
         self.steps_this_iteration = 0
         self._clip = None
-        if self._prediction is not None and self.decided and self.choice.runs == "plan":
-            self._prediction.predict(self.deft_plan.steps_until_applied(self.iteration))
         self._launch(FORWARD, lambda launch: True)
         if self._measuring:
             self._meter.forward_started()
