@@ -120,6 +120,32 @@ def test_sigterm_removes_everything(tmp_path):
 
 
 @needs_root
+def test_a_second_sigterm_while_stopping_kills_the_nodes_before_the_network_goes(tmp_path):
+    """Nodes that ignore SIGTERM (as a worker hung in a collective does), and a second SIGTERM while
+    the cluster waits for them: no node process outlives the run, nothing of the network is left."""
+    marker = "97.125"  # an argument no other process has
+    process = subprocess.Popen([str(BIN / "commsched-cluster"), "--nodes", "2", "--", "sh", "-c", f"trap '' TERM; exec sleep {marker}"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(running(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(running(marker)) == 2
+    try:
+        process.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        assert running(marker) == [] and leftovers() == []
+    finally:
+        subprocess.run(["pkill", "-9", "-f", f"^sleep {marker}"])
+
+
+def running(marker: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", f"^sleep {marker}"], capture_output=True, text=True)  # the nodes, not the cluster
+    return found.stdout.split()
+
+
+@needs_root
 def test_a_killed_runs_namespaces_are_removed_by_the_next_run_and_a_live_runs_are_kept():
     """SIGKILL leaves no chance to clean up: the next run removes namespaces whose maker is gone,
     and only those (a live maker's, like this test's own, stay)."""

@@ -136,14 +136,19 @@ def _wait(processes: list[subprocess.Popen], grace_s: float) -> tuple[list[Optio
 
 
 def _stop(processes: list[subprocess.Popen], signum: int) -> None:
-    """Signal every node's whole process group (Lightning's workers too), then kill what is left."""
+    """Signal every node's whole process group (Lightning's workers too), then kill what is left after
+    15 s. A second Ctrl-C or SIGTERM meanwhile kills at once: it must not cut the stop short, or the
+    workers (a hung collective ignores SIGTERM) would outlive their network."""
+    hurry = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: hurry.set())
     for p in processes:
         if p.poll() is None:
             os.killpg(p.pid, signum)
     deadline = time.monotonic() + 15
     for p in processes:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        while p.poll() is None and time.monotonic() < deadline and not hurry.is_set():
+            time.sleep(0.05)
+        if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
