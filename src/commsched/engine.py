@@ -123,6 +123,7 @@ class Engine:
         carried = self.owner.state_dict()
         self.owner.detach()
         self.build(module, world_size)
+        self.owner.settling = self.policy.deciding  # a layout tried while deciding, or the one kept
         self._load(merged(carried.get("shared", {}), carried.get("per_rank", {})))
         self.owner.sync_enabled = sync_enabled
 

@@ -422,7 +422,8 @@ class DeFTSchedule(Schedule):
                     f"(bucket sizes {state.get('bucket_numels')}, now {[b.buffer.numel() for b in self.plan.buckets]}); "
                     "resume with the bucket settings that wrote it (bucket_cap_mb, fusion), or from a checkpoint "
                     "written at the end of training, where none are left")
-            say("commsched deft: the buckets changed; measuring and solving again for the new ones")
+            if not self.settling:  # the layouts tried while the buckets are decided are not worth a line each
+                say("commsched deft: the buckets changed; measuring and solving again for the new ones")
             return
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
