@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,21 @@ import pytest
 import torch
 
 WORKERS = Path(__file__).parent / "workers"
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_process_group_behind():
+    """A test that trains in the pytest process must not leave its process group (whose store holds
+    MASTER_PORT) nor MASTER_PORT in the environment: every later worker would inherit the port, and
+    fail to listen on it."""
+    had_port = "MASTER_PORT" in os.environ
+    yield
+    left = torch.distributed.is_initialized() or ("MASTER_PORT" in os.environ and not had_port)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if not had_port:
+        os.environ.pop("MASTER_PORT", None)
+    assert not left, "the test left a process group or MASTER_PORT in the pytest process"
 
 CASES_BY_WORLD = {
     2: [

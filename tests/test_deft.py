@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -672,8 +673,15 @@ def test_spike_compensation_is_refused_where_it_does_not_stand_in_for_the_moment
     strategy = commsched.DeFTStrategy(deft=commsched.DeFTOptions(compensation="spike"))
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
-    with pytest.raises(commsched.CommSchedConfigError, match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: none, spike"):
-        trainer.fit(MLP(optimizer))
+    environment = dict(os.environ)
+    try:
+        with pytest.raises(commsched.CommSchedConfigError, match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: none, spike"):
+            trainer.fit(MLP(optimizer))
+    finally:  # the one-process group holds MASTER_PORT, which every later worker of the suite would inherit
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def test_weight_prediction_extrapolates_the_last_update_restores_exactly_and_forgets():
