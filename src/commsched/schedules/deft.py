@@ -317,10 +317,7 @@ class DeFTSchedule(Schedule):
                     super().clip_gradients(optimizer, *self._clip)
                 self.settings.advance_schedulers()
             if self._measuring and position == 0:
-                if self._prediction is not None:
-                    self._prediction.before_step()
-                self._probes.step(optimizer, real_step)
-                self.updates += 1
+                self._apply(optimizer, partial(self._probes.step, optimizer, real_step), number)
             else:
                 self._apply(optimizer, real_step, number)
             self._release(number)
@@ -330,7 +327,8 @@ class DeFTSchedule(Schedule):
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _apply(self, optimizer: Optimizer, real_step: Callable[[], Any], number: int) -> None:
-        """The user's step on generation `number`'s gradients, compensated for how late they are."""
+        """The user's step on generation `number`'s gradients, compensated for how late they are (a
+        measured step is never late)."""
         late = self.updates - self._generations[number].joined_at
         if self._prediction is not None:
             self._prediction.before_step()
