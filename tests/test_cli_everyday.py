@@ -123,7 +123,12 @@ def test_ctrl_c_ends_the_run_with_a_message_not_a_traceback(tmp_path):
     while not (run / "metrics.csv").exists() and time.monotonic() < deadline:
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    output, _ = proc.communicate(timeout=120)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"still running 120 s after Ctrl-C; its output:\n{output[-6000:]}") from None
     assert proc.returncode == 130, output[-2000:]
     assert "interrupted" in output and "Traceback" not in output, output[-3000:]
 
