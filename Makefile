@@ -1,4 +1,5 @@
-# Quick start: `make demo` (install + a real 2-process training run) and `make test` (install + tests).
+# Quick start: `make demo` (install + a real 2-process training run) and `make test` (install + tests);
+# `make docs` builds the documentation site into site/.
 #
 # The install creates .venv and puts torch in it first. TORCH_SPEC defaults to the CPU build
 # torch==2.13.0 where a local wheel of it is offered to pip (as on our CPU machines); if .venv
@@ -11,7 +12,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.commsched-installed
 
-.PHONY: install demo test test-gpu bench clean
+.PHONY: install demo test test-gpu bench docs clean
 
 install: $(STAMP)
 
@@ -38,5 +39,9 @@ BENCH_ARGS ?=
 bench: install
 	$(VENV)/bin/commsched-bench $(BENCH_ARGS)
 
+# the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a missing page fails
+docs: install
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

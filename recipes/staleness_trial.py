@@ -2,7 +2,7 @@
 WARM synchronous steps), T steps one iteration stale against T synchronous steps on the same
 batches: the mean training loss over the trial's last T/2 steps, and the loss on the trial's
 batches at its end in eval mode (BatchNorm's running statistics included) and in train mode.
-The README's "Staleness, measured" quotes it. About 2 minutes per model on 2 cores:
+docs/deft.md ("Staleness, measured") quotes it. About 2 minutes per model on 2 cores:
 
     .venv/bin/python recipes/staleness_trial.py bn_net|resnet18 T WARM      # e.g. bn_net 20 10
 """

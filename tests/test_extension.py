@@ -1,4 +1,4 @@
-"""A schedule is one file: the README's example, defined outside the package and registered with
+"""A schedule is one file: `examples/custom_schedule.py`, defined outside the package and registered with
 `commsched.register_schedule`, runs by name from Python (Trainer(strategy=...)) and from Hydra
 (plugins=, schedule=), is profiled, benchmarked and simulated, and equals ddp. Registering refuses
 what cannot work, with the field and the allowed values."""
@@ -16,21 +16,14 @@ import torch
 
 from conftest import max_abs_diff
 
-README = Path(__file__).parent.parent / "README.md"
+EXAMPLE = Path(__file__).parent.parent / "examples" / "custom_schedule.py"
 BIN = Path(sys.executable).parent
-
-
-def readme_example() -> str:
-    text = README.read_text()
-    match = re.search(r"<!-- example: adding a schedule -->\s*```python\n(.*?)```", text, re.S)
-    assert match, "README.md lost its 'adding a schedule' example"
-    return match.group(1)
 
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("extension")
-    (directory / "after_backward.py").write_text(readme_example())
+    (directory / "after_backward.py").write_text(EXAMPLE.read_text())  # a module name of its own, outside the repository
     return directory
 
 
@@ -41,7 +34,7 @@ def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complete
 
 
 def test_from_python_by_name_equal_to_ddp(example):
-    """The README's script itself: Trainer(strategy="after_backward") next to Trainer(strategy="ddp")."""
+    """The example itself: Trainer(strategy="after_backward") next to Trainer(strategy="ddp")."""
     proc = run([sys.executable, "after_backward.py"], example)
     difference = float(re.search(r"largest difference from ddp: (\S+)", proc.stdout).group(1))
     assert difference <= 1e-5
