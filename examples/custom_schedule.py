@@ -1,6 +1,8 @@
 """custom_schedule.py: a schedule in one file. Every bucket is all-reduced once backward is over (no
 overlap, the simplest exact schedule); `python examples/custom_schedule.py` trains it next to Lightning's ddp."""
 
+from typing_extensions import override
+
 import commsched
 from commsched.reducers import AllReduce
 
@@ -15,10 +17,12 @@ class AfterBackward(commsched.Schedule):
         super().__init__(plan, links, settings)
         self.reducers = [AllReduce(bucket.buffer, self.link) for bucket in plan.buckets]
 
-    def _bucket_ready(self, b):
+    @override
+    def on_bucket_ready(self, b):
         pass  # buckets fill during backward; nothing leaves before it ends
 
-    def _backward_end(self):
+    @override
+    def on_backward_end(self):
         works = [reducer.start(f"bucket{b}") for b, reducer in enumerate(self.reducers)]
         for work in works:
             work.wait()

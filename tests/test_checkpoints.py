@@ -8,7 +8,7 @@
   with the weights of the run that never stopped, no sample loaded twice, with the loader given to
   `fit` or made in the `train_dataloader` hook (Lightning rebuilds it with a DistributedSampler) and
   with worker processes prefetching; a plain DataLoader resumed the same way does not (Lightning
-  replays its epoch from the first batch), which is what the README says.
+  replays its epoch from the first batch), which is what docs/cli.md says.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_the_loader_state_counts_the_batches_the_loop_took_not_those_prefetched(
 
 
 def test_a_plain_dataloader_resumed_mid_epoch_does_not_equal_the_run_that_never_stopped(runs):
-    """What the README says: Lightning replays a non-resumable loader's epoch from its first batch."""
+    """What docs/cli.md says: Lightning replays a non-resumable loader's epoch from its first batch."""
     _, results, _ = runs
     whole, stopped, resumed = (results[0][f"plain-w0-{part}"] for part in ("whole", "stopped", "resumed"))
     assert stopped["stopped"]["step"] == 17 and resumed["global_step"] == whole["global_step"] == 30

@@ -185,11 +185,11 @@ def test_the_python_api_writes_its_plan_to_default_root_dir(cases):
 
 
 def test_no_file_of_the_project_cites_a_file_outside_the_repository():
-    """The README, the code, the tests and the recipes stand on their own: a reader has no notes or
+    """The README, the docs, the examples, the code, the tests and the recipes stand on their own: a reader has no notes or
     papers folder beside the repository."""
     root = Path(__file__).parents[1]
     outside = ("papers" + "/", "DESIGN" + ".md")  # spelt apart so that this file does not cite them
-    files = [root / "README.md", *(p for folder in ("src", "tests", "recipes") for p in (root / folder).rglob("*")
+    files = [root / "README.md", *(p for folder in ("src", "tests", "recipes", "docs", "examples") for p in (root / folder).rglob("*")
                                    if p.suffix in (".py", ".md", ".yaml", ".sh"))]
     citing = [f"{p.relative_to(root)}: {name}" for p in files for name in outside if name in p.read_text()]
     assert citing == []

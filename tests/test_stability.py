@@ -102,7 +102,7 @@ def test_a_loss_without_second_derivative_is_reported():
 
 def test_stale_reference_reproduces_the_digits_table_and_the_guard_rejects_the_harmful_case():
     """One iteration of staleness, BatchNorm and weight decay, 3 seeds: at lr 0.05 / momentum 0.9 it
-    costs accuracy (the README's table: 25 points at 32x32; here at 8x8, about 10), at lr 0.1 /
+    costs accuracy (docs/deft.md's table: 25 points at 32x32; here at 8x8, about 10), at lr 0.1 /
     momentum 0.5 nothing measurable. The guard's rule, on the curvature the Preserver would measure
     after warm-up, rejects the harmful case."""
     torch.set_num_threads(1)

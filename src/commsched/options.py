@@ -171,7 +171,7 @@ class FusionOptions:
     """Which gradients share a bucket, and how that is decided."""
 
     policy: str = option("auto", one_of(*FUSION_POLICIES))
-    """auto | fixed | layers | mgwfbp | mgwfbp-greedy | dear-model | bayes (see README, Fusion planners). auto:
+    """auto | fixed | layers | mgwfbp | mgwfbp-greedy | dear-model | bayes (see docs/fusion.md). auto:
     the schedule's own planner plans from the first steps, and its plan is kept only if measured faster
     than fixed buckets on real steps."""
     bucket_cap_mb: float = option(25.0, positive_number)
@@ -332,7 +332,7 @@ class PreserverOptions:
     max_staleness: int = option(0, non_negative_int)
     """Reject plans whose generations step more iterations than this after their last gradient. 0:
     no stale update (the safe default: one iteration of staleness cost 10-75 points of accuracy in
-    most of the 16 digits trainings measured, see the README)."""
+    most of the 16 digits trainings measured, see docs/deft.md)."""
     curvature_margin: float = option(1.0, non_negative_number)
     """A stale plan allowed by `max_staleness` also needs the optimizer, with that staleness, to stay
     stable on the loss's measured top curvature times this margin (`deft/stability.py`; measured by

@@ -39,6 +39,14 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
         if unknown:
             raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{field} has {unknown}; "
                                        f"allowed: {', '.join(known)}")
+    for legacy, hook in (("_bucket_ready", "on_bucket_ready(b)"), ("_backward_end", "on_backward_end()")):
+        if hasattr(cls, legacy):
+            raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{legacy} is never called: the hook is "
+                                       f"named {hook} (rename it, with @override)")
+    missing = [hook for hook in ("on_bucket_ready", "on_backward_end") if getattr(cls, hook) is getattr(Schedule, hook)]
+    if missing:
+        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__} does not implement {' and '.join(missing)}: "
+                                   "every schedule says what happens when a bucket is full and when backward ends")
     if SCHEDULES.get(name) is not cls or name not in STRATEGIES:
         STRATEGIES[name] = type(f"{cls.__name__.removesuffix('Schedule')}Strategy", (CommSchedStrategy,),
                                 {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__})

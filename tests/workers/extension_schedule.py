@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+from typing_extensions import override
 
 import commsched
 from commsched.reducers import AllReduce, ReducerState, by_parameter, into_bucket
@@ -66,14 +67,16 @@ class HierarchicalAllReduce(commsched.Schedule):
         self._scratch = [torch.empty(b.buffer.numel() // n * (n - 1)) for b in self.plan.buckets]
         self._done: list[Any] = [None] * len(self.plan.buckets)
 
-    def _bucket_ready(self, b: int) -> None:
+    @override
+    def on_bucket_ready(self, b: int) -> None:
         intra, inter = self.links["intra"], self.links["inter"]
         full, shard = self.plan.buckets[b].buffer, self._shards[b]
         scattered = intra.reduce_scatter(shard, full, f"bucket{b}", scratch=self._scratch[b])
         reduced = inter.all_reduce(shard, f"bucket{b}", after=scattered)
         self._done[b] = intra.all_gather(full, shard, f"bucket{b}", after=reduced)
 
-    def _backward_end(self) -> None:
+    @override
+    def on_backward_end(self) -> None:
         for work in self._done:
             work.wait()
         self.hand_back_gradients(range(len(self.plan.buckets)))

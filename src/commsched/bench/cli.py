@@ -2,7 +2,7 @@
 loopback or an emulated slow link, with each schedule's best possible step and the simulator's
 prediction for the same measured components, and how far each one's final weights are from ddp's.
 
-    commsched-bench                                   # the README's setting: SmallCNN width 64, 2 MB buckets
+    commsched-bench                                   # the README's defaults table: SmallCNN width 64, 2 MB buckets
     commsched-bench link.rate=1gbit models=[small_cnn,resnet18] steps=20
 
 The emulated link is a network namespace made for the run and always removed (root + iproute2;

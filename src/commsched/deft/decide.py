@@ -55,7 +55,7 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
     if preserver is None and decision.plan.delayed and decision.choice.runs == "plan":
         rank_zero_warn(f"commsched deft: running a delayed plan without the Preserver ({decision.plan.describe()}): "
                        "delayed and stale updates can cost accuracy (one iteration of staleness cost 25 points on the "
-                       "README's digits run) and nothing checks it. Leave the Preserver on (PreserverOptions(), "
+                       "digits run of docs/deft.md) and nothing checks it. Leave the Preserver on (PreserverOptions(), "
                        "preserver.enabled=true) or set deft.capacity=None for no delay.")
     say(f"commsched deft: {decision.plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                    f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, all-reduce "

@@ -48,7 +48,9 @@ class Handover:
 
 
 class Schedule:
-    """Base class: subclasses implement `_bucket_ready(b)` and `_backward_end()`; everything else has a default."""
+    """Base class of every schedule. The extension surface is its public methods: a subclass implements
+    `on_bucket_ready(b)` and `on_backward_end()` (marked `@override`, as the built-in schedules do) and
+    may override any other public method; everything else has a default."""
 
     name: ClassVar[str] = "base"
     """The name users pick it by (``Trainer(strategy=name)``, ``schedule=name``)."""
@@ -82,7 +84,7 @@ class Schedule:
         self.steps_this_iteration = 1
         self.link = links["primary"]
         mask_link = links.control if self.mask_link == "control" else links[self.mask_link]
-        self.capture = GradientCapture(plan, mask_link, self.name, self._bucket_ready, self._backward_end)
+        self.capture = GradientCapture(plan, mask_link, self.name, self.on_bucket_ready, self.on_backward_end)
         self.reducers: list[Reducer] = []
         """One per bucket, if the schedule combines buckets with reducers: their state is saved with the schedule's."""
         self.streams: Optional[StreamControl] = None
@@ -117,13 +119,18 @@ class Schedule:
         where it is not simply the weights of the last step taken (nothing to say: None)."""
         return None
 
-    # ------------------------------------------------------------ subclass API
-    def _bucket_ready(self, b: int) -> None:
-        """Bucket `b` is complete (in order, during backward or at its end)."""
+    # ------------------------------------------------------------ what a subclass implements
+    def on_bucket_ready(self, b: int) -> None:
+        """Bucket `b` is full: every gradient of it was written into its buffer, scaled by 1/world size.
+        Called during backward, once per bucket per step, in the plan's order (the same on every rank),
+        so the collectives a schedule issues here line up across ranks. Start the bucket's exchange
+        here to overlap it with the rest of backward (WFBP), or only part of it (DeAR's reduce-scatter)."""
         raise NotImplementedError
 
-    def _backward_end(self) -> None:
-        """Every bucket and the used-mask were handed on (still inside autograd's backward)."""
+    def on_backward_end(self) -> None:
+        """Every bucket was handed to `on_bucket_ready` and the used-parameter mask is known; still inside
+        autograd's backward, before Lightning's optimizer step. Finish what must be finished before the
+        step (wait, then `hand_back_gradients`), or leave it in flight for later (DeAR's all-gathers)."""
         raise NotImplementedError
 
     def hand_back_gradients(self, buckets: Iterable[int]) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from commsched.buckets import BucketPlan
 from commsched.hooks import OwnHook
@@ -138,6 +139,7 @@ class DeARSchedule(Schedule):
         "whole": steps whose gradients were made whole at once."""
 
     # ----------------------------------------------------------------- lifecycle
+    @override
     def attach(self, module: nn.Module) -> None:
         super().attach(module)
         self._compiled = runs_compiled(module)
@@ -150,6 +152,7 @@ class DeARSchedule(Schedule):
                 self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
                 self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
 
+    @override
     def after_failure(self) -> Optional[str]:
         """The step in progress completed where every all-gather landed, otherwise taken back (the
         copies `DeAROptions.rollback` keeps), so that the weights are those of one step."""
@@ -198,6 +201,7 @@ class DeARSchedule(Schedule):
             return False
         return True
 
+    @override
     def detach(self) -> None:
         """After a flush (the engine's), or after a failure: nothing pending is applied here."""
         self.watch.unmark_all()
@@ -213,6 +217,7 @@ class DeARSchedule(Schedule):
         return [StripedShards(b, units, streams) for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
 
     @classmethod
+    @override
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeARSettings:
         o = options.dear
         fallback = (Choice(o.confirm_steps, o.confirm_rounds, o.drift, o.drift_steps)
@@ -220,6 +225,7 @@ class DeARSchedule(Schedule):
         return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
                             fallback=fallback, rollback=o.rollback)
 
+    @override
     def at_boundary(self) -> Optional[Handover]:
         """Between trials of the stream search: the pending update is applied (its all-gathers are in
         flight on the old streams) before the buckets' units move. Once the buckets are decided, DeAR
@@ -251,24 +257,29 @@ class DeARSchedule(Schedule):
         return f"{measured}: DeAR kept ({verdict.gain:.2f}x)"
 
     @property
+    @override
     def settled(self) -> bool:
         return super().settled and (self.settings.fallback is None or not self.settings.fallback.deciding)
 
+    @override
     def summary(self) -> list[str]:
         rollback = ([f"copies kept to take a step back on failure: at most {size_text(self.rollback_peak_bytes)} "
                      "(DeAROptions.rollback)"] if self.rollback_peak_bytes else [])
         return ([self._describe_fallback()] if self.settings.fallback is not None else []) + rollback + super().summary()
 
+    @override
     def _restripe(self, striping: Striping) -> None:
         self.flush()
         self.reducers = self._build_reducers(striping)
         self._norm_segments.clear()
 
     # ------------------------------------------------------------------ backward
-    def _bucket_ready(self, b: int) -> None:
+    @override
+    def on_bucket_ready(self, b: int) -> None:
         self._scatters[b] = self.reducers[b].scatter(f"bucket{b}")
 
-    def _backward_end(self) -> None:
+    @override
+    def on_backward_end(self) -> None:
         """Every reduce-scatter is requested: the all-gathers are requested now, each to go once its own
         bucket's reduce-scatter (and the one before it in the chain) is done, at the same point on every
         rank and before any user hook runs; backward ends without waiting for the network, and whatever
@@ -341,6 +352,7 @@ class DeARSchedule(Schedule):
             self._norm_segments[key] = per_bucket
         return self._norm_segments[key]
 
+    @override
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
         """The global norm from this rank's slice of every bucket (its shard, or its part of the whole
         gradient once someone read `.grad`) and one scalar all-reduce on the control link (the primary
@@ -358,6 +370,7 @@ class DeARSchedule(Schedule):
         coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         self._clip_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
 
+    @override
     def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:
         self._clip_all(lambda t: t.clamp_(min=-clip_value, max=clip_value))
 
@@ -369,6 +382,7 @@ class DeARSchedule(Schedule):
             self._clip = clip
 
     # ------------------------------------------------------------------- update
+    @override
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         """Let Lightning run closure, hooks and clipping; the update itself is the schedule's."""
         return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, partial(real_step, **kwargs)),
@@ -433,6 +447,7 @@ class DeARSchedule(Schedule):
             for b in self._owner_buckets[module_id]:
                 self._apply(b, "forward")
 
+    @override
     def before_forward(self) -> None:
         """A torch.compile'd module: every update lands before the compiled forward starts. A hook
         calling back into Python inside the compiled region would break its graph at every bucket (and
@@ -441,19 +456,23 @@ class DeARSchedule(Schedule):
         if self._compiled:
             self.flush("compiled")
 
+    @override
     def after_forward(self) -> None:
         """Buckets whose modules did not run in this forward: applied before backward refills the buckets."""
         self.flush("after_forward")
 
+    @override
     def flush(self, why: str = "flush") -> None:
         for b in reversed(range(len(self.plan.buckets))):
             self._apply(b, why)
 
     @staticmethod
+    @override
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
         """[DeAR] Eq. 8."""
         return max(t_ff, totals["all_gather"]) + max(t_bp, totals["reduce_scatter"])
 
     @classmethod
+    @override
     def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
         return schedules.dear(workload, network, workers, buckets)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from commsched.buckets import BucketPlan
 from commsched.deft.compensation import COMPENSATIONS, spike_applies, spike_step
@@ -111,6 +112,7 @@ class DeFTSchedule(Schedule):
                             if self.options.compensation.endswith("predict") else None)
 
     @classmethod
+    @override
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
         """The Preserver: the user's own among the callbacks, else one made from `options.preserver`
         and added to the callbacks (it reads each step's loss and learning rate), unless disabled."""
@@ -125,6 +127,7 @@ class DeFTSchedule(Schedule):
         return DeFTSettings(options.deft, preserver, advance_schedulers)
 
     @classmethod
+    @override
     def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
         if not options.deft.compensation.startswith("spike"):
             return
@@ -143,6 +146,7 @@ class DeFTSchedule(Schedule):
         return not self.decided and self.seen >= self.options.warmup_steps
 
     # ---------------------------------------------------------------- deciding
+    @override
     def at_boundary(self) -> Optional[Handover]:
         """Measure, solve and choose once the measured steps are over; the iterations go to DeAR or
         WFBP when that was chosen (and come back on a re-plan)."""
@@ -167,6 +171,7 @@ class DeFTSchedule(Schedule):
             return Handover("wfbp")
         return None
 
+    @override
     def request_replan(self) -> None:
         """Measure and solve again (every rank at the same step): delayed gradients are applied first."""
         self._replan = True
@@ -200,13 +205,16 @@ class DeFTSchedule(Schedule):
                                               self.plan.buckets[0].buffer.device)
 
     @classmethod
+    @override
     def keeps_its_buckets(cls, options: Any) -> bool:
         return bool(options.deft.timings_file)  # the file's times are per bucket of the fixed layout
 
     @property
+    @override
     def settled(self) -> bool:
         return self.decided and self._confirmation is None
 
+    @override
     def summary(self) -> list[str]:
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
         late = self.deft_plan.staleness and self.choice.runs == "plan"
@@ -222,6 +230,7 @@ class DeFTSchedule(Schedule):
                 "preserver": self.decisions}
 
     # ---------------------------------------------------------------- iteration
+    @override
     def before_forward(self) -> None:
         if self._prediction is not None and self.decided and self.choice.runs == "plan":
             # every micro-batch of the iteration (accumulated ones too) on the same predicted weights
@@ -236,6 +245,7 @@ class DeFTSchedule(Schedule):
             self._meter.forward_started()
             self._ask_for_curvature()
 
+    @override
     def after_forward(self) -> None:
         if self._now is None or not self.sync_enabled:
             return
@@ -244,7 +254,8 @@ class DeFTSchedule(Schedule):
         joins = self._now.joins
         self._launch(BACKWARD, lambda launch: launch.generation != joins)
 
-    def _bucket_ready(self, b: int) -> None:
+    @override
+    def on_bucket_ready(self, b: int) -> None:
         if self._now is None:  # a step whose forward ran outside training_step (e.g. manual backward)
             self._now = self.deft_plan.at(self.iteration)
         generation = self._generation(self._now.joins)
@@ -255,7 +266,8 @@ class DeFTSchedule(Schedule):
         items = self.deft_plan.items
         self._launch(BACKWARD, lambda launch: launch.generation == joins and items[launch.item].bucket == b)
 
-    def _backward_end(self) -> None:
+    @override
+    def on_backward_end(self) -> None:
         if self._prediction is not None:
             self._prediction.restore()
         self.capture.read_mask()
@@ -302,6 +314,7 @@ class DeFTSchedule(Schedule):
         return self._reducers[key]
 
     # ------------------------------------------------------------------- update
+    @override
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         try:
             return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self._step_due(optimizer, partial(real_step, **kwargs)))
@@ -367,16 +380,19 @@ class DeFTSchedule(Schedule):
         else:
             self.seen += 1
 
+    @override
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
         self._clip = (clip_val, algorithm)
         super().clip_gradients(optimizer, clip_val, algorithm)
 
     # ---------------------------------------------------------- flush points
+    @override
     def flush(self) -> None:
         """Checkpoints, validation, callbacks: wait for what is in flight; delayed gradients stay delayed."""
         for generation in self._generations.values():
             generation.drain()
 
+    @override
     def drain(self) -> None:
         """End of training, or buckets about to change: send what is left (primary link, generation
         order, item order: the same on every rank) and step with every generation in order."""
@@ -397,6 +413,7 @@ class DeFTSchedule(Schedule):
         say("commsched deft: delayed gradients applied at the end of training")
 
     # ---------------------------------------------------- communication state
+    @override
     def state_dict(self) -> dict[str, Any]:
         measuring_again = self._replan  # asked to solve again: what is carried over starts measuring
         return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided and not measuring_again,
@@ -408,6 +425,7 @@ class DeFTSchedule(Schedule):
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections],
                              "prediction": self._prediction.state() if self._prediction is not None else {}}}
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         refuse_unknown(self.name, state, ("deft_plan", "decided", "iteration", "seen", "decisions", "choice",
                                           "bucket_numels", "generations", "meter", "projections", "confirmed", "updates", "prediction"))
@@ -438,11 +456,13 @@ class DeFTSchedule(Schedule):
             self._prediction.load(state.get("prediction", {}))
 
     @staticmethod
+    @override
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
         """Communication entirely under compute ([DeFT]'s aim): forward plus backward."""
         return t_ff + t_bp
 
     @classmethod
+    @override
     def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
         from commsched.sim.deft import deft
 

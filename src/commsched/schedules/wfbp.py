@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from typing_extensions import override
 
 from commsched.errors import setting
 from commsched.buckets import BucketPlan
@@ -138,10 +139,12 @@ class WFBPSchedule(Schedule):
         return [StripedAllReduce(b, units, self.links.streams("primary"), two_level)
                 for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
 
+    @override
     def _restripe(self, striping: Striping) -> None:
         self.reducers = self._dense_reducers(striping)
 
     @classmethod
+    @override
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
         """The compression options, `hierarchical` resolved: by default, sparse exchanges go node first
         when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked, or unless
@@ -175,11 +178,13 @@ class WFBPSchedule(Schedule):
                             epoch_steps, judge, corrections=corrections, warmup=warmup)
 
     @classmethod
+    @override
     def links_for(cls, settings: Any) -> tuple[str, ...]:
         hierarchical = isinstance(settings, WFBPSettings) and (
             bool(settings.compression.hierarchical) or (settings.streams is not None and settings.streams.may_use_two_level))
         return (*cls.links_used, "intra", "inter") if hierarchical else cls.links_used
 
+    @override
     def at_boundary(self) -> None:
         """The stream search's switches, and a sparse exchange's dense phases, at iteration starts
         (every rank at the same step; nothing is in flight)."""
@@ -225,11 +230,13 @@ class WFBPSchedule(Schedule):
         return self.settings.warmup is not None and step < self.settings.warmup.end
 
     @property
+    @override
     def settled(self) -> bool:
         judge = self.settings.sparse_or_dense
         step, _ = self.settings.progress()
         return super().settled and (judge is None or not judge.deciding) and not self._warming(step)
 
+    @override
     def optimizer_step(self, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """Under DGC's corrections the exchanged update already moved with momentum and decay: the
         user's SGD steps with momentum 0 and weight decay 0 (its param groups are as the user set
@@ -240,6 +247,7 @@ class WFBPSchedule(Schedule):
         zeroed = ("momentum",) * corrections.momentum + ("weight_decay",) * corrections.decay
         return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs))
 
+    @override
     def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: str) -> None:
         """Clipping by norm already ran on each rank before accumulation (DGC's local clipping)."""
         corrections = self.settings.corrections
@@ -247,6 +255,7 @@ class WFBPSchedule(Schedule):
             return
         super().clip_gradients(optimizer, clip_val, algorithm)
 
+    @override
     def summary(self) -> list[str]:
         compression = self.settings.compression
         if compression.method == "none":
@@ -283,9 +292,10 @@ class WFBPSchedule(Schedule):
             return
         method = {"auto": "top-k"}.get(self.settings.compression.method, self.settings.compression.method)
         say(f"commsched wfbp: {method} from the first step, with no dense warm-up; sparse "
-            f"exchanges with momentum go wrong early in training (in the README's digits runs a dense first epoch "
+            f"exchanges with momentum go wrong early in training (in the digits runs of docs/compression.md a dense first epoch "
             f"recovered 2-5 of the points top-k lost): consider {warm_up_advice(self.settings.epoch_steps(), total)}")
 
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Residuals move with the run: by name (same world), re-sharded (`residual_total`, another
         world size), or, where this run exchanges dense gradients, into the first step's gradient."""
@@ -311,13 +321,15 @@ class WFBPSchedule(Schedule):
         into_bucket(bucket, saved, flat)
         return flat.div_(share)
 
-    def _bucket_ready(self, b: int) -> None:
+    @override
+    def on_bucket_ready(self, b: int) -> None:
         if self._carry and self._carry[b] is not None:
             self.plan.buckets[b].buffer.add_(self._carry[b])
             self._carry[b] = None
         self._works[b] = self.reducers[b].start(f"bucket{b}")
 
-    def _backward_end(self) -> None:
+    @override
+    def on_backward_end(self) -> None:
         for b, work in enumerate(self._works):
             assert work is not None
             work.wait()
@@ -325,10 +337,12 @@ class WFBPSchedule(Schedule):
         self.hand_back_gradients(range(len(self.plan.buckets)))
 
     @staticmethod
+    @override
     def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> float:
         """[DeAR] Eq. 7."""
         return t_ff + max(t_bp, totals["all_reduce"])
 
     @classmethod
+    @override
     def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
         return schedules.wfbp(workload, network, workers, buckets)
