@@ -1,0 +1,100 @@
+"""Options of DeFT's delayed updates and of the Preserver that guards them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from commsched.errors import bad_value
+from commsched.options.catalogue import FALLBACKS
+from commsched.options.checks import _real, positive_int, non_negative_int, non_negative_number, flag, one_of, optional, text, option
+
+
+def capacity_value(name: str, value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if not (_real(value) and value > 0):
+        raise bad_value(name, value, "a number > 0 (a multiple of the stage times), or unset (None, null) for no delay")
+    return float(value)
+
+
+@dataclass
+class DeFTOptions:
+    """DeFT ([DeFT] §III-IV): delayed updates over two links, solved from the run's own measurements."""
+
+    warmup_steps: int = option(5, non_negative_int)
+    """Steps run without delay and left out before measuring (a CPU run's first steps are slow)."""
+    measure_steps: int = option(5, positive_int)
+    """Steps without delay whose stage times and gradient statistics are measured before solving."""
+    cost_repeats: int = option(3, positive_int)
+    """Timed all-reduces of each bucket on each link (the median counts) when measuring ends."""
+    capacity: Optional[float] = option(1.0, capacity_value)
+    """The knapsacks' capacity as a multiple of the measured stage times; larger sends more per
+    iteration (fewer delays); null: everything fits, no delay (DDP's updates). The Preserver may raise it."""
+    timings_file: Optional[str] = option(None, optional(text))
+    """A JSON file of per-bucket times (``forward``, ``backward``, ``costs``): solve from these instead of
+    measuring (a reproducible or forced plan)."""
+    fallback: str = option("when_faster", one_of(*FALLBACKS))
+    """Which exact schedule may run the iterations instead of the plan, on the same buckets:
+    "when_faster": DeAR when it is predicted at least 2% faster (its reduce-scatter and all-gather of
+    each bucket are timed too, on each link with a network of its own), else WFBP when the plan is
+    DDP's schedule anyway (the same collectives without generations); "when_undelayed": DeAR
+    whenever the plan delays nothing; "never": the plan. DeAR never when callbacks read gradients
+    or weights every step (it gives up its overlap then); with a timings file, only if the file
+    gives DeAR's halves too."""
+    compensation: str = option("none", one_of("none", "spike", "predict", "spike+predict"))
+    """What a generation applied late gets: "none" (its gradient as it is); "spike": under torch's SGD
+    with heavy-ball momentum, the moves its gradient missed while late, lr (1 - m^D) / (1 - m) for D
+    optimizer steps, are applied at once and its velocity scaled by m^D, so that each gradient's total
+    weight is the synchronous one (Kosson et al. 2021; Nesterov's momentum at D = 1; other optimizers
+    are refused with it); "predict": any optimizer; the forward and backward of an iteration whose
+    gradient will be applied D steps later run on the weights extrapolated D updates along the last
+    one (one more copy of the parameters, kept in checkpoints); "spike+predict": both."""
+    confirm_steps: int = option(3, non_negative_int)
+    """With fallback "when_faster": timed steps per turn when the predicted choice and its runner-up
+    (plan or WFBP against DeAR) take turns, twice each, on real steps (one more step runs first each
+    turn, untimed); the simpler of the two is kept unless the other beats it by more than the measured
+    noise (`commsched.interleaved`). 0: the prediction alone decides."""
+
+
+def eps_value(name: str, value: Any) -> float:
+    if not (_real(value) and 0 < value < 1):
+        raise bad_value(name, value, "a number in (0, 1)")
+    return float(value)
+
+
+def growth_value(name: str, value: Any) -> float:
+    if not (_real(value) and value > 1):
+        raise bad_value(name, value, "a number > 1")
+    return float(value)
+
+
+@dataclass
+class PreserverOptions:
+    """The guard of DeFT's delayed updates ([DeFT] §IV, `commsched.Preserver`): on by default, so that
+    `Trainer(strategy="deft")`, `DeFTStrategy()` and Hydra's `schedule=deft` run the same guarded
+    plans. A `commsched.Preserver` in the Trainer's callbacks is used instead of these settings."""
+
+    enabled: bool = option(True, flag)
+    """False: plans run unguarded (a warning says what a delayed plan then risks)."""
+    eps: float = option(0.01, eps_value)
+    """Accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps]."""
+    max_tries: int = option(10, positive_int)
+    """Plans solved at most (capacity x growth each time); after them, no delay."""
+    growth: float = option(1.25, growth_value)
+    """Capacity growth between tries: small steps keep as much overlap as the walk allows."""
+    max_staleness: int = option(0, non_negative_int)
+    """Reject plans whose generations step more iterations than this after their last gradient. 0:
+    no stale update (the safe default: one iteration of staleness cost 10-75 points of accuracy in
+    most of the 16 digits trainings measured, see docs/deft.md)."""
+    curvature_margin: float = option(1.0, non_negative_number)
+    """A stale plan allowed by `max_staleness` also needs the optimizer, with that staleness, to stay
+    stable on the loss's measured top curvature times this margin (`deft/stability.py`; measured by
+    Hessian-vector power iteration on probe steps). 0: no curvature check (`max_staleness` alone)."""
+    recheck_every_n_steps: int = option(0, non_negative_int)
+    """> 0: measure and solve again every N steps."""
+
+
+def check_preserver_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:
+    """The Preserver's own arguments, checked as `PreserverOptions` checks its fields."""
+    return eps_value(f"{prefix}eps", eps), positive_int(f"{prefix}max_tries", max_tries), growth_value(f"{prefix}growth", growth)
