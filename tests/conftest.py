@@ -114,3 +114,8 @@ def hydra_syntax():
     errors.use_syntax("hydra")
     yield
     errors.use_syntax("python")
+
+
+# The compression runs, made once per session for the files that read them (imported last: that module
+# imports the helpers above).
+from compression_reference import runs, two_nodes  # noqa: E402,F401
