@@ -112,3 +112,13 @@ def describe(choice: Choice, fallback: str, world_size: int) -> str:
         return f"run by WFBP, as the plan delays nothing and WFBP issues the same collectives ({compared})"
     reason = "deft.fallback=never" if fallback == "never" else f"deft.fallback={fallback}: {compared}"
     return f"run by the plan ({reason})"
+
+
+def report(plan: DeFTPlan, choice: Choice, decided: bool, options: DeFTOptions, world_size: int, timings: Optional[Timings],
+           decisions: list[dict[str, Any]]) -> dict[str, Any]:
+    """What was decided, for metrics files and benchmark tables."""
+    described = plan.describe() + (f"; {describe(choice, options.fallback, world_size)}" if decided else "")
+    return {"plan": described, "n": plan.n, "k": list(plan.k), "compensation": options.compensation,
+            "staleness": plan.staleness, "runs": choice.runs, "dear_links": list(choice.dear_links),
+            "predicted": choice.predicted, "measured": choice.measured, "mu": timings.mu if timings is not None else None,
+            "preserver": decisions}

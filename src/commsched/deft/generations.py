@@ -12,8 +12,11 @@ from typing import Any
 import torch
 
 from commsched.buckets import BucketPlan
-from commsched.errors import ScheduleError
-from commsched.links import Pending
+from commsched.errors import CommSchedConfigError, ScheduleError
+from commsched.deft.plan import Item
+from commsched.links import Link, Pending
+from commsched.reducers import AllReduce
+from commsched.say import say
 
 
 class Generation:
@@ -112,3 +115,39 @@ class BufferPool:
             if not any(buffer.untyped_storage().data_ptr() in viewed for buffer in buffers):
                 self._returned.remove(buffers)
                 self._free.append(buffers)
+
+
+class ItemSender:
+    """Starts the all-reduce of one planned item (a piece of one bucket) of a generation on a link,
+    once per item and generation, with one reducer per pooled buffer and link (a gloo link serving a
+    CUDA model stages through pinned host memory made once, not per send)."""
+
+    def __init__(self) -> None:
+        self._reducers: dict[tuple[int, str], AllReduce] = {}
+
+    def send(self, generation: Generation, index: int, item: Item, link: Link) -> None:
+        if index in generation.sent:
+            raise ScheduleError(f"commsched deft: item {index} of generation {generation.number} planned twice")
+        generation.sent.add(index)
+        buffer = generation.buffers[item.bucket]
+        key = (id(buffer), link.name)
+        if key not in self._reducers:
+            self._reducers[key] = AllReduce(buffer, link)
+        generation.works.append(self._reducers[key].start(f"g{generation.number}.b{item.bucket}.{item.start}", item.start, item.numel))
+
+
+def same_layout(state: dict[str, Any], plan: BucketPlan, quiet: bool = False) -> bool:
+    """The saved DeFT state was written for these buckets. Otherwise its delayed gradients are refused
+    (their pieces were sent by the old layout's items); without any, measuring starts again, said in
+    a line unless `quiet` (the layouts tried while the buckets are decided)."""
+    sizes = [b.buffer.numel() for b in plan.buckets]
+    if state.get("bucket_numels") == sizes:
+        return True
+    if state.get("generations"):
+        raise CommSchedConfigError(
+            "commsched deft: the checkpoint holds delayed gradients for another bucket layout "
+            f"(bucket sizes {state.get('bucket_numels')}, now {sizes}); resume with the bucket settings that wrote it "
+            "(bucket_cap_mb, fusion), or from a checkpoint written at the end of training, where none are left")
+    if not quiet:
+        say("commsched deft: the buckets changed; measuring and solving again for the new ones")
+    return False

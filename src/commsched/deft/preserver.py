@@ -71,6 +71,15 @@ class Preserver(pl.Callback):
         """Only a stale plan is judged by curvature: none is considered unless staleness is allowed."""
         return self.max_staleness > 0 and self.curvature_margin > 0
 
+    CURVATURE_PROBES = 2
+    """Probe steps whose loss also gives the top curvature (left out of DeFT's stage times)."""
+
+    def ask_for_curvature(self, probe: int, measure_steps: int) -> bool:
+        """DeFT's measured step number `probe` of `measure_steps`: the first ones, all but the last, also
+        measure the curvature when a stale plan may be judged; True when this one does."""
+        self.curvature_wanted = self.needs_curvature and probe < min(self.CURVATURE_PROBES, measure_steps - 1)
+        return self.curvature_wanted
+
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         if not self.curvature_wanted:
             return

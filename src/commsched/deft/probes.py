@@ -25,6 +25,12 @@ class GradientProbes:
         """The measured effective step of each probe (optimizers other than SGD)."""
         self.optimizer: Optional[torch.optim.Optimizer] = None
 
+    def clear(self) -> None:
+        """Forget the probes taken (a decision used them, or measuring starts again)."""
+        self.projections.clear()
+        self.squared_norms.clear()
+        self.steps.clear()
+
     def record(self, local: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor]) -> None:
         """One probe: this rank's gradient (`local`, the 1/P-scaled bucket buffers) projected on the unit
         direction of the averaged one, and its squared norm, gathered from every rank (a collective on

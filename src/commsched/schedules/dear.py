@@ -38,14 +38,16 @@ from typing_extensions import override
 
 from commsched.buckets import BucketPlan
 from commsched.hooks import OwnHook
-from commsched.links import InOrder, Links, Pending
+from commsched.links import Links, Pending
 from commsched.pending import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice
 from commsched.run_summary import size_text
 from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
-from commsched.schedules.partial_step import HyperParams, StepUndo, SubsetStepper, snapshot_hyperparams
+from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
+from commsched.schedules.dear_update import Gathers, PendingUpdate, landed, start_gathers, taken_back
+from commsched.schedules.partial_step import StepUndo, SubsetStepper, snapshot_hyperparams
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import schedules
 from commsched.sim.network import CostModel
@@ -72,36 +74,6 @@ class DeARSettings:
     """Copies kept of what is applied before the step's last all-gathers land (`DeAROptions.rollback`)."""
 
 
-class _Gathers:
-    """One step's all-gathers: a chain per link (stream), each in the order the next forward needs
-    its buckets; a bucket's units may lie on several chains."""
-
-    def __init__(self, chains: dict[str, InOrder], position: dict[int, list[tuple[str, int]]]) -> None:
-        self._chains = chains
-        self._position = position  # bucket -> its units' chains and their places in them
-
-    def wait(self, b: int) -> None:
-        for chain, i in self._position[b]:
-            self._chains[chain].wait(i)
-
-    def done(self, b: int) -> bool:
-        return all(self._chains[chain].done(i) for chain, i in self._position[b])
-
-
-@dataclass
-class _PendingUpdate:
-    """The update of one optimizer step, waiting to be applied bucket by bucket."""
-
-    stepper: SubsetStepper
-    step: Callable[[], Any]
-    hyper: HyperParams
-    gathers: _Gathers
-    clip: Optional[Callable[[torch.Tensor], Any]]  # Lightning's clipping, applied to each bucket once gathered
-    waiting: list[bool]  # False once the bucket is applied
-    undo: Optional[StepUndo]  # copies of buckets applied while others' all-gathers were on the network (None: not kept)
-    kept: set[int]  # the buckets `undo` holds
-
-
 class DeARSchedule(Schedule):
     name = "dear"
     planner = "dear-model"
@@ -118,9 +90,9 @@ class DeARSchedule(Schedule):
         self.streams: StreamControl = self.settings.streams or StreamControl(1, StreamOptions())
         self.reducers: list[StripedShards] = self._build_reducers(self.streams.striping)
         self._scatters: list[Optional[Together]] = [None] * len(plan.buckets)
-        self._gathers: Optional[_Gathers] = None  # this step's all-gathers, started at the end of backward
+        self._gathers: Optional[Gathers] = None  # this step's all-gathers, started at the end of backward
         self._clip: Optional[Callable[[torch.Tensor], Any]] = None  # clipping, applied to each bucket once gathered
-        self._pending: Optional[_PendingUpdate] = None
+        self._pending: Optional[PendingUpdate] = None
         self._whole = False  # this step's gradients were made whole (someone read `.grad`)
         self._steps = 0
         self._stepper: Optional[SubsetStepper] = None
@@ -161,43 +133,19 @@ class DeARSchedule(Schedule):
 
     def _settle_after_failure(self) -> Optional[str]:
         pending = self._pending
-        if pending is None or not any(pending.waiting):
-            return None
-        if self._complete(pending):
+        if pending is None or not any(pending.waiting) or self._complete(pending):
             return None
         self.watch.unmark_all()  # what is left cannot be applied: reading the tensors must not try
         self._pending = None
-        applied = [b for b, waiting in enumerate(pending.waiting) if not waiting]
-        before = "the weights and optimizer state are those before that step, whole (the step count saved with them includes it)"
-        if not applied:
-            return f"the last optimizer step's update was not applied (its all-gathers did not complete): {before}"
-        if pending.undo is not None and pending.kept.issuperset(applied):
-            pending.undo.restore(pending.stepper.optimizer.state)
-            return (f"the last optimizer step was taken back ({len(applied)} of {len(pending.waiting)} buckets had "
-                    f"applied it before the others' all-gathers failed): {before}")
-        return (f"{len(applied)} of {len(pending.waiting)} buckets hold the last optimizer step's update and the others do "
-                "not (their all-gathers failed; DeAROptions(rollback=False) kept no copies): these weights mix two "
-                "steps; resume from the last checkpoint instead")
+        return taken_back(pending)
 
-    def _complete(self, pending: _PendingUpdate) -> bool:
+    def _complete(self, pending: PendingUpdate) -> bool:
         """Apply what is left of the step if every remaining all-gather landed intact (never waits)."""
-        if not all(self._landed(pending.gathers, b) for b, waiting in enumerate(pending.waiting) if waiting):
+        if not all(landed(pending.gathers, b) for b, waiting in enumerate(pending.waiting) if waiting):
             return False
         try:
             self.flush("after_failure")
-        except Exception:  # noqa: BLE001 - the optimizer failed here: the step is taken back below instead
-            return False
-        return True
-
-    @staticmethod
-    def _landed(gathers: _Gathers, b: int) -> bool:
-        """Bucket `b`'s all-gathers completed intact (never waits): a failed one is left for whoever
-        needs the bucket, so that its failure is raised there, before anything changes."""
-        if not gathers.done(b):
-            return False
-        try:
-            gathers.wait(b)
-        except Exception:  # noqa: BLE001 - the backend's error, raised again where the bucket is needed
+        except Exception:  # noqa: BLE001 - the optimizer failed here: the step is taken back instead
             return False
         return True
 
@@ -284,7 +232,7 @@ class DeARSchedule(Schedule):
         bucket's reduce-scatter (and the one before it in the chain) is done, at the same point on every
         rank and before any user hook runs; backward ends without waiting for the network, and whatever
         reads `.grad` later only waits for collectives already on their way."""
-        self._gathers = self._start_gathers()
+        self._gathers = start_gathers(self.reducers, self.links, self._gather)
         self._whole, self._clip = False, None
         for b, bucket in enumerate(self.plan.buckets):
             self.watch.mark(b, bucket.params, Kind.GRADIENT)
@@ -309,18 +257,6 @@ class DeARSchedule(Schedule):
         self._whole, self._clip = True, None
         self.applied["whole"] += 1
 
-    def _start_gathers(self) -> _Gathers:
-        chains: dict[str, list[tuple[int, int]]] = {}
-        for b in reversed(range(len(self.plan.buckets))):  # forward needs the last bucket first
-            for u, link in enumerate(self.reducers[b].links):
-                chains.setdefault(link.name, []).append((b, u))
-        started = {name: self.links[name].in_order([partial(self._gather, b, u) for b, u in order]) for name, order in chains.items()}
-        position: dict[int, list[tuple[str, int]]] = {}
-        for name, order in chains.items():
-            for i, (b, _) in enumerate(order):
-                position.setdefault(b, []).append((name, i))
-        return _Gathers(started, position)
-
     def _gather(self, b: int, u: int, previous: Optional[Pending]) -> Pending:
         scattered = self._scatters[b]
         assert scattered is not None, "every bucket is scattered before the all-gathers are requested"
@@ -333,25 +269,6 @@ class DeARSchedule(Schedule):
                 work.wait()
 
     # ------------------------------------------------------------------ clipping
-    def _segments(self, optimizer: Optimizer) -> list[list[tuple[int, int, int]]]:
-        """Per bucket, the (piece, start, length) ranges of this rank's pieces (its shard of each unit)
-        that belong to `optimizer`'s parameters."""
-        key = SubsetStepper.key(optimizer)
-        if key not in self._norm_segments:
-            members = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            per_bucket = []
-            for bucket, reducer in zip(self.plan.buckets, self.reducers):
-                ranges = []
-                for i, (lo, piece) in enumerate(reducer.pieces()):
-                    hi = lo + piece.numel()
-                    for p, start in zip(bucket.params, bucket.offsets()):
-                        a, z = max(start, lo), min(start + p.numel(), hi)
-                        if id(p) in members and a < z:
-                            ranges.append((i, a - lo, z - a))
-                per_bucket.append(ranges)
-            self._norm_segments[key] = per_bucket
-        return self._norm_segments[key]
-
     @override
     def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
         """The global norm from this rank's slice of every bucket (its shard, or its part of the whole
@@ -359,11 +276,10 @@ class DeARSchedule(Schedule):
         is busy with the all-gathers). Scaling commutes with the all-gather: whole gradients are
         scaled now, gathered ones when their bucket is applied."""
         self._scattered()
-        squares = torch.zeros(1, dtype=torch.float32, device=self.plan.buckets[0].buffer.device)
-        for bucket, reducer, ranges in zip(self.plan.buckets, self.reducers, self._segments(optimizer)):
-            pieces = [bucket.buffer.narrow(0, lo, shard.numel()) if self._whole else shard for lo, shard in reducer.pieces()]
-            for i, start, length in ranges:
-                squares += torch.linalg.vector_norm(pieces[i].narrow(0, start, length), dtype=torch.float32).square().to(squares.device)
+        key = SubsetStepper.key(optimizer)
+        if key not in self._norm_segments:
+            self._norm_segments[key] = optimizer_segments(self.plan, self.reducers, optimizer)
+        squares = squared_norm(self.plan, self.reducers, self._norm_segments[key], self._whole)
         control = self.links.control
         squares = squares.to(control.device)
         control.all_reduce(squares, "clip-norm").wait()
@@ -405,7 +321,7 @@ class DeARSchedule(Schedule):
         assert self._gathers is not None
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
-        self._pending = _PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
+        self._pending = PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
                                        [True] * len(self.plan.buckets), self._undo.begin() if self._undo is not None else None, set())
         state = optimizer.state
         unwatched = []
@@ -424,7 +340,7 @@ class DeARSchedule(Schedule):
             pending = self._pending
             if pending is None or not pending.waiting[b]:
                 return
-            ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and self._landed(pending.gathers, c)]
+            ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and landed(pending.gathers, c)]
             pending.gathers.wait(b)  # re-raises this bucket's failure before anything changes
             for c in ready:
                 self.watch.unmark(c)  # before anything below reads its tensors

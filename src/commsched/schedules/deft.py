@@ -15,37 +15,32 @@ user's optimizer as `.grad`. An iteration with nothing to step runs the closure 
 backward, hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer
 steps actually taken.
 
-After solving, the iterations may be handed to an exact schedule on the same buckets
-(`commsched.deft.predict.choose_schedule`, a `Handover` the engine carries out): DeAR when it is
-predicted clearly faster from the same measurements (it hides the all-gathers under the next
-forward, which an undelayed all-reduce cannot), else WFBP when the plan is DDP's schedule anyway
-(the same collectives without generations). A re-plan takes them back.
+After solving, the iterations may go to an exact schedule on the same buckets (`Handover`, chosen
+by `commsched.deft.predict.choose_schedule`): DeAR when predicted clearly faster (it hides the
+all-gathers under the next forward), else WFBP when the plan is DDP's schedule anyway. A re-plan takes them back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
 
-import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from commsched.buckets import BucketPlan
-from commsched.deft.compensation import COMPENSATIONS, spike_applies, spike_step
+from commsched.deft.compensation import spike_step
 from commsched.deft.confirm import Confirmation
-from commsched.deft.decide import decide, describe
-from commsched.deft.generations import BufferPool, Generation
+from commsched.deft.decide import decide, report
+from commsched.deft.generations import BufferPool, Generation, ItemSender, same_layout
 from commsched.deft.measure import StageMeter
 from commsched.deft.prediction import WeightPrediction
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
 from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
-from commsched.errors import CommSchedConfigError, ScheduleError
-from commsched.links import Link, Links
-from commsched.options import DeFTOptions
-from commsched.reducers import AllReduce
+from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for
+from commsched.errors import ScheduleError
+from commsched.links import Links
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
 from commsched.schedules.step_control import run_with_step_replaced
@@ -54,18 +49,6 @@ from commsched.sim.schedules import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.state import refuse_unknown
 from commsched.say import say
-
-
-
-@dataclass
-class DeFTSettings:
-    """What the strategy hands DeFT besides buckets and links."""
-
-    options: DeFTOptions = field(default_factory=DeFTOptions)
-    preserver: Any = None
-    """A `commsched.Preserver` among the Trainer's callbacks, if any."""
-    advance_schedulers: Callable[[], None] = lambda: None
-    """Steps the per-step LR schedulers once (before a second optimizer step in one iteration)."""
 
 
 class DeFTSchedule(Schedule):
@@ -94,7 +77,7 @@ class DeFTSchedule(Schedule):
         """What runs the iterations once decided: the plan, or an exact schedule it hands them to."""
         self._generations: dict[int, Generation] = {}
         self._pool = BufferPool(plan)
-        self._reducers: dict[tuple[int, str], AllReduce] = {}
+        self._sender = ItemSender()
         self._now: Optional[Iteration] = None
         self._due: list[int] = []
         self._clip: Optional[tuple[float, str]] = None
@@ -114,29 +97,12 @@ class DeFTSchedule(Schedule):
     @classmethod
     @override
     def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
-        """The Preserver: the user's own among the callbacks, else one made from `options.preserver`
-        and added to the callbacks (it reads each step's loss and learning rate), unless disabled."""
-        from commsched.deft.preserver import Preserver
-
-        preserver = next((c for c in trainer.callbacks if isinstance(c, Preserver)), None)
-        guard = options.preserver
-        if preserver is None and guard.enabled:
-            preserver = Preserver(guard.eps, guard.max_tries, guard.growth, recheck_every_n_steps=guard.recheck_every_n_steps,
-                                  max_staleness=guard.max_staleness, curvature_margin=guard.curvature_margin)
-            trainer.callbacks.append(preserver)
-        return DeFTSettings(options.deft, preserver, advance_schedulers)
+        return settings_for(options, trainer, advance_schedulers)
 
     @classmethod
     @override
     def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
-        if not options.deft.compensation.startswith("spike"):
-            return
-        refused = [type(opt).__name__ for opt in optimizers if not spike_applies(opt)]
-        if refused:
-            raise CommSchedConfigError(
-                f"commsched deft: compensation='{options.deft.compensation}' stands in for heavy-ball momentum, and applies to torch's SGD "
-                f"without dampening, Nesterov or maximize; this run's optimizer is {', '.join(refused)}. Allowed "
-                f"values of compensation: {', '.join(COMPENSATIONS)}; use 'none' or 'predict' with this optimizer")
+        refuse_optimizers(options.deft.compensation, optimizers)
 
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
@@ -184,9 +150,7 @@ class DeFTSchedule(Schedule):
         self._confirmation = None
         self.seen = self.options.warmup_steps
         self._meter = StageMeter(self.plan.buckets[0].buffer.device)
-        self._probes.projections.clear()
-        self._probes.squared_norms.clear()
-        self._probes.steps.clear()
+        self._probes.clear()
 
     def _decide(self) -> None:
         decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
@@ -194,9 +158,7 @@ class DeFTSchedule(Schedule):
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
         self._confirm_later()
-        self._probes.projections.clear()
-        self._probes.squared_norms.clear()
-        self._probes.steps.clear()
+        self._probes.clear()
 
     def _confirm_later(self) -> None:
         """The predicted choice and its runner-up run real steps before one is kept (`deft.confirm`)."""
@@ -223,11 +185,8 @@ class DeFTSchedule(Schedule):
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
-        described = self.deft_plan.describe() + (f"; {describe(self.choice, self.options.fallback, self.links.control.world_size)}" if self.decided else "")
-        return {"plan": described, "n": self.deft_plan.n, "k": list(self.deft_plan.k), "compensation": self.options.compensation,
-                "staleness": self.deft_plan.staleness, "runs": self.choice.runs, "dear_links": list(self.choice.dear_links),
-                "predicted": self.choice.predicted, "measured": self.choice.measured, "mu": self.timings.mu if self.timings is not None else None,
-                "preserver": self.decisions}
+        return report(self.deft_plan, self.choice, self.decided, self.options, self.links.control.world_size, self.timings,
+                      self.decisions)
 
     # ---------------------------------------------------------------- iteration
     @override
@@ -291,27 +250,13 @@ class DeFTSchedule(Schedule):
         assert self._now is not None
         for launch in self._now.launches:
             if launch.stage == stage and which(launch):
-                self._send(self._generations.get(launch.generation) or self._missing(launch), launch.item, launch.link)
-
-    def _missing(self, launch: Launch) -> Generation:
-        raise ScheduleError(f"commsched deft: the plan sends generation {launch.generation} before any iteration joined it "
-                            f"(iteration {self.iteration}); the plan is inconsistent: {self.deft_plan.describe()}")
+                if launch.generation not in self._generations:
+                    raise ScheduleError(f"commsched deft: the plan sends generation {launch.generation} before any iteration "
+                                        f"joined it (iteration {self.iteration}); the plan is inconsistent: {self.deft_plan.describe()}")
+                self._send(self._generations[launch.generation], launch.item, launch.link)
 
     def _send(self, generation: Generation, index: int, link: int) -> None:
-        item = self.deft_plan.items[index]
-        if index in generation.sent:
-            raise ScheduleError(f"commsched deft: item {index} of generation {generation.number} planned twice")
-        generation.sent.add(index)
-        reducer = self._reducer(generation.buffers[item.bucket], self._links[link])
-        generation.works.append(reducer.start(f"g{generation.number}.b{item.bucket}.{item.start}", item.start, item.numel))
-
-    def _reducer(self, buffer: torch.Tensor, link: Link) -> AllReduce:
-        """One per pooled generation buffer and link: a gloo link serving a CUDA model stages through
-        pinned host memory made once, not per send."""
-        key = (id(buffer), link.name)
-        if key not in self._reducers:
-            self._reducers[key] = AllReduce(buffer, link)
-        return self._reducers[key]
+        self._sender.send(generation, index, self.deft_plan.items[index], self._links[link])
 
     # ------------------------------------------------------------------- update
     @override
@@ -355,15 +300,9 @@ class DeFTSchedule(Schedule):
         generation = self._generations.pop(number)
         self._pool.give_back(generation.buffers)
 
-    CURVATURE_PROBES = 2
-    """Probe steps whose loss also gives the top curvature (left out of the stage times)."""
-
     def _ask_for_curvature(self) -> None:
-        """The first measured steps, all but the last, when the Preserver may judge a stale plan."""
         guard = self.settings.preserver
-        probe = self.seen - self.options.warmup_steps
-        if guard is not None and guard.needs_curvature and probe < min(self.CURVATURE_PROBES, self.options.measure_steps - 1):
-            guard.curvature_wanted = True
+        if guard is not None and guard.ask_for_curvature(self.seen - self.options.warmup_steps, self.options.measure_steps):
             self._curvature_step = True
 
     def _end_iteration(self) -> None:
@@ -431,15 +370,7 @@ class DeFTSchedule(Schedule):
                                           "bucket_numels", "generations", "meter", "projections", "confirmed", "updates", "prediction"))
         if not state:
             return
-        if state.get("bucket_numels") != [b.buffer.numel() for b in self.plan.buckets]:
-            if state.get("generations"):  # their pieces were sent by the old layout's items
-                raise CommSchedConfigError(
-                    "commsched deft: the checkpoint holds delayed gradients for another bucket layout "
-                    f"(bucket sizes {state.get('bucket_numels')}, now {[b.buffer.numel() for b in self.plan.buckets]}); "
-                    "resume with the bucket settings that wrote it (bucket_cap_mb, fusion), or from a checkpoint "
-                    "written at the end of training, where none are left")
-            if not self.settling:  # the layouts tried while the buckets are decided are not worth a line each
-                say("commsched deft: the buckets changed; measuring and solving again for the new ones")
+        if not same_layout(state, self.plan, quiet=self.settling):
             return
         self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
         self.iteration, self.seen = state["iteration"], state["seen"]
