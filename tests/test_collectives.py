@@ -60,8 +60,8 @@ def test_a_process_exits_cleanly_while_an_exchange_is_still_completing():
     run in twelve). Here the continuation is slowed so the script always ends mid-completion."""
     script = (
         "import sys, time\n"
-        "from commsched import exchange\n"
-        "works = exchange.WorkSet([], exchange._completer(None))\n"
+        "from commsched import point_to_point\n"
+        "works = point_to_point.WorkSet([], point_to_point._completer(None))\n"
         "def slow(_):\n"
         "    time.sleep(1.0)\n"
         "    print('continuation done', flush=True)\n"

@@ -17,8 +17,8 @@ from commsched.deft.predict import balanced_links, choose_schedule, dear_is_fast
 from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
                                     recursive_knapsack)
 from commsched.deft.walk import WalkState, effective_step, expected_next, gradient_statistics, measured_step, plan_ratio
-from commsched.sim.schedules import dear as simulated_dear
-from commsched.sim.schedules import wfbp as simulated_wfbp
+from commsched.sim.timelines import dear as simulated_dear
+from commsched.sim.timelines import wfbp as simulated_wfbp
 from commsched.sim.workload import Layer, Workload
 from conftest import run_worker
 

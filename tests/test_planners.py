@@ -15,7 +15,7 @@ from commsched.fusion.dear_model import DearInstance, min_backward, min_forward,
 from commsched.fusion.mgwfbp import chain_end, plan_exact, plan_greedy
 from commsched.options import TuningOptions
 from commsched.planning.bayes import BucketSizeTuner
-from commsched.sim import AlphaBeta, Layer, Workload, builtin, schedules
+from commsched.sim import AlphaBeta, Layer, Workload, builtin, timelines
 
 
 def partitions(n: int):
@@ -95,12 +95,12 @@ def test_dear_model_prediction_is_the_simulated_time_and_beats_fixed_buckets(wor
     w = builtin(workload)
     for workers in (2, 16, 256, 2048):
         network = AlphaBeta.from_rate(10e9, 50e-6, algorithm)
-        buckets, plan = schedules.dear_model_buckets(w, network, workers)
-        simulated = schedules.dear(w, network, workers, buckets).iteration_s
+        buckets, plan = timelines.dear_model_buckets(w, network, workers)
+        simulated = timelines.dear(w, network, workers, buckets).iteration_s
         assert simulated == pytest.approx(plan.predicted, rel=1e-9)
         assert plan.gap < 0.05
         for cap in (1, 5, 25, 100):
-            fixed = schedules.dear(w, network, workers, schedules.fixed_size(w, cap * 2**20)).iteration_s
+            fixed = timelines.dear(w, network, workers, timelines.fixed_size(w, cap * 2**20)).iteration_s
             assert simulated <= fixed * (1 + 1e-9)
 
 
@@ -108,8 +108,8 @@ def test_planners_cover_every_layer_with_gradients_once():
     workload = Workload("w", (Layer("a", 100, 0.01, 0.02), Layer("relu", 0, 0.001, 0.001), Layer("b", 300, 0.01, 0.02),
                               Layer("c", 50, 0.02, 0.04)), 1)
     network = AlphaBeta(1e-3, 1e-9)
-    for buckets in (schedules.mgwfbp_buckets(workload, network, 2), schedules.mgwfbp_buckets(workload, network, 2, exact=False),
-                    schedules.dear_model_buckets(workload, network, 2)[0]):
+    for buckets in (timelines.mgwfbp_buckets(workload, network, 2), timelines.mgwfbp_buckets(workload, network, 2, exact=False),
+                    timelines.dear_model_buckets(workload, network, 2)[0]):
         assert sorted(i for b in buckets for i in b) == [0, 2, 3]
         assert [max(b) for b in buckets] == sorted((max(b) for b in buckets), reverse=True)  # backward order
 

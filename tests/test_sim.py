@@ -9,7 +9,7 @@ import pytest
 
 from commsched.errors import CommSchedConfigError
 from commsched.sim import SIM_SCHEDULES, AlphaBeta, Fitted, Layer, Line, Workload, builtin, simulate
-from commsched.sim import cli, schedules
+from commsched.sim import cli, timelines
 
 BUILTINS = {name: builtin(name) for name in ("resnet50", "vgg16", "gpt2")}
 RING_10G = AlphaBeta.from_rate(10e9, 50e-6)
@@ -31,7 +31,7 @@ def random_network(rng: random.Random) -> AlphaBeta:
 
 
 def random_buckets(rng: random.Random, workload: Workload) -> list[list[int]]:
-    singles = schedules.per_layer(workload)
+    singles = timelines.per_layer(workload)
     cuts = sorted(rng.sample(range(1, len(singles)), rng.randint(0, len(singles) - 1))) if len(singles) > 1 else []
     return [sum(singles[a:b], []) for a, b in zip([0, *cuts], [*cuts, len(singles)])]
 
@@ -56,9 +56,9 @@ def test_wfbp_with_one_bucket_equals_sync_easgd() -> None:
     cases = [(w, RING_10G, p) for w in BUILTINS.values() for p in (2, 16, 2048)]
     cases += [(random_workload(rng), random_network(rng), rng.choice([2, 3, 8, 512])) for _ in range(200)]
     for workload, network, workers in cases:
-        everything = [sum(schedules.per_layer(workload), [])]
-        one_bucket = schedules.wfbp(workload, network, workers, everything).iteration_s
-        assert one_bucket == pytest.approx(schedules.sync_easgd(workload, network, workers).iteration_s, rel=1e-12)
+        everything = [sum(timelines.per_layer(workload), [])]
+        one_bucket = timelines.wfbp(workload, network, workers, everything).iteration_s
+        assert one_bucket == pytest.approx(timelines.sync_easgd(workload, network, workers).iteration_s, rel=1e-12)
 
 
 def test_dear_never_slower_than_wfbp_with_the_same_buckets() -> None:
@@ -67,13 +67,13 @@ def test_dear_never_slower_than_wfbp_with_the_same_buckets() -> None:
     for _ in range(400):
         workload, network, workers = random_workload(rng), random_network(rng), rng.choice([2, 3, 4, 16, 128])
         buckets = random_buckets(rng, workload)
-        dear = schedules.dear(workload, network, workers, buckets).iteration_s
-        assert dear <= schedules.wfbp(workload, network, workers, buckets).iteration_s * (1 + 1e-12)
+        dear = timelines.dear(workload, network, workers, buckets).iteration_s
+        assert dear <= timelines.wfbp(workload, network, workers, buckets).iteration_s * (1 + 1e-12)
     for workload in BUILTINS.values():
-        for buckets in (schedules.per_layer(workload), schedules.fixed_size(workload, 25 * 2**20)):
+        for buckets in (timelines.per_layer(workload), timelines.fixed_size(workload, 25 * 2**20)):
             for workers in (2, 64, 2048):
-                dear = schedules.dear(workload, RING_10G, workers, buckets).iteration_s
-                assert dear <= schedules.wfbp(workload, RING_10G, workers, buckets).iteration_s * (1 + 1e-12)
+                dear = timelines.dear(workload, RING_10G, workers, buckets).iteration_s
+                assert dear <= timelines.wfbp(workload, RING_10G, workers, buckets).iteration_s * (1 + 1e-12)
 
 
 def test_dear_can_lose_when_a_layer_backward_exceeds_twice_its_forward() -> None:
@@ -83,8 +83,8 @@ def test_dear_can_lose_when_a_layer_backward_exceeds_twice_its_forward() -> None
     workload = Workload("edge", (Layer("first", 1, 0.1, 2.0), Layer("last", 2 * 10**9, 0.0, 0.0)), 1)
     network = AlphaBeta(0.0, 1e-9)  # ring, 2 workers: reduce-scatter = all-gather = 1 s, all-reduce 2 s
     buckets = [[1], [0]]
-    assert schedules.wfbp(workload, network, 2, buckets).iteration_s == pytest.approx(0.1 + 2.0 + 0.0)
-    assert schedules.dear(workload, network, 2, buckets).iteration_s == pytest.approx(1.0 + 2.0)
+    assert timelines.wfbp(workload, network, 2, buckets).iteration_s == pytest.approx(0.1 + 2.0 + 0.0)
+    assert timelines.dear(workload, network, 2, buckets).iteration_s == pytest.approx(1.0 + 2.0)
 
 
 def test_ring_costs_are_dear_equations_3_to_5() -> None:
@@ -110,8 +110,8 @@ def test_fine_grained_limits_reproduce_dear_equations_7_to_9(t_ag_over_t_ff: flo
     eq8 = t_ff + max(2 * t_ff, t_ar)
     eq9 = 0.0 if t_ag <= t_ff else (t_ag - t_ff if t_ag <= 2 * t_ff else t_ff)
     tolerance = 3 * (t_ff + t_ag) / layers * 2
-    dear = schedules.dear(workload, network, 2).iteration_s
-    wfbp = schedules.wfbp(workload, network, 2).iteration_s
+    dear = timelines.dear(workload, network, 2).iteration_s
+    wfbp = timelines.wfbp(workload, network, 2).iteration_s
     assert dear == pytest.approx(eq7, abs=tolerance)
     assert wfbp == pytest.approx(eq8, abs=tolerance)
     assert wfbp - dear == pytest.approx(eq9, abs=2 * tolerance)
@@ -142,9 +142,9 @@ def test_mgwfbp_never_worse_than_wfbp_or_sync_easgd() -> None:
     for _ in range(300):
         workload, network = random_workload(rng, (0.0, 4.0)), random_network(rng)
         workers = rng.choice([2, 4, 128, 2048])
-        merged = schedules.mgwfbp(workload, network, workers).iteration_s
-        assert merged <= schedules.wfbp(workload, network, workers).iteration_s + 1e-12
-        assert merged <= schedules.sync_easgd(workload, network, workers).iteration_s + 1e-12
+        merged = timelines.mgwfbp(workload, network, workers).iteration_s
+        assert merged <= timelines.wfbp(workload, network, workers).iteration_s + 1e-12
+        assert merged <= timelines.sync_easgd(workload, network, workers).iteration_s + 1e-12
 
 
 def test_bytescheduler_lets_the_first_layer_jump_the_queue() -> None:
@@ -153,7 +153,7 @@ def test_bytescheduler_lets_the_first_layer_jump_the_queue() -> None:
     WFBP sends them in order and waits for both."""
     workload = Workload("two", (Layer("input", 10**9, 0.5, 1.0), Layer("output", 4 * 10**9, 0.5, 1.0)), 1)
     network = AlphaBeta(0.0, 1e-9)  # ring on 2 workers: 1 s per GB all-reduced
-    assert schedules.wfbp(workload, network, 2).iteration_s == pytest.approx(7.0)
+    assert timelines.wfbp(workload, network, 2).iteration_s == pytest.approx(7.0)
     assert simulate("bytescheduler", workload, network, 2, partition_bytes=1e9).iteration_s == pytest.approx(6.5)
 
 

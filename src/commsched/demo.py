@@ -22,7 +22,7 @@ from rich.console import Console
 
 from commsched.bench import report
 from commsched.bench.config import BenchConfig
-from commsched.sim.network import parse_rate
+from commsched.rates import parse_rate
 
 # The README's benchmark model; at 600 Mbit its 11.7 MB of gradients take about as long to move as
 # backward takes to compute, where overlapping communication pays most.

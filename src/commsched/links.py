@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from commsched import exchange
+from commsched import point_to_point
 from commsched.device_time import SpanRecorder, synchronize
 from commsched.errors import PeerFailureError
 from commsched.works import After, Issuer, Pending, WaitClock
@@ -165,7 +165,7 @@ class Link:
 
     @property
     def native_reduce_scatter(self) -> bool:
-        """False for gloo: its reduce-scatter costs a whole all-reduce; `exchange` does both halves instead."""
+        """False for gloo: its reduce-scatter costs a whole all-reduce; `point_to_point` does both halves instead."""
         return self.backend != "gloo"
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str, scratch: Optional[torch.Tensor] = None,
@@ -173,7 +173,7 @@ class Link:
         """Sum `full` over ranks and leave this rank's slice in `shard`.
 
         `scratch` (at least (P-1)/P of `full`) receives the other ranks' slices when the backend has no
-        efficient reduce-scatter (`exchange`); the local sum then runs as a continuation on completion."""
+        efficient reduce-scatter (`point_to_point`); the local sum then runs as a continuation on completion."""
         if self.native_reduce_scatter:
             launch = partial(_reduce_scatter_single, shard, full, group=self.group, async_op=True)
             return self._request("reduce_scatter", tag, full, launch, 1.0, after, ready)
@@ -181,8 +181,8 @@ class Link:
             raise ValueError("commsched: reduce_scatter over gloo needs a scratch tensor of (P-1)/P of `full`")
         reduce: list[Callable[[], None]] = []
 
-        def launch() -> exchange.WorkSet:
-            work, local_sum = exchange.reduce_scatter(self.group, shard, full, scratch)
+        def launch() -> point_to_point.WorkSet:
+            work, local_sum = point_to_point.reduce_scatter(self.group, shard, full, scratch)
             reduce.append(local_sum)
             return work
 
@@ -192,8 +192,8 @@ class Link:
                    ready: Any = None) -> Pending:
         if self.native_reduce_scatter:
             launch = partial(_all_gather_single, full, shard, group=self.group, async_op=True)
-        else:  # gloo's all-gather copies more than the point-to-point exchange (see `exchange`)
-            launch = partial(exchange.all_gather, self.group, full, shard)
+        else:  # gloo's all-gather copies more than the point-to-point exchange (see `point_to_point`)
+            launch = partial(point_to_point.all_gather, self.group, full, shard)
         return self._request("all_gather", tag, full, launch, 1.0, after, ready, offload=not self.native_reduce_scatter)
 
     def broadcast(self, tensor: torch.Tensor, src: int, tag: str, after: After = None) -> Pending:
@@ -334,7 +334,7 @@ class Links:
             link.stop()
         for link in self._links.values():
             if link.group is not None:
-                exchange.release(link.group)
+                point_to_point.release(link.group)
                 dist.destroy_process_group(link.group)
                 link.group = None
         self._links.clear()

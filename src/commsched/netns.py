@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
-from commsched.sim.network import parse_rate
+from commsched.rates import parse_rate
 
 log = logging.getLogger(__name__)
 PREFIX = "commsched-"

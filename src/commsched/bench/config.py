@@ -10,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from commsched import options
 from commsched.errors import bad_value
 from commsched.plugins import import_plugins, schedule_names
-from commsched.sim.network import parse_rate
+from commsched.rates import parse_rate
 
 DEFAULT_SCHEDULES = ("ddp", "wfbp", "dear")
 EXCHANGES = ("topk", "hier")

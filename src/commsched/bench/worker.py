@@ -27,7 +27,7 @@ from commsched.plugins import import_plugins
 from commsched.quiet import exit_silently_on_interrupt, quiet_lightning
 import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
-from commsched.sim import Measured, Workload, schedules
+from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
 from commsched.workers import end_process_group
 
@@ -200,8 +200,8 @@ def predict(profile: dict) -> dict[str, float]:
     network = Measured(profile["world_size"], points)
     other = profile["summary"]["t_other"]
     workers = profile["world_size"]
-    wfbp = schedules.wfbp(workload, network, workers, buckets).iteration_s + other
-    dear = schedules.dear(workload, network, workers, buckets).iteration_s + other
+    wfbp = timelines.wfbp(workload, network, workers, buckets).iteration_s + other
+    dear = timelines.dear(workload, network, workers, buckets).iteration_s + other
     return {"ddp": wfbp, "wfbp": wfbp, "dear": dear}
 
 

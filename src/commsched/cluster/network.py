@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from commsched import netns
 from commsched.cluster.spec import MTU, PRIMARY_IFNAME, SECONDARY_IFNAME, ClusterSpec
 from commsched.errors import CommSchedConfigError
-from commsched.sim.network import parse_rate
+from commsched.rates import parse_rate
 
 log = logging.getLogger(__name__)
 

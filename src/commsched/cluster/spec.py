@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.sim.network import parse_rate
+from commsched.rates import parse_rate
 
 PRIMARY_IFNAME = "eth0"
 SECONDARY_IFNAME = "eth1"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from commsched.errors import bad_value
 from commsched.fusion import MODEL_POLICIES
 from commsched.planning.plan_file import SavedPlan
-from commsched.sim import Measured, Workload, schedules
+from commsched.sim import Measured, Workload, timelines
 from commsched.sim.network import COLLECTIVES
 
 
@@ -31,11 +31,11 @@ def plan_from_profile(profile: dict, policy: str) -> SavedPlan:
     network = network_from_profile(profile)
     workers = int(profile["world_size"])
     if policy == "dear-model":
-        layer_buckets, plan = schedules.dear_model_buckets(workload, network, workers)
+        layer_buckets, plan = timelines.dear_model_buckets(workload, network, workers)
         predicted, bound = plan.predicted, plan.lower_bound
     else:
-        layer_buckets = schedules.mgwfbp_buckets(workload, network, workers, exact=policy == "mgwfbp")
-        predicted = schedules.wfbp(workload, network, workers, layer_buckets).iteration_s
+        layer_buckets = timelines.mgwfbp_buckets(workload, network, workers, exact=policy == "mgwfbp")
+        predicted = timelines.wfbp(workload, network, workers, layer_buckets).iteration_s
         bound = predicted if policy == "mgwfbp" else None  # the programme is exact for its model
     layer_params = profile["layer_params"]
     buckets = [[name for i in bucket for name in reversed(layer_params[workload.layers[i].name])]

@@ -24,7 +24,7 @@ from rich.table import Table
 from commsched import netns
 from commsched.errors import CommSchedConfigError, bad_value
 from commsched.profile import DEFAULT_SIZES
-from commsched.sim.network import parse_rate
+from commsched.rates import parse_rate
 
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
 BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,

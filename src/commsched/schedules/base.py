@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from commsched.streams.control import StreamControl
     from commsched.streams.units import Striping
     from commsched.sim.network import CostModel
-    from commsched.sim.schedules import Buckets, Result
+    from commsched.sim.timelines import Buckets, Result
     from commsched.sim.workload import Workload
 
 
@@ -271,7 +271,7 @@ class Schedule:
     def simulate(cls, workload: "Workload", network: "CostModel", workers: int, buckets: "Buckets") -> "Result":
         """One steady iteration on the simulator's timeline. Default: forward, backward, then this
         schedule's collectives of every bucket one after another (no overlap, the bound above)."""
-        from commsched.sim.schedules import after_backward
+        from commsched.sim.timelines import after_backward
 
         return after_backward(cls.name, workload, network, workers, buckets, cls.step_collectives)
 

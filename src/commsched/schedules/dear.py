@@ -11,7 +11,7 @@ price of the full optimizer work on every rank -- the same work DDP does. Clippi
 global norm from the shards (one scalar all-reduce) and scales each bucket once it is gathered
 (scaling and clamping commute with the all-gather).
 
-Nobody sees the difference (`commsched.pending`): between backward and the step the parameters'
+Nobody sees the difference (`commsched.watch`): between backward and the step the parameters'
 `.grad` is pending, and the first read or write of one waits for the all-gathers (already on
 their way: no collective is issued out of order, whichever ranks look) and takes the step at
 once; after the step, each parameter, its `.grad` and its optimizer state are pending until its
@@ -39,7 +39,7 @@ from typing_extensions import override
 from commsched.buckets import BucketPlan
 from commsched.hooks import OwnHook
 from commsched.links import Links, Pending
-from commsched.pending import Kind, Watch
+from commsched.watch import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice
 from commsched.run_summary import size_text
@@ -49,9 +49,9 @@ from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
 from commsched.schedules.dear_update import Gathers, PendingUpdate, landed, start_gathers, taken_back
 from commsched.schedules.partial_step import StepUndo, SubsetStepper, snapshot_hyperparams
 from commsched.schedules.step_control import run_with_step_replaced
-from commsched.sim import schedules
+from commsched.sim import timelines
 from commsched.sim.network import CostModel
-from commsched.sim.schedules import Buckets, Result
+from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.options import StreamOptions
 from commsched.streams.control import StreamControl
@@ -238,7 +238,7 @@ class DeARSchedule(Schedule):
             self.watch.mark(b, bucket.params, Kind.GRADIENT)
 
     def _bring_up_to_date(self, buckets: set[int], kind: Kind) -> None:
-        """`commsched.pending`'s callback: someone touched a pending tensor."""
+        """`commsched.watch`'s callback: someone touched a pending tensor."""
         if kind is Kind.GRADIENT:
             self._make_whole()
         else:
@@ -391,4 +391,4 @@ class DeARSchedule(Schedule):
     @classmethod
     @override
     def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
-        return schedules.dear(workload, network, workers, buckets)
+        return timelines.dear(workload, network, workers, buckets)

@@ -45,7 +45,7 @@ from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim.network import CostModel
-from commsched.sim.schedules import Buckets, Result
+from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.state import refuse_unknown
 from commsched.say import say

@@ -29,9 +29,9 @@ from commsched.compression.warmup import SparsityWarmup
 from commsched.reducers.topk import SELECTIONS, SparseExchange, TopKAllReduce, selector
 from commsched.schedules.base import Schedule
 from commsched.schedules.step_control import run_with_step_replaced
-from commsched.sim import schedules
+from commsched.sim import timelines
 from commsched.sim.network import CostModel
-from commsched.sim.schedules import Buckets, Result
+from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.say import say
 from commsched.state import RESIDUAL_TOTAL, refuse_unknown
@@ -345,4 +345,4 @@ class WFBPSchedule(Schedule):
     @classmethod
     @override
     def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
-        return schedules.wfbp(workload, network, workers, buckets)
+        return timelines.wfbp(workload, network, workers, buckets)

@@ -18,7 +18,7 @@ import math
 from typing import Callable, Sequence
 
 from commsched.sim.network import CostModel
-from commsched.sim.schedules import Buckets, Result, _bucket_bytes, _compute_spans, grad_ready, per_layer
+from commsched.sim.timelines import Buckets, Result, _bucket_bytes, _compute_spans, grad_ready, per_layer
 from commsched.sim.workload import Workload
 from commsched.trace import Span
 

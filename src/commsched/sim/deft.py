@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from commsched.deft.plan import LINK_NAMES, DeFTPlan, Launch, Timings, plan_for
 from commsched.deft.predict import replay
 from commsched.sim.network import CostModel
-from commsched.sim.schedules import Result, _bucket_bytes, _compute_spans, fixed_size, grad_ready
+from commsched.sim.timelines import Result, _bucket_bytes, _compute_spans, fixed_size, grad_ready
 from commsched.sim.workload import Workload
 from commsched.trace import Span
 

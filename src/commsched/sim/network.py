@@ -103,25 +103,6 @@ class Fitted:
         return cls(int(data["workers"]), {k: Line(**data[k]) for k in COLLECTIVES if k in data})
 
 
-def parse_rate(text: str) -> float:
-    """'10gbit', '200mbit', '1.5gbit', '100kbit' or a plain number of bits per second."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bit": 1.0}
-    lowered = text.strip().lower()
-    for unit, scale in units.items():
-        if lowered.endswith(unit):
-            number = lowered[: -len(unit)]
-            break
-    else:
-        number, scale = lowered, 1.0
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise bad_value("rate", text, "a number with a unit kbit/mbit/gbit, e.g. 1gbit or 200mbit") from None
-    if value <= 0:
-        raise bad_value("rate", text, "a positive rate, e.g. 1gbit")
-    return value
-
-
 @dataclass(frozen=True)
 class Measured:
     """Collective times measured on `workers` processes at a few sizes (e.g. each bucket alone),

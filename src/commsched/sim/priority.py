@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from commsched.sim.network import CostModel
-from commsched.sim.schedules import Result
+from commsched.sim.timelines import Result
 from commsched.sim.workload import Workload
 from commsched.trace import Span
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from commsched.errors import bad_value
-from commsched.sim import compressed, schedules
+from commsched.sim import compressed, timelines
 from commsched.sim.network import AlphaBeta, CostModel
 from commsched.sim.priority import bytescheduler
-from commsched.sim.schedules import Result
+from commsched.sim.timelines import Result
 from commsched.sim.workload import Workload
 
 SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp_greedy", "mgwfbp", "dear", "dear_fused", "dear_model", "bytescheduler", "deft")
@@ -46,28 +46,28 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
     if workers < 1:
         raise bad_value("workers", workers, "an integer >= 1")
     if name in COMPRESSED:
-        buckets = schedules.fixed_size(workload, bucket_bytes)
+        buckets = timelines.fixed_size(workload, bucket_bytes)
         if name == "topk":
             return compressed.topk(workload, network, workers, density, buckets)
         if name == "hitopk":
             return compressed.hitopk(workload, network, intra or NVLINK, workers, per_node, density, buckets)
         return compressed.hier_dense(workload, network, intra or NVLINK, workers, per_node, buckets)
     if name == "syncea":
-        return schedules.sync_easgd(workload, network, workers)
+        return timelines.sync_easgd(workload, network, workers)
     if name == "wfbp":
-        return schedules.wfbp(workload, network, workers)
+        return timelines.wfbp(workload, network, workers)
     if name == "mgwfbp":
-        return schedules.mgwfbp(workload, network, workers)
+        return timelines.mgwfbp(workload, network, workers)
     if name == "mgwfbp_greedy":
-        return schedules.mgwfbp(workload, network, workers, exact=False)
+        return timelines.mgwfbp(workload, network, workers, exact=False)
     if name == "dear":
-        return schedules.dear(workload, network, workers)
+        return timelines.dear(workload, network, workers)
     if name == "dear_fused":
-        result = schedules.dear(workload, network, workers, schedules.fixed_size(workload, bucket_bytes))
+        result = timelines.dear(workload, network, workers, timelines.fixed_size(workload, bucket_bytes))
         result.schedule = name
         return result
     if name == "dear_model":
-        result = schedules.dear(workload, network, workers, schedules.dear_model_buckets(workload, network, workers)[0])
+        result = timelines.dear(workload, network, workers, timelines.dear_model_buckets(workload, network, workers)[0])
         result.schedule = name
         return result
     if name == "deft":
@@ -77,5 +77,5 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
     if name == "bytescheduler":
         return bytescheduler(workload, network, workers, partition_bytes)
     if name in REGISTERED:
-        return REGISTERED[name](workload, network, workers, schedules.fixed_size(workload, bucket_bytes))
+        return REGISTERED[name](workload, network, workers, timelines.fixed_size(workload, bucket_bytes))
     raise bad_value("schedule", name, schedule_names())
