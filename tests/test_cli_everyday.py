@@ -161,12 +161,17 @@ def test_compression_input_is_checked_without_torch():
     assert "CompressionOptions(method='mstopk'); allowed: 'none' with schedule dear" in proc.stdout
 
 
-def test_the_builtin_table_of_compressing_schedules_is_the_registry():
+def test_the_catalogue_of_builtin_schedules_is_the_registry():
+    """The names and traits the options are checked against before torch is imported are the registry's."""
     import commsched
-    from commsched.options import BUILTIN_SCHEDULES, COMPRESSING_SCHEDULES, STRIPING_SCHEDULES
+    from commsched.options import BUILTIN, COMPRESSING_SCHEDULES, STRIPING_SCHEDULES
 
-    assert COMPRESSING_SCHEDULES == tuple(n for n in BUILTIN_SCHEDULES if commsched.SCHEDULES[n].compresses)
-    assert STRIPING_SCHEDULES == tuple(n for n in BUILTIN_SCHEDULES if commsched.SCHEDULES[n].stripes)
+    builtin = {name: cls for name, cls in commsched.SCHEDULES.items() if cls.__module__.startswith("commsched.")}
+    assert set(builtin) == set(BUILTIN)
+    for name, traits in BUILTIN.items():
+        assert (builtin[name].compresses, builtin[name].stripes) == (traits.compresses, traits.stripes), name
+    assert COMPRESSING_SCHEDULES == tuple(n for n in BUILTIN if commsched.SCHEDULES[n].compresses)
+    assert STRIPING_SCHEDULES == tuple(n for n in BUILTIN if commsched.SCHEDULES[n].stripes)
 
 
 def test_bench_help_lists_only_its_own_options(tmp_path):

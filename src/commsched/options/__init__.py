@@ -10,7 +10,7 @@ One module per concern (`fusion`, `links`, `deft`, `dear`, `compression`, `strea
 checks (`checks`) and the names they accept (`catalogue`); everything is importable from here.
 """
 
-from commsched.options.catalogue import BUILTIN_SCHEDULES, MODEL_POLICIES, FUSION_POLICIES, START_METHODS, BACKENDS, FALLBACKS, COMPRESSION_METHODS, COMPRESSING_SCHEDULES, STRIPING_SCHEDULES, MAX_STREAMS
+from commsched.options.catalogue import ScheduleTraits, BUILTIN, BUILTIN_SCHEDULES, MODEL_POLICIES, FUSION_POLICIES, START_METHODS, BACKENDS, FALLBACKS, COMPRESSION_METHODS, COMPRESSING_SCHEDULES, STRIPING_SCHEDULES, MAX_STREAMS
 from commsched.options.checks import Check, OptionsT, _real, _integer, positive_number, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, text, network_interface, timeout, warmup_value, option, validated, typed
 from commsched.options.fusion import TuningOptions, FusionOptions, ProfileOptions, fusion_from, profile_from
 from commsched.options.links import LinkOptions
@@ -21,6 +21,8 @@ from commsched.options.streams import streams_value, StreamOptions, check_stream
 from commsched.options.strategy import StrategyOptions
 
 __all__ = [
+    "ScheduleTraits",
+    "BUILTIN",
     "BUILTIN_SCHEDULES",
     "MODEL_POLICIES",
     "FUSION_POLICIES",

@@ -1,20 +1,38 @@
 """The names the options accept, in one place: schedules, fusion policies, backends, methods.
 
 Torch-free, like every options module: `commsched-train` checks its input with them before torch is
-imported. The tuples of built-in schedules are tested equal to the registry's (`commsched.SCHEDULES`).
+imported. The built-in schedules' traits are read by the schedule classes themselves, so the checks
+made here before torch is imported and the registry (`commsched.SCHEDULES`) cannot disagree.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 
-BUILTIN_SCHEDULES = ("wfbp", "dear", "deft")  # commsched.SCHEDULES before any plugin registers more (tested equal)
+@dataclass(frozen=True)
+class ScheduleTraits:
+    """What the options checks need to know of a built-in schedule before it is imported."""
+
+    compresses: bool = False
+    """Builds sparse exchanges when `compression` asks for them."""
+    stripes: bool = False
+    """Spreads its buckets' units over several streams."""
+
+
+BUILTIN: dict[str, ScheduleTraits] = {
+    "wfbp": ScheduleTraits(compresses=True, stripes=True),
+    "dear": ScheduleTraits(stripes=True),
+    "deft": ScheduleTraits(),  # splits its buckets between two links instead
+}
+"""The built-in schedules (`commsched.SCHEDULES` before any plugin registers more), by name."""
+BUILTIN_SCHEDULES = tuple(BUILTIN)
 MODEL_POLICIES = ("mgwfbp", "mgwfbp-greedy", "dear-model")  # planned from a profile of the first steps
 FUSION_POLICIES = ("auto", "fixed", "layers", *MODEL_POLICIES, "bayes")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 BACKENDS = ("gloo", "nccl")
 FALLBACKS = ("when_faster", "when_undelayed", "never")
 COMPRESSION_METHODS = ("none", "auto", "topk", "sampled", "mstopk")
-COMPRESSING_SCHEDULES = ("wfbp",)  # the built-in schedules whose `Schedule.compresses` is True (tested equal)
-STRIPING_SCHEDULES = ("wfbp", "dear")  # the built-in schedules whose `Schedule.stripes` is True (tested equal)
+COMPRESSING_SCHEDULES = tuple(name for name, traits in BUILTIN.items() if traits.compresses)
+STRIPING_SCHEDULES = tuple(name for name, traits in BUILTIN.items() if traits.stripes)
 MAX_STREAMS = 16

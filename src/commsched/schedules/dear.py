@@ -53,7 +53,7 @@ from commsched.sim import timelines
 from commsched.sim.network import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
-from commsched.options import StreamOptions
+from commsched.options import BUILTIN, StreamOptions
 from commsched.streams.control import StreamControl
 from commsched.streams.units import Striping, Unit, plan_units
 
@@ -82,7 +82,7 @@ class DeARSchedule(Schedule):
     steps_whole = False  # each bucket's update is applied when its all-gather lands, in the next forward
     grads_complete_after_closure = False
     mask_link = "control"  # the primary is busy with the reduce-scatters when the mask goes out
-    stripes = True
+    stripes = BUILTIN["dear"].stripes  # the catalogue the options are checked against before torch is imported
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)

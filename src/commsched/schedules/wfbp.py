@@ -19,7 +19,7 @@ from typing_extensions import override
 from commsched.errors import setting
 from commsched.buckets import BucketPlan
 from commsched.links import Links
-from commsched.options import CompressionOptions, StreamOptions
+from commsched.options import BUILTIN, CompressionOptions, StreamOptions
 from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
@@ -90,8 +90,8 @@ class WFBPSchedule(Schedule):
     name = "wfbp"
     description = "commsched WFBP: bucketed all-reduce launched during backward"
     step_collectives = ("all_reduce",)
-    compresses = True
-    stripes = True
+    compresses = BUILTIN["wfbp"].compresses  # the catalogue the options are checked against before torch is imported
+    stripes = BUILTIN["wfbp"].stripes
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
