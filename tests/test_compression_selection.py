@@ -123,7 +123,7 @@ def test_one_dimensional_parameters_are_sent_whole_beside_the_top_k_of_the_rest(
     parameters' positions all go, and the k largest magnitudes among the other positions."""
     from commsched.buckets import Bucket
     from commsched.compression.whole_vectors import WholeVectors
-    from commsched.reducers.topk import exact_topk
+    from commsched.compression.selections import exact_topk
 
     shapes = [(6, 5), (5,), (4, 3, 2), (7,), (3,), (10, 2)]  # 89 elements, padded to 90
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]

@@ -22,7 +22,7 @@ import torch
 
 from commsched.interleaved import Choice
 from commsched.options import CompressionOptions
-from commsched.reducers.topk import SELECTIONS, selector
+from commsched.compression.selections import SELECTIONS, selector
 
 SELECTION_PROBE_MAX = 2**22
 """Elements the selection probe times at most (both selections cost about linearly in the size)."""

@@ -18,7 +18,7 @@ from commsched.reducers.base import Reducer
 from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.reducers.sharded import ShardedReduce
 from commsched.reducers.staging import Staging
-from commsched.streams.units import Unit
+from commsched.reducers.units import Unit
 
 
 class Together:

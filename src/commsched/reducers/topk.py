@@ -26,31 +26,10 @@ import torch
 
 from commsched.buckets import Bucket
 from commsched.compression.dgc import Corrections
-from commsched.compression.mstopk import mstopk
-from commsched.compression.sampled import sampled_topk
 from commsched.compression.whole_vectors import Selector, WholeVectors
 from commsched.links import Link, Pending
 from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
-
-def exact_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk by magnitude: the reference MSTopK approximates."""
-    indices = torch.topk(x.abs(), k, sorted=False).indices
-    return x[indices], indices
-
-
-SELECTIONS = {"topk": "torch.topk", "sampled": "the sampled threshold", "mstopk": "MSTopK"}
-"""The selections by name, and how a message calls them: torch.topk, the sampled threshold (the same
-elements, faster on CPUs), MSTopK (the paper's, approximate)."""
-
-
-def selector(method: str, samplings: int) -> Selector:
-    if method == "topk":
-        return exact_topk
-    if method == "sampled":
-        return sampled_topk
-    return lambda x, k: mstopk(x, k, samplings)
-
 
 def k_of(density: float, numel: int) -> int:
     """Elements a rank sends for a bucket of `numel`: at least one, at most all."""

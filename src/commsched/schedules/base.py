@@ -32,7 +32,7 @@ from commsched.state import refuse_unknown
 
 if TYPE_CHECKING:
     from commsched.streams.control import StreamControl
-    from commsched.streams.units import Striping
+    from commsched.reducers.units import Striping
     from commsched.sim.network import CostModel
     from commsched.sim.timelines import Buckets, Result
     from commsched.sim.workload import Workload

@@ -55,7 +55,7 @@ from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.options import BUILTIN, StreamOptions
 from commsched.streams.control import StreamControl
-from commsched.streams.units import Striping, Unit, plan_units
+from commsched.reducers.units import Striping, Unit, plan_units
 
 
 WFBP = 0

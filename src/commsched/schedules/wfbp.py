@@ -24,9 +24,10 @@ from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.compression.auto import SparseOrDense, fastest_selection
+from commsched.compression.selections import SELECTIONS, selector
 from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections
 from commsched.compression.warmup import SparsityWarmup
-from commsched.reducers.topk import SELECTIONS, SparseExchange, TopKAllReduce, selector
+from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.schedules.base import Schedule
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
@@ -36,7 +37,7 @@ from commsched.sim.workload import Workload
 from commsched.say import say
 from commsched.state import RESIDUAL_TOTAL, refuse_unknown
 from commsched.streams.control import StreamControl
-from commsched.streams.units import Striping, plan_units
+from commsched.reducers.units import Striping, plan_units
 
 
 @dataclass

@@ -32,7 +32,7 @@ from commsched.run_files import folder_of
 from commsched.say import say
 from commsched.streams.search import StreamSearch
 from commsched.streams.space import Space
-from commsched.streams.units import Striping
+from commsched.reducers.units import Striping
 
 TRIALS_FILE = "commsched_streams.json"
 

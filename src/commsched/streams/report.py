@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from commsched.run_files import write_json, write_text, write_whole
-from commsched.streams.units import Striping
+from commsched.reducers.units import Striping
 
 
 def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[Striping], name: str) -> list[Path]:

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 from commsched.streams.bandit import AUCBandit
 from commsched.streams.space import Space
 from commsched.streams.techniques import TECHNIQUES
-from commsched.streams.units import Striping
+from commsched.reducers.units import Striping
 
 
 @dataclass

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-from commsched.streams.units import Striping
+from commsched.reducers.units import Striping
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Optional
 
 from commsched.planning.bayes import BayesianSearch
 from commsched.streams.space import Space
-from commsched.streams.units import Striping
+from commsched.reducers.units import Striping
 
 MAX_TRIES = 20
 
