@@ -2,9 +2,10 @@
 reference of the tests (`tests/workers/stale_reference.py`: SGD written out, BatchNorm, weight decay
 5e-4, batch 64, digits, 3 epochs) trained synchronously, one step stale, and one step stale with each
 compensation it implements, at the same learning rate and momentum; mean held-out accuracy over SEEDS
-seeds, points against synchronous.
+seeds, points against synchronous. Staleness starts after `--stale-from` synchronous steps (10: where
+DeFT's default warm-up and measured steps end; 0: from the first step).
 
-    .venv/bin/python recipes/staleness_compensation.py [--models bn_net resnet18 vgg16_bn] [--seeds 5]
+    .venv/bin/python recipes/staleness_compensation.py [--models bn_net resnet18 vgg16_bn] [--seeds 5] [--stale-from 10]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=[f"{lr:g}/{m:g}" for lr, m in SETTINGS], help="lr/momentum")
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
                         help="adamw: torch's AdamW (weight decay 0.01; momentum ignored), compensations none and predict")
+    parser.add_argument("--stale-from", type=int, default=10, help="synchronous steps before the staleness starts")
+    parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = " | ".join(f"stale, {c}" if c != "none" else "stale" for c in args.compensations)
@@ -44,9 +47,9 @@ def main() -> None:
 
             def accuracy(staleness: int, compensation: str = "none") -> float:
                 decay = 0.01 if args.optimizer == "adamw" else 5e-4
-                return statistics.mean(train(lr, momentum, staleness, epochs=3, seed=seed, width=width, model_name=name,
+                return statistics.mean(train(lr, momentum, staleness, epochs=args.epochs, seed=seed, width=width, model_name=name,
                                              resolution=resolution, compensation=compensation, weight_decay=decay,
-                                             optimizer_name=args.optimizer).accuracy
+                                             optimizer_name=args.optimizer, stale_from=args.stale_from).accuracy
                                        for seed in range(args.seeds))
 
             sync = accuracy(0)

@@ -157,9 +157,11 @@ class StaleAdamW:
 
 def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, weight_decay: float = 5e-4,
           batch_size: int = 64, width: int = 16, model_name: str = "bn_net", resolution: int = 8,
-          compensation: str = "none", optimizer_name: str = "sgd") -> Run:
+          compensation: str = "none", optimizer_name: str = "sgd", stale_from: int = 0) -> Run:
     """Held-out accuracy after `epochs` of SGD whose every step applies the gradient of `staleness` steps
-    ago, compensated as `compensation` says (one of `COMPENSATIONS`)."""
+    ago, compensated as `compensation` says (one of `COMPENSATIONS`). The first `stale_from` iterations
+    step synchronously (as DeFT's warm-up and measured steps do); the iteration after them steps nothing,
+    and from then on each step applies the gradient of `staleness` iterations before."""
     torch.manual_seed(seed)
     (x, y), (x_val, y_val) = digits(resolution)
     model = MODELS[model_name](width)
@@ -168,12 +170,15 @@ def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, we
                  else StaleSGD(params, lr, momentum, weight_decay, staleness, compensation))
     late: deque[tuple[list[torch.Tensor], list[torch.Tensor]]] = deque()
     run = Run(0.0)
+    iteration = 0
     shuffle = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=shuffle)
         for start in range(0, len(y) - batch_size + 1, batch_size):
             batch = order[start : start + batch_size]
             model.train()
+            iteration += 1
+            optimizer.staleness = staleness if iteration > stale_from else 0
             weights = [p.detach().clone() for p in params]
             forward_at = optimizer.predicted()
             with torch.no_grad():
@@ -187,7 +192,7 @@ def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, we
                     p.copy_(w)
             run.losses.append(float(loss.detach()))
             late.append(([p.grad.detach().clone() for p in params], forward_at))
-            if len(late) > staleness:
+            if len(late) > optimizer.staleness:
                 optimizer.step(*late.popleft())
     model.eval()
     with torch.no_grad():
@@ -214,3 +219,55 @@ def after_steps(lr: float, momentum: float, steps: int, seed: int, batch_size: i
         loss.backward()
         optimizer.step()
     raise AssertionError("unreachable")
+
+
+def train_text(lr: float, staleness: int, steps: int, seed: int, weight_decay: float = 0.01, batch_size: int = 16,
+               compensation: str = "none", stale_from: int = 0, eval_batches: int = 8) -> Run:
+    """GPT-2 tiny (`commsched.models.gpt2`) on the bytes of Python's documentation topics, trained by
+    `StaleAdamW` for `steps` steps whose gradients are `staleness` iterations late after the first
+    `stale_from`; `Run.accuracy` holds the held-out loss (lower is better) over `eval_batches` fixed
+    windows of the last tenth of the text."""
+    from commsched.data.text import read_bytes
+    from commsched.models.gpt2 import GPT2, GPT2Config
+
+    torch.manual_seed(seed)
+    config = GPT2Config.tiny()
+    tokens = read_bytes(None)
+    cut = int(len(tokens) * 0.9)
+    train_tokens, val_tokens = tokens[:cut], tokens[cut:]
+    model = GPT2(config)
+    params = list(model.parameters())
+    optimizer = StaleAdamW(params, lr, weight_decay, staleness, compensation)
+    window = config.block_size + 1
+    draw = torch.Generator().manual_seed(seed)
+    late: deque[tuple[list[torch.Tensor], list[torch.Tensor]]] = deque()
+    run = Run(0.0)
+
+    def loss_of(chunk: torch.Tensor) -> torch.Tensor:
+        logits = model(chunk[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), chunk[:, 1:].reshape(-1))
+
+    for iteration in range(1, steps + 1):
+        optimizer.staleness = staleness if iteration > stale_from else 0
+        starts = torch.randint(0, len(train_tokens) - window, (batch_size,), generator=draw)
+        chunk = torch.stack([train_tokens[s:s + window] for s in starts.tolist()])
+        weights = [p.detach().clone() for p in params]
+        forward_at = optimizer.predicted()
+        with torch.no_grad():
+            for p, w in zip(params, forward_at):
+                p.copy_(w)
+        loss = loss_of(chunk)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            for p, w in zip(params, weights):
+                p.copy_(w)
+        run.losses.append(float(loss.detach()))
+        late.append(([p.grad.detach().clone() for p in params], forward_at))
+        if len(late) > optimizer.staleness:
+            optimizer.step(*late.popleft())
+    with torch.no_grad():
+        starts = torch.linspace(0, len(val_tokens) - window - 1, eval_batches * batch_size).long()
+        held_out = torch.stack([val_tokens[s:s + window] for s in starts.tolist()])
+        run.accuracy = float(sum(loss_of(part) for part in held_out.split(batch_size)) / eval_batches)
+    return run
