@@ -15,7 +15,7 @@ from commsched.deft.curvature import CurvatureUnavailable, top_curvature
 from commsched.deft.stability import Stepper, largest_stable_curvature, spectral_radius
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from stale_reference import after_steps, train  # noqa: E402
+from stale_reference import StaleSGD, after_steps, train  # noqa: E402
 
 
 @pytest.mark.parametrize("lr", [0.01, 0.1, 0.5])
@@ -50,6 +50,44 @@ def test_stability_band_matches_the_iterated_optimizer(stepper, staleness):
     assert _iterate(stepper, 0.9 * edge, staleness) < 1e-3
     assert _iterate(stepper, 1.1 * edge, staleness) > 1e3
     assert spectral_radius(stepper, 0.9 * edge, staleness) < 1 < spectral_radius(stepper, 1.1 * edge, staleness)
+
+
+def _iterate_reference(lr: float, momentum: float, decay: float, curvature: float, staleness: int, compensation: str,
+                       steps: int = 3000) -> float:
+    """|x| after `steps` of the single-process reference's compensated stale SGD (`stale_reference.StaleSGD`,
+    written from the paper apart from the product) on f(x) = curvature x^2 / 2."""
+    x = torch.ones(1, dtype=torch.float64)
+    optimizer = StaleSGD([x], lr, momentum, decay, staleness, compensation)
+    late = []
+    for _ in range(steps):
+        at = optimizer.predicted()
+        late.append(([curvature * at[0]], at))
+        if len(late) > staleness:
+            optimizer.step(*late.pop(0))
+        if abs(float(x)) > 1e12:
+            break
+    return abs(float(x))
+
+
+@pytest.mark.parametrize("compensation", ["spike", "predict", "spike+predict"])
+@pytest.mark.parametrize("lr, momentum, decay", [(0.05, 0.9, 5e-4), (0.02, 0.9, 0.0), (0.1, 0.5, 0.0), (0.3, 0.0, 0.0)])
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_compensated_stability_band_matches_the_reference_optimizer(compensation, lr, momentum, decay, staleness):
+    """The band the Preserver judges a compensated stale plan by is where the reference's compensated
+    SGD stops converging on a quadratic."""
+    edge = largest_stable_curvature(Stepper(lr, momentum, weight_decay=decay), staleness, compensation)
+    assert _iterate_reference(lr, momentum, decay, 0.95 * edge, staleness, compensation) < 1e-3
+    assert _iterate_reference(lr, momentum, decay, 1.05 * edge, staleness, compensation) > 1e3
+
+
+def test_compensation_widens_the_one_step_stale_band_at_momentum_0_9():
+    """Spike compensation with weight prediction widens the band of one-step-stale SGD at momentum 0.9
+    about 3.5 times (from (1 - m) / lr), still far inside the synchronous 2 (1 + m) / lr."""
+    stepper = Stepper(0.05, 0.9)
+    bands = {c: largest_stable_curvature(stepper, 1, c) for c in ("none", "spike", "predict", "spike+predict")}
+    assert bands["none"] == pytest.approx(0.1 / 0.05, rel=1e-6)
+    assert bands["none"] < bands["spike"] < bands["predict"] < bands["spike+predict"] < largest_stable_curvature(stepper, 0) / 10
+    assert bands["spike+predict"] / bands["none"] == pytest.approx(3.45, abs=0.05)
 
 
 def test_stepper_reads_the_optimizer():
