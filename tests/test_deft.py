@@ -58,7 +58,7 @@ def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
     proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed",
                       "forced-spike", "forced-spike-part", "forced-spike-resumed", "forced-predict", "forced-both",
-                      "forced-both-part", "forced-both-resumed", "preserved", "preserved-stale",
+                      "forced-both-part", "forced-both-resumed", "preserved", "preserved-stale", "preserved-auto",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
                       "handed-wfbp", "confirmed-dear", "undelayed-two-links")
     if proc.returncode != 0:
@@ -285,7 +285,7 @@ def test_preserver_decides_and_logs_every_decision(deft_runs):
         assert later["capacity"] is None or later["capacity"] > earlier["capacity"]
     accepted = decisions[-1]
     assert accepted["capacity"] is None or abs(accepted["ratio"] - 1) <= 0.01
-    assert accepted["staleness"] == 0  # the default max_staleness
+    assert accepted["staleness"] == 0  # max_staleness=0
     # The forced timings make the first plan (capacity 1.0, as forced-sgd runs it) delay: the guard
     # must reject it, for a reason it states, before it accepts a larger capacity.
     first = decisions[0]
@@ -308,6 +308,21 @@ def test_preserver_judges_stale_plans_by_the_measured_curvature(deft_runs):
     assert largest_stable_curvature(Stepper(0.2, 0.9), 1) <= stale[0]["stable_below"] <= largest_stable_curvature(Stepper(0.15, 0.9), 1)
     assert [d for d in ranks[0] if d["staleness"] > 1 and d["accepted"]] == []
     assert runs[0]["plan"] == runs[1]["plan"] and max_abs_diff(runs[0]["state"], runs[1]["state"])[0] == 0.0
+
+
+def test_preserver_with_one_step_allowed_accepts_a_compensated_stale_plan(deft_runs):
+    """max_staleness=1 and the compensation's default ("auto"): under SGD with momentum 0.9 a
+    one-step-stale plan is accepted because it runs with spike compensation and weight prediction,
+    measured to keep accuracy one step late; the run equals the replay's written-out compensated SGD."""
+    result = deft_runs("preserved-auto")
+    accepted = [d for d in result["decisions"] if d["accepted"]]
+    assert len(accepted) == 1 and accepted[0]["staleness"] == 1, result["decisions"]
+    assert accepted[0]["compensation"] == "spike+predict" and accepted[0]["measured_staleness"] == 1
+    assert result["report"]["compensation"] == "spike+predict" and result["report"]["runs"] == "plan"
+    diff, key = max_abs_diff(replay(result, compensation="spike+predict"), result["state"])
+    assert diff <= 1e-5, f"{diff} at {key}"
+    assert max_abs_diff(replay(result), result["state"])[0] > 1e-3
+    assert max_abs_diff(result["state"], deft_runs("preserved-auto", 1)["state"])[0] == 0.0
 
 
 def test_preserver_rechecks_and_the_engine_solves_again(deft_runs):
@@ -340,7 +355,7 @@ def test_spike_compensation_is_refused_where_it_does_not_stand_in_for_the_moment
                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
     environment = dict(os.environ)
     try:
-        with pytest.raises(commsched.CommSchedConfigError, match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: none, spike"):
+        with pytest.raises(commsched.CommSchedConfigError, match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: auto, none, spike"):
             trainer.fit(MLP(optimizer))
     finally:  # the one-process group holds MASTER_PORT, which every later worker of the suite would inherit
         if torch.distributed.is_initialized():

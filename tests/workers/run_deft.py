@@ -84,8 +84,8 @@ def timings(buckets: int) -> dict:
     return {"forward": 1.0, "backward": [0.3] * buckets, "costs": [[1.0] * buckets, [1.2] * buckets]}
 
 
-COMPENSATION = {"spike": "spike", "predict": "predict", "both": "spike+predict"}
-"""What the forced cases named forced-<key>... compensate."""
+COMPENSATION = {"spike": "spike", "predict": "predict", "both": "spike+predict", "auto": "auto"}
+"""What the forced cases named forced-<key>... (and preserved-auto) compensate."""
 
 CASES = {
     # name: (optimizer, steps, resume_from, preserver (None, or steps between re-checks), capacity)
@@ -103,7 +103,8 @@ CASES = {
     "forced-both-part": ("sgd-groups", 9, None, None, 1.0),
     "forced-both-resumed": ("sgd-groups", 17, "forced-both-part", None, 1.0),
     "preserved": ("sgd", 12, None, 0, 1.0),
-    "preserved-stale": ("sgd", 12, None, 0, 1.0),  # one iteration of staleness allowed: judged by curvature
+    "preserved-stale": ("sgd", 12, None, 0, 1.0),  # one iteration of staleness allowed, uncompensated: judged by curvature
+    "preserved-auto": ("sgd", 12, None, 0, 1.0),  # max_staleness=1, the compensation's default ("auto")
     "undelayed-two-links": ("sgd", 12, None, None, 50.0),  # room for everything on both links: no delay, the plan itself
     "rechecked": ("sgd", 16, None, 8, 0.5),
     "profiled": ("sgd", 12, None, None, 1.0),  # the profile covers measured and planned steps
@@ -177,8 +178,10 @@ def fit(out: Path, name: str, world: int) -> None:
     strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile,
                                       preserver=commsched.PreserverOptions(enabled=preserve is not None))
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
-    staleness = 1 if name == "preserved-stale" else 0
-    preserver = commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness) if preserve is not None else None
+    staleness, margin = (1, 1.0) if name == "preserved-stale" else (0, 0.0)
+    preserver = (commsched.Preserver(max_staleness=1) if name == "preserved-auto" else
+                 commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness, curvature_margin=margin)
+                 if preserve is not None else None)
     if preserver is not None:
         callbacks.append(preserver)
     if name == "confirmed-dear":

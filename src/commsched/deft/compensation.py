@@ -19,8 +19,41 @@ from typing import Any, Callable
 import torch
 from torch.optim import Optimizer
 
-COMPENSATIONS = ("none", "spike", "predict", "spike+predict")
-"""Besides spike: "predict", linear weight prediction (`commsched.deft.prediction`); "spike+predict", both."""
+COMPENSATIONS = ("auto", "none", "spike", "predict", "spike+predict")
+"""Besides spike: "predict", linear weight prediction (`commsched.deft.prediction`); "spike+predict",
+both; "auto", the one measured to keep this optimizer's accuracy one step late (`chosen_for`)."""
+
+MEASURED_MOMENTUM = 0.9
+"""The momentum (SGD's, or Adam's beta1) of the runs where compensation was measured to help one step
+late: below it, none was (at momentum 0.5 each was within noise of none, at 0 prediction cost points:
+it extrapolates along one noisy gradient)."""
+
+
+def chosen_for(optimizer: Optimizer) -> str:
+    """What "auto" runs with this optimizer: spike compensation with weight prediction for SGD with
+    heavy-ball momentum >= 0.9 in every group, prediction for Adam and AdamW (beta1 >= 0.9), else none:
+    the compensation that recovered the most of what one step of staleness costs, measured from DeFT's
+    decision on (after its synchronous warm-up and measured steps; docs/deft.md, "Compensating the delay")."""
+    groups = optimizer.param_groups
+    if spike_applies(optimizer) and all(group.get("momentum", 0) >= MEASURED_MOMENTUM for group in groups):
+        return "spike+predict"
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(group["betas"][0] >= MEASURED_MOMENTUM for group in groups):
+        return "predict"
+    return "none"
+
+
+def resolve(requested: str, optimizer: Optimizer) -> str:
+    """The compensation that runs: `requested`, or with "auto" `chosen_for(optimizer)`."""
+    return chosen_for(optimizer) if requested == "auto" else requested
+
+
+def measured_staleness(compensation: str, optimizer: Optimizer) -> int:
+    """How late a generation may step with this compensation and optimizer and still keep accuracy, as
+    measured: one iteration for SGD with momentum >= 0.9 under spike compensation with weight prediction
+    (within 0.6 points of synchronous on the digits' BatchNorm networks); none otherwise. Under AdamW
+    prediction took most of the cost away on those networks but left GPT-2 tiny's loss 2-20% above
+    synchronous."""
+    return 1 if compensation == "spike+predict" and chosen_for(optimizer) == "spike+predict" else 0
 
 
 def spike_applies(optimizer: Optimizer) -> bool:

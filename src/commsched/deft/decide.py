@@ -34,8 +34,10 @@ class Decision:
 
 
 def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOptions, preserver: Any,
-           meter: StageMeter, probes: GradientProbes) -> Decision:
-    """Every rank calls it at the same iteration boundary (it issues collectives on every link)."""
+           meter: StageMeter, probes: GradientProbes, compensation: str = "none", measured_staleness: int = 0) -> Decision:
+    """Every rank calls it at the same iteration boundary (it issues collectives on every link).
+    `compensation` is the one that runs, and `measured_staleness` how late it was measured to keep
+    this optimizer's accuracy (`deft.compensation`): the Preserver judges stale plans by them."""
     forward, backward = agreed_stage_times(*meter.per_bucket_backward(len(plan.buckets)), control)
     shared = False
     if options.timings_file is not None:
@@ -46,7 +48,7 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
         if shared:
             say("commsched deft: the secondary link shares the primary's network (each slows the other "
                      "down): only the primary is used")
-    stats = probes.walk_statistics(preserver)
+    stats = {**probes.walk_statistics(preserver), "compensation": compensation, "measured_staleness": measured_staleness}
     halves = _dear_halves(plan, links, control, options, shared)
     mine = _solve(plan, timings, stats, halves, options, preserver) if control.rank == 0 else None
     decided = control.broadcast_object(mine, src=0, tag="deft-plan")
@@ -57,7 +59,10 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
                        "delayed and stale updates can cost accuracy (one iteration of staleness cost 25 points on the "
                        "digits run of docs/deft.md) and nothing checks it. Leave the Preserver on (PreserverOptions(), "
                        "preserver.enabled=true) or set deft.capacity=None for no delay.")
-    say(f"commsched deft: {decision.plan.describe()}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
+    compensated = ""
+    if decision.plan.staleness and decision.choice.runs == "plan":
+        compensated = f"; late generations compensated by {compensation}" if compensation != "none" else "; late generations uncompensated"
+    say(f"commsched deft: {decision.plan.describe()}{compensated}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                    f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, all-reduce "
                    f"{sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary; "
                    f"{describe(decision.choice, options.fallback, control.world_size)}")
@@ -115,10 +120,10 @@ def describe(choice: Choice, fallback: str, world_size: int) -> str:
 
 
 def report(plan: DeFTPlan, choice: Choice, decided: bool, options: DeFTOptions, world_size: int, timings: Optional[Timings],
-           decisions: list[dict[str, Any]]) -> dict[str, Any]:
+           decisions: list[dict[str, Any]], compensation: str = "none") -> dict[str, Any]:
     """What was decided, for metrics files and benchmark tables."""
     described = plan.describe() + (f"; {describe(choice, options.fallback, world_size)}" if decided else "")
-    return {"plan": described, "n": plan.n, "k": list(plan.k), "compensation": options.compensation,
+    return {"plan": described, "n": plan.n, "k": list(plan.k), "compensation": compensation,
             "staleness": plan.staleness, "runs": choice.runs, "dear_links": list(choice.dear_links),
             "predicted": choice.predicted, "measured": choice.measured, "mu": timings.mu if timings is not None else None,
             "preserver": decisions}

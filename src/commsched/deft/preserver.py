@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class Preserver(pl.Callback):
     def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 1.25, optimum: float = 0.0,
                  batch_size: Optional[int] = None, recheck_every_n_steps: int = 0, max_staleness: int = 0,
-                 curvature_margin: float = 1.0) -> None:
+                 curvature_margin: float = 0.0) -> None:
         """
         Args:
             eps: accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps].
@@ -43,11 +43,12 @@ class Preserver(pl.Callback):
                 statistics change as training goes on); 0: decide once.
             max_staleness: plans whose generations step more than this many iterations after their last
                 gradient are rejected whatever the walk says. The walk models batch sizes, not stale
-                gradients; one iteration of staleness cost digits training 10-75 points of accuracy
-                in most settings measured, which the walk scored as harmless.
-            curvature_margin: a stale plan within `max_staleness` is accepted only if the optimizer
-                with that staleness stays stable (`deft.stability`) on the loss's top curvature,
-                measured on DeFT's probe steps, times this margin; 0: no curvature check.
+                gradients. 0: none. Within it, a stale plan is accepted where it was measured to keep
+                accuracy: one iteration late under SGD with momentum >= 0.9, compensated as DeFT's
+                "auto" does (not on every model: see docs/deft.md).
+            curvature_margin: > 0: a stale plan is also accepted where the optimizer, compensated as it
+                runs and with that staleness, stays stable (`deft.stability`) on the loss's top
+                curvature, measured on DeFT's probe steps, times this margin; 0: no curvature measured.
         """
         self.eps, self.max_tries, self.growth = check_settings(eps, max_tries, growth)
         self.optimum = float(optimum)
@@ -68,7 +69,7 @@ class Preserver(pl.Callback):
 
     @property
     def needs_curvature(self) -> bool:
-        """Only a stale plan is judged by curvature: none is considered unless staleness is allowed."""
+        """Only a stale plan is judged by curvature, and only when asked (`curvature_margin` > 0)."""
         return self.max_staleness > 0 and self.curvature_margin > 0
 
     CURVATURE_PROBES = 2
@@ -122,15 +123,26 @@ class Preserver(pl.Callback):
             plan = solve(capacity)
             ratio = float(plan_ratio(state, plan.k))
             stable_below = self._stable_below(stats, plan.staleness)
-            accepted = (bool(abs(ratio - 1) <= self.eps) and plan.staleness <= self.max_staleness
-                        and (stable_below is None or self._curvature(stats) * self.curvature_margin < stable_below))
-            decisions.append(self._say(attempt, plan, capacity, ratio, accepted, self._curvature(stats), stable_below))
+            accepted = bool(abs(ratio - 1) <= self.eps) and self._keeps_accuracy(plan.staleness, stats, stable_below)
+            decisions.append(self._say(attempt, plan, capacity, ratio, accepted, stats, stable_below))
             if accepted or capacity is None:
                 return plan, decisions
             capacity *= self.growth
         plan = solve(None)
         decisions.append(self._say(self.max_tries, plan, None, 1.0, True))
         return plan, decisions
+
+    def _keeps_accuracy(self, staleness: int, stats: dict[str, Any], stable_below: Optional[float]) -> bool:
+        """Synchronous plans always; a stale one within `max_staleness` where it was measured to keep
+        accuracy with this compensation and optimizer, or where the measured curvature is inside the
+        compensated optimizer's stable band."""
+        if staleness == 0:
+            return True
+        if staleness > self.max_staleness:
+            return False
+        if staleness <= int(stats.get("measured_staleness", 0)):
+            return True
+        return stable_below is not None and self._curvature(stats) * self.curvature_margin < stable_below
 
     def _curvature(self, stats: dict[str, Any]) -> float:
         """The agreed top curvature; infinite when it could not be measured (nothing shows a stale plan stable)."""
@@ -142,17 +154,27 @@ class Preserver(pl.Callback):
         if staleness == 0 or not self.needs_curvature or staleness > self.max_staleness:
             return None
         stepper = stats.get("stepper")
-        return largest_stable_curvature(stepper, staleness) if stepper is not None else 0.0
+        return largest_stable_curvature(stepper, staleness, stats.get("compensation", "none")) if stepper is not None else 0.0
 
     def _say(self, attempt: int, plan: DeFTPlan, capacity: Optional[float], ratio: float, accepted: bool,
-             curvature: Optional[float] = None, stable_below: Optional[float] = None) -> dict[str, Any]:
+             stats: Optional[dict[str, Any]] = None, stable_below: Optional[float] = None) -> dict[str, Any]:
         decision = {"attempt": attempt, "capacity": capacity, "k": list(plan.k), "n": plan.n, "ratio": ratio,
                     "staleness": plan.staleness, "accepted": accepted, "walk": asdict(self.walk) if self.walk else None}
         judged = ""
-        if stable_below is not None:
+        if plan.staleness and stats is not None:
+            compensation = stats.get("compensation", "none")
+            decision.update(compensation=compensation, measured_staleness=int(stats.get("measured_staleness", 0)))
+            if plan.staleness > self.max_staleness:
+                judged = f", staleness above max_staleness={self.max_staleness}"
+            elif plan.staleness <= decision["measured_staleness"]:
+                judged = f", compensated by {compensation} (measured to keep accuracy {decision['measured_staleness']} iteration late)"
+            else:
+                judged = f", compensation {compensation}: not measured to keep accuracy {plan.staleness} iteration(s) late"
+        if stable_below is not None and stats is not None:
+            curvature = self._curvature(stats)
             decision.update(curvature=curvature, stable_below=stable_below, margin=self.curvature_margin)
-            judged = (f", top curvature {curvature:.3g} x margin {self.curvature_margin:g} against {stable_below:.3g} "
-                      f"(where the optimizer with staleness {plan.staleness} stops converging)")
+            judged += (f"; top curvature {curvature:.3g} x margin {self.curvature_margin:g} against {stable_below:.3g} "
+                       f"(where the optimizer with staleness {plan.staleness} stops converging)")
         self.decisions.append(decision)
         cap = "unlimited (no delay)" if capacity is None or math.isinf(capacity) else f"{capacity:.3g}x"
         say(f"commsched Preserver: capacity {cap}, N={plan.n}, K={list(plan.k)}, staleness {plan.staleness}: "

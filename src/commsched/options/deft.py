@@ -42,8 +42,10 @@ class DeFTOptions:
     whenever the plan delays nothing; "never": the plan. DeAR never when callbacks read gradients
     or weights every step (it gives up its overlap then); with a timings file, only if the file
     gives DeAR's halves too."""
-    compensation: str = option("none", one_of("none", "spike", "predict", "spike+predict"))
-    """What a generation applied late gets: "none" (its gradient as it is); "spike": under torch's SGD
+    compensation: str = option("auto", one_of("auto", "none", "spike", "predict", "spike+predict"))
+    """What a generation applied late gets: "auto": the compensation measured to keep accuracy one
+    iteration late with this run's optimizer ("spike+predict" for SGD with heavy-ball momentum >= 0.9,
+    "predict" for Adam and AdamW with beta1 >= 0.9, else "none"); "none" (its gradient as it is); "spike": under torch's SGD
     with heavy-ball momentum, the moves its gradient missed while late, lr (1 - m^D) / (1 - m) for D
     optimizer steps, are applied at once and its velocity scaled by m^D, so that each gradient's total
     weight is the synchronous one (Kosson et al. 2021; Nesterov's momentum at D = 1; other optimizers
@@ -84,13 +86,16 @@ class PreserverOptions:
     growth: float = option(1.25, growth_value)
     """Capacity growth between tries: small steps keep as much overlap as the walk allows."""
     max_staleness: int = option(0, non_negative_int)
-    """Reject plans whose generations step more iterations than this after their last gradient. 0:
-    no stale update (the safe default: one iteration of staleness cost 10-75 points of accuracy in
-    most of the 16 digits trainings measured, see docs/deft.md)."""
-    curvature_margin: float = option(1.0, non_negative_number)
-    """A stale plan allowed by `max_staleness` also needs the optimizer, with that staleness, to stay
-    stable on the loss's measured top curvature times this margin (`deft/stability.py`; measured by
-    Hessian-vector power iteration on probe steps). 0: no curvature check (`max_staleness` alone)."""
+    """Reject plans whose generations step more iterations than this after their last gradient. 0 (the
+    default): no stale update. 1: a one-iteration-stale plan is accepted where it was measured to keep
+    accuracy: under SGD with momentum >= 0.9, with the spike compensation and weight prediction that
+    `deft.compensation="auto"` picks for it (within 0.6 points of synchronous on two BatchNorm networks,
+    but 17-24 points below it on a VGG-16 with BatchNorm at lr 0.05: see docs/deft.md)."""
+    curvature_margin: float = option(0.0, non_negative_number)
+    """> 0: a stale plan within `max_staleness` that was not measured to keep accuracy is accepted
+    where the optimizer, compensated as it runs, stays stable on the loss's top curvature times this
+    margin (`deft/stability.py`; measured by Hessian-vector power iteration on probe steps). 0: no
+    curvature measured."""
     recheck_every_n_steps: int = option(0, non_negative_int)
     """> 0: measure and solve again every N steps."""
 

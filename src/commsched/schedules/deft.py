@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from commsched.buckets import BucketPlan
-from commsched.deft.compensation import spike_step
+from commsched.deft.compensation import measured_staleness, resolve, spike_step
 from commsched.deft.confirm import Confirmation
 from commsched.deft.decide import decide, report
 from commsched.deft.generations import BufferPool, Generation, ItemSender, same_layout
@@ -91,8 +91,9 @@ class DeFTSchedule(Schedule):
         """While the predicted choice and its runner-up are timed on real steps."""
         self.updates = 0
         """Optimizer steps taken: a generation stepped now is `updates - joined_at` steps late."""
-        self._prediction = (WeightPrediction([p for b in plan.buckets for p in b.params], [n for b in plan.buckets for n in b.names])
-                            if self.options.compensation.endswith("predict") else None)
+        self.compensation = self.options.compensation
+        """The compensation that runs ("auto" until the optimizer's first step resolves it)."""
+        self._prediction = self._predicting() if self.compensation.endswith("predict") else None
 
     @classmethod
     @override
@@ -103,6 +104,19 @@ class DeFTSchedule(Schedule):
     @override
     def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
         refuse_optimizers(options.deft.compensation, optimizers)
+
+    def _predicting(self) -> WeightPrediction:
+        return WeightPrediction([p for b in self.plan.buckets for p in b.params], [n for b in self.plan.buckets for n in b.names])
+
+    def _resolve_compensation(self, optimizer: Optimizer) -> None:
+        """"auto" becomes the compensation measured to keep this optimizer's accuracy (`chosen_for`)."""
+        if self.compensation != "auto":
+            return
+        self.compensation = resolve("auto", optimizer)
+        if self.compensation.endswith("predict") and self._prediction is None:
+            self._prediction = self._predicting()
+        elif not self.compensation.endswith("predict"):
+            self._prediction = None
 
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
@@ -153,8 +167,10 @@ class DeFTSchedule(Schedule):
         self._probes.clear()
 
     def _decide(self) -> None:
+        optimizer = self._stepper[0] if self._stepper is not None else None
+        measured = measured_staleness(self.compensation, optimizer) if optimizer is not None else 0
         decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
-                          self._meter, self._probes)
+                          self._meter, self._probes, self.compensation, measured)
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
         self._confirm_later()
@@ -180,13 +196,13 @@ class DeFTSchedule(Schedule):
     def summary(self) -> list[str]:
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
         late = self.deft_plan.staleness and self.choice.runs == "plan"
-        compensated = f"; late generations compensated: {self.options.compensation}" if late and self.options.compensation != "none" else ""
+        compensated = f"; late generations compensated: {self.compensation}" if late and self.compensation != "none" else ""
         return [f"plan {self.deft_plan.describe()}{ran}{compensated}", *super().summary()]
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
         return report(self.deft_plan, self.choice, self.decided, self.options, self.links.control.world_size, self.timings,
-                      self.decisions)
+                      self.decisions, self.compensation)
 
     # ---------------------------------------------------------------- iteration
     @override
@@ -288,9 +304,10 @@ class DeFTSchedule(Schedule):
         """The user's step on generation `number`'s gradients, compensated for how late they are (a
         measured step is never late)."""
         late = self.updates - self._generations[number].joined_at
+        self._resolve_compensation(optimizer)
         if self._prediction is not None:
             self._prediction.before_step()
-        if self.options.compensation.startswith("spike"):
+        if self.compensation.startswith("spike"):
             spike_step(optimizer, real_step, late)
         else:
             real_step()
@@ -383,6 +400,8 @@ class DeFTSchedule(Schedule):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
         self._probes.projections = [list(p) for p in state.get("projections", [])]
+        if self._prediction is None and self.compensation == "auto" and state.get("prediction"):
+            self._prediction = self._predicting()  # "auto" chose prediction in the run saved
         if self._prediction is not None:
             self._prediction.load(state.get("prediction", {}))
 
