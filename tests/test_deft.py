@@ -60,7 +60,7 @@ def deft_runs(tmp_path_factory):
                       "forced-spike", "forced-spike-part", "forced-spike-resumed", "forced-predict", "forced-both",
                       "forced-both-part", "forced-both-resumed", "preserved", "preserved-stale", "preserved-auto",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
-                      "handed-wfbp", "confirmed-dear", "undelayed-two-links")
+                      "handed-wfbp", "confirmed-dear", "confirmed-delayed", "undelayed-two-links")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -271,6 +271,19 @@ def test_real_steps_overrule_a_wrong_prediction(deft_runs):
     reduce_scatters = [tag for link, op, tag, *_ in result["trace"] if op == "reduce_scatter"]
     assert reduce_scatters, "DeAR never ran"
     assert max_abs_diff(replay(result), result["state"])[0] <= 1e-5
+    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+    assert per_link(result["trace"]) == per_link(other["trace"])
+
+
+def test_a_delayed_plan_taking_turns_with_dear_comes_back_with_nothing_in_flight(deft_runs):
+    """The confirmation hands the iterations to DeAR and back twice: each time the plan's generations
+    in flight step before DeAR runs, and the plan's replay starts again from its first iteration (it
+    used to continue where it had stopped, and sent a generation no iteration had joined)."""
+    result, other = deft_runs("confirmed-delayed"), deft_runs("confirmed-delayed", 1)
+    assert DeFTPlan.from_json(result["plan"]).delayed
+    assert set(result["report"]["measured"]) == {"plan", "dear"} and result["report"] == other["report"]
+    reduce_scatters = [tag for link, op, tag, *_ in result["trace"] if op == "reduce_scatter"]
+    assert reduce_scatters, "DeAR never ran"
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
     assert per_link(result["trace"]) == per_link(other["trace"])
 

@@ -118,6 +118,7 @@ CASES = {
     "handed-wfbp": ("sgd", 12, None, None, None),
     # the same prediction, but WFBP's real steps are slow (a callback sleeps in them): timing both overrules it
     "confirmed-dear": ("sgd", 20, None, None, None),  # 3 steps, then WFBP and DeAR twice each for 1 + 2 steps
+    "confirmed-delayed": ("sgd", 20, None, None, 1.0),  # a delayed plan and DeAR take turns twice each: the plan comes back
 }
 
 
@@ -160,10 +161,10 @@ def fit(out: Path, name: str, world: int) -> None:
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets)}))
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
                                         timings_file=str(timings_file), confirm_steps=0)
-    elif name in ("handed-wfbp", "confirmed-dear"):
+    elif name in ("handed-wfbp", "confirmed-dear", "confirmed-delayed"):
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets, seconds=30.0)}))
-        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
-                                        timings_file=str(timings_file), confirm_steps=2 if name == "confirmed-dear" else 0)
+        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
+                                        timings_file=str(timings_file), confirm_steps=0 if name == "handed-wfbp" else 2)
     elif name == "undelayed-two-links":
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
                                         timings_file=str(timings_file), fallback="never")

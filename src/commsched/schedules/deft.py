@@ -141,10 +141,12 @@ class DeFTSchedule(Schedule):
         if not self.decided:
             return None
         running = self._confirmation.running if self._confirmation is not None else self.choice
-        if running.runs != "plan" and self._generations:
-            self.drain()  # a delayed plan timed before an exact schedule: its generations step now
-        if running.runs != "plan" and self._prediction is not None:
-            self._prediction.forget()
+        if running.runs != "plan":
+            if self._generations:
+                self.drain()  # a delayed plan timed before an exact schedule: its generations step now
+            if self._prediction is not None:
+                self._prediction.forget()
+            self.iteration = 0  # when the plan takes the iterations back, its replay starts with nothing in flight
         if running.runs == "dear":
             return Handover("dear", DeARSettings(tuple(running.dear_links)))
         if running.runs == "wfbp":
