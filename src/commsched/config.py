@@ -16,13 +16,24 @@ from omegaconf import OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
-from commsched.plugins import schedule_names
 from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
 REFERENCE = "ddp"  # Lightning's own DistributedDataParallel, the reference every schedule is compared with
+
+
+def schedule_names(plugins_loaded: bool) -> tuple[str, ...]:
+    """ddp (Lightning's DDP, the reference) and every registered schedule: the built-in ones without
+    importing torch when no plugin was loaded, else `commsched.SCHEDULES`."""
+    from commsched.options import BUILTIN_SCHEDULES
+
+    if not plugins_loaded:
+        return ("ddp", *BUILTIN_SCHEDULES)
+    from commsched.schedules import SCHEDULES
+
+    return ("ddp", *SCHEDULES)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from commsched.errors import current_syntax
+from commsched.say import size_text
 
 
 RECENT_STEPS = 50
@@ -63,11 +64,6 @@ def describe_buckets(strategy: Any) -> str:
     else:
         how = f"{fusion.policy}, still deciding"
     return f"{len(plan.buckets)} bucket(s) for {size_text(total)} of gradients ({how})"
-
-
-def size_text(nbytes: float) -> str:
-    """'4.9 KB', '13.6 MB': the unit that keeps one decimal meaningful."""
-    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 0.1 * 2**20 else f"{nbytes / 2**10:.1f} KB"
 
 
 def describe_time(clock: StepClock) -> Optional[str]:

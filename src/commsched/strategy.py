@@ -52,6 +52,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     strategy_name = "commsched"
     default_schedule: ClassVar[str] = "dear"
+    says_resume_hint: ClassVar[bool] = True
+    """Its closing summary says how to continue from the last checkpoint, so `StopAndSave` does not."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CommSchedStrategy":
         """A misspelt argument is refused with the closest one this class takes, not with Python's bare TypeError."""

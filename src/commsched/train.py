@@ -26,8 +26,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from commsched import overrides
-from commsched.config import TrainConfig, register_configs, validate
-from commsched.plugins import import_plugins, plugins_in, schedule_names
+from commsched.config import TrainConfig, register_configs, schedule_names, validate
+from commsched.plugins import import_plugins, plugins_in
 from commsched.errors import CommSchedConfigError, use_syntax
 from commsched.run_files import write_json
 

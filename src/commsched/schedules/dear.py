@@ -42,8 +42,7 @@ from commsched.links import Links, Pending
 from commsched.watch import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice
-from commsched.run_summary import size_text
-from commsched.say import say
+from commsched.say import say, size_text
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
 from commsched.schedules.dear_update import Gathers, PendingUpdate, landed, start_gathers, taken_back
