@@ -31,7 +31,7 @@ from commsched.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
 from commsched.quiet import quiet_lightning
 from commsched.run_files import write_json
-from commsched.workers import end_process_group
+from commsched.comm.workers import end_process_group
 
 
 class RunProgressBar(RichProgressBar):

@@ -33,7 +33,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from commsched import checks, errors, observers, options, peers, run_files, run_summary, state
+from commsched import checks, errors, observers, options, run_files, run_summary, state
+from commsched.comm import peers
 from commsched.buffer_sync import BufferSync
 from commsched.engine import Engine
 from commsched.errors import PeerFailureError

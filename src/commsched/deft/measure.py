@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from commsched.buckets import BucketPlan
-from commsched.device_time import Stopwatch, median_seconds, synchronize
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.device_time import Stopwatch, median_seconds, synchronize
 from commsched.deft.plan import Timings
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.links import Link
+from commsched.comm.links import Link
 from commsched.reducers import ShardedReduce
 
 

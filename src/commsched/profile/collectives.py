@@ -7,9 +7,9 @@ from typing import Sequence
 
 import torch
 
-from commsched.buckets import BucketPlan
-from commsched.device_time import median_seconds
-from commsched.links import Link
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.device_time import median_seconds
+from commsched.comm.links import Link
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 """What every profile times (the bench's predictions and the planners read these three)."""

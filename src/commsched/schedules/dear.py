@@ -36,9 +36,9 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 from commsched.hooks import OwnHook
-from commsched.links import Links, Pending
+from commsched.comm.links import Links, Pending
 from commsched.watch import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice

@@ -19,7 +19,7 @@ import torch
 from commsched.trace import Span
 
 if TYPE_CHECKING:
-    from commsched.works import Pending
+    from commsched.comm.works import Pending
 
 
 def synchronize(device: torch.device) -> None:
