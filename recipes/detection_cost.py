@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import commsched
 from commsched.bench.models import BENCH_MODELS
 from commsched.watch import Watch
-from commsched.quiet import quiet_lightning
+from commsched.cli.quiet import quiet_lightning
 from commsched.timing import StepTimer
 
 WARMUP = 5

@@ -9,7 +9,7 @@ from hydra.core.config_store import ConfigStore
 
 from commsched import options
 from commsched.errors import bad_value
-from commsched.config import schedule_names
+from commsched.cli.config import schedule_names
 from commsched.plugins import import_plugins
 from commsched.rates import parse_rate
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 import commsched
 from commsched.options import CompressionOptions, ProfileOptions
 from commsched.plugins import import_plugins
-from commsched.quiet import exit_silently_on_interrupt, quiet_lightning
+from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
 import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
 from commsched.sim import Measured, Workload, timelines

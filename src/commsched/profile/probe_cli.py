@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from commsched import netns
+from commsched.cluster import netns
 from commsched.errors import CommSchedConfigError, bad_value
 from commsched.profile import DEFAULT_SIZES
 from commsched.rates import parse_rate

@@ -223,7 +223,7 @@ def check_plan_file(cfg: Any) -> None:
     model built on the meta device (no memory, no weights), before any worker starts."""
     import torch
 
-    from commsched.builders import build_model
+    from commsched.cli.builders import build_model
     from commsched.planning.plan_file import SavedPlan
 
     plan = SavedPlan.load(cfg.fusion.plan_file)
