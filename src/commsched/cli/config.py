@@ -154,7 +154,7 @@ def validate(cfg: Any) -> None:
         options.check_compression(cfg.compression, name, name in options.COMPRESSING_SCHEDULES)
         options.check_streams(cfg.streams, name, name in options.STRIPING_SCHEDULES, cfg.compression, cfg.fusion.policy)
     elif name != "ddp":  # a plugin's schedule: the plugin imported the registry already
-        from commsched.registry import SCHEDULES
+        from commsched.runtime.registry import SCHEDULES
 
         options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
         options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression, cfg.fusion.policy)

@@ -25,9 +25,9 @@ from omegaconf import OmegaConf
 
 import lightning.pytorch as pl
 from commsched.cli.builders import build_data, build_model, build_strategy
-from commsched.callbacks import StepMetrics
+from commsched.runtime.callbacks import StepMetrics
 from commsched.cli.config import resume_path
-from commsched.interrupt import StopAndSave, StoppedBySignal
+from commsched.runtime.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
 from commsched.cli.quiet import quiet_lightning
 from commsched.run_files import write_json

@@ -16,7 +16,7 @@ from commsched.fusion import MODEL_POLICIES
 from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.schedules import SCHEDULES, Schedule
 from commsched.sim.simulate import register as register_simulation
-from commsched.strategy import CommSchedStrategy
+from commsched.runtime.strategy import CommSchedStrategy
 
 STRATEGIES: dict[str, type[CommSchedStrategy]] = {}
 """The strategy class of every registered schedule, by name."""

@@ -93,7 +93,7 @@ def _relative(path: Path, folder: Optional[Path]) -> str:
 def resume_hint(trainer: Any) -> Optional[str]:
     """How to continue from the last checkpoint this fit wrote, in the user's syntax (a `StopAndSave`
     among the callbacks knows it best: it saved the final step)."""
-    from commsched.interrupt import StopAndSave
+    from commsched.runtime.interrupt import StopAndSave
 
     python = current_syntax() != "hydra"
     for stop in (c for c in trainer.callbacks if isinstance(c, StopAndSave)):

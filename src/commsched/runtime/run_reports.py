@@ -11,7 +11,7 @@ from commsched.planning.plan_file import SavedPlan
 from commsched.schedules import Schedule
 
 if TYPE_CHECKING:
-    from commsched.engine import Engine
+    from commsched.runtime.engine import Engine
 
 
 class RunReports:
