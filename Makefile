@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml src/commsched/__init__.py  # the version lives in __ini
 	$(PY) -m pip install -e ".[dev]"
 	touch $(STAMP)
 
-# e.g. make demo DEMO_ARGS="--steps 20 --rounds 3"  (python -m commsched.demo --help lists them)
+# e.g. make demo DEMO_ARGS="--steps 20 --rounds 3"  (python -m commsched.bench.demo --help lists them)
 DEMO_ARGS ?=
 demo: install
-	$(PY) -m commsched.demo $(DEMO_ARGS)
+	$(PY) -m commsched.bench.demo $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest

@@ -15,7 +15,7 @@ TRIALS=${TRIALS:-10}; TRIAL_STEPS=${TRIAL_STEPS:-3}
 STAGES=${STAGES:-"grid mgwfbp dear-model bayes"}  # e.g. STAGES=grid to run only the fixed sizes
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 bayes_tuning=$((TRIALS * (TRIAL_STEPS + 2) + 2))
-run() { "$py" -m commsched.netns "$rate" "$py" -m commsched.train -m "$@" trainer.enable_progress_bar=false; }
+run() { "$py" -m commsched.cluster.netns "$rate" "$py" -m commsched.cli.train -m "$@" trainer.enable_progress_bar=false; }
 want grid && run "$@" schedule=wfbp,dear fusion=fixed fusion.bucket_cap_mb=1,5,10,25,50,100 \
     trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/grid"
 want mgwfbp && run "$@" schedule=wfbp fusion=mgwfbp,mgwfbp-greedy trainer.max_steps=$STEPS warmup_steps=$WARMUP hydra.sweep.dir="$out/mgwfbp"

@@ -29,7 +29,7 @@ def _hydra_syntax() -> None:
 
 def train() -> Any:
     _hydra_syntax()
-    return _run("commsched.train")
+    return _run("commsched.cli.train")
 
 
 def bench() -> Any:
@@ -54,7 +54,7 @@ def cluster() -> Any:
 
 
 def run_rank() -> None:
-    """One rank of a `commsched-train` run (`commsched.ranks` starts one per process). Until the run's
+    """One rank of a `commsched-train` run (`commsched.cli.ranks` starts one per process). Until the run's
     own handling takes over, Ctrl-C ends it in one line: it may land while torch is importing."""
     import signal
 
@@ -65,7 +65,7 @@ def run_rank() -> None:
 
     signal.signal(signal.SIGINT, interrupted_while_starting)
     _hydra_syntax()
-    importlib.import_module("commsched.run").main()
+    importlib.import_module("commsched.cli.run").main()
 
 
 def bench_worker(argv: list[str]) -> None:

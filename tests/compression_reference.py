@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from commsched import netns
+from commsched.cluster import netns
 from conftest import WORKERS, run_worker
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from commsched.buckets import build_plan, trainable_in_ready_order
+from commsched.comm.buckets import build_plan, trainable_in_ready_order
 from commsched.fusion import ParamInfo, plan_fixed, plan_layers
 
 

@@ -23,7 +23,7 @@ def without_capabilities(*argv: str, cwd: Path, timeout: float = 600) -> subproc
 
 
 def test_the_reason_names_the_missing_capabilities(tmp_path):
-    code = "from commsched.netns import unavailable_reason; print(unavailable_reason())"
+    code = "from commsched.cluster.netns import unavailable_reason; print(unavailable_reason())"
     proc = without_capabilities(sys.executable, "-c", code, cwd=tmp_path)
     assert "CAP_NET_ADMIN" in proc.stdout and "CAP_SYS_ADMIN" in proc.stdout, proc.stdout + proc.stderr
     with_them = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -37,7 +37,7 @@ def test_the_cluster_refuses_in_one_line(tmp_path):
 
 
 def test_the_demo_falls_back_to_the_unlimited_loopback_and_says_so(tmp_path):
-    proc = without_capabilities(sys.executable, "-m", "commsched.demo", "--steps", "2", "--rounds", "1", cwd=tmp_path)
+    proc = without_capabilities(sys.executable, "-m", "commsched.bench.demo", "--steps", "2", "--rounds", "1", cwd=tmp_path)
     output = " ".join((proc.stdout + proc.stderr).split())  # the console wraps long lines
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, IterableDataset
 import lightning.pytorch as pl
 from commsched import StopAndSave
 from commsched.data import ResumableDataLoader
-from commsched.quiet import quiet_lightning
+from commsched.cli.quiet import quiet_lightning
 from conftest import max_abs_diff, run_worker
 from lightning.pytorch.callbacks import ModelCheckpoint
 

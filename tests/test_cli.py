@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from commsched import CommSchedConfigError
-from commsched.config import register_configs, validate
+from commsched.cli.config import register_configs, validate
 from conftest import ended_with_an_error
 
 RECIPES = sorted(p.stem for p in (Path(__file__).parents[1] / "src/commsched/conf/recipe").glob("*.yaml"))
@@ -32,7 +32,7 @@ def train(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.C
     flags = [o for o in overrides if o.startswith("-")]  # Hydra's flags (e.g. -m) go before overrides
     overrides = tuple(o for o in overrides if not o.startswith("-"))
     return subprocess.run(
-        [sys.executable, "-m", "commsched.train", *flags, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep",
+        [sys.executable, "-m", "commsched.cli.train", *flags, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep",
          *QUIET, *overrides],
         capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
     )
@@ -144,7 +144,7 @@ def test_a_launch_environment_that_cannot_form_the_run_is_refused_before_workers
     """Each node of a cluster training alone (and ending "successfully"), or a multi-node run with no
     node rank, would otherwise start; commsched-train names what is missing instead."""
     clean = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "commsched.train", f"hydra.run.dir={tmp_path}/run", *QUIET,
+    proc = subprocess.run([sys.executable, "-m", "commsched.cli.train", f"hydra.run.dir={tmp_path}/run", *QUIET,
                            "trainer.devices=2", f"trainer.num_nodes={nodes}"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**clean, **env})
     assert proc.returncode == 2, proc.stderr[-2000:]

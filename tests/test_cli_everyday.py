@@ -147,7 +147,7 @@ def test_compression_input_is_checked_without_torch():
     """Refused input answers at once, and nothing a Ctrl-C could interrupt inside torch's import runs."""
     code = ("import sys, commsched_cli\n"  # as the console scripts do: the package without torch
             "from hydra import compose, initialize_config_module\n"
-            "from commsched.config import register_configs, validate\n"
+            "from commsched.cli.config import register_configs, validate\n"
             "register_configs()\n"
             "with initialize_config_module(config_module='commsched.conf', version_base=None):\n"
             "    validate(compose(config_name='train', overrides=['schedule=wfbp', 'compression=mstopk']))\n"

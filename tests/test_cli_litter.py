@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from commsched import netns
+from commsched.cluster import netns
 
 BIN = Path(sys.executable).parent
 QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
@@ -90,7 +90,7 @@ def test_help_starts_by_saying_what_commsched_train_does():
 
 
 def test_commsched_train_says_commsched_before_each_of_its_messages(tmp_path, capsys):
-    from commsched import train as train_module
+    from commsched.cli import train as train_module
 
     after_docstring = inspect.getsource(train_module).split('"""', 2)[2]
     assert "commsched-train:" not in after_docstring  # no message of its own with the other prefix

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commsched import netns
+from commsched.cluster import netns
 from commsched.cluster.network import leftovers
 from conftest import WORKERS, max_abs_diff
 

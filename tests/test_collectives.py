@@ -60,7 +60,7 @@ def test_a_process_exits_cleanly_while_an_exchange_is_still_completing():
     run in twelve). Here the continuation is slowed so the script always ends mid-completion."""
     script = (
         "import sys, time\n"
-        "from commsched import point_to_point\n"
+        "from commsched.comm import point_to_point\n"
         "works = point_to_point.WorkSet([], point_to_point._completer(None))\n"
         "def slow(_):\n"
         "    time.sleep(1.0)\n"

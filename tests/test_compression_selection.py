@@ -121,7 +121,7 @@ def test_the_density_falls_fourfold_per_stage_over_the_run_s_first_quarter():
 def test_one_dimensional_parameters_are_sent_whole_beside_the_top_k_of_the_rest():
     """Brute force over every window a rank selects in (the whole bucket, each half-shard): the 1-d
     parameters' positions all go, and the k largest magnitudes among the other positions."""
-    from commsched.buckets import Bucket
+    from commsched.comm.buckets import Bucket
     from commsched.compression.whole_vectors import WholeVectors
     from commsched.compression.selections import exact_topk
 

@@ -184,7 +184,7 @@ def test_every_command_line_of_the_docs_is_accepted():
     program = f"""
 import sys, commsched_cli  # as the console scripts import the package: without torch
 from hydra import compose, initialize_config_module
-from commsched.config import register_configs, validate
+from commsched.cli.config import register_configs, validate
 from commsched.bench.config import register_bench_config, validate_bench
 from commsched.cluster.cli import parser as cluster_parser
 from commsched.profile.probe_cli import parser as probe_parser

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from commsched.buckets import build_plan
+from commsched.comm.buckets import build_plan
 from commsched.deft.generations import BufferPool, Generation
 from commsched.errors import ScheduleError
 from commsched.fusion import plan_fixed

@@ -1,8 +1,11 @@
 """The house stays walkable: small files (a source file over 400 lines, or a test file over 500, has
-grown a second concern: split it by what it does)."""
+grown a second concern: split it by what it does), no import loop between the package's folders and
+the modules at its root, and a map (docs/architecture.md, "Find it in 30 seconds") whose files and
+functions exist."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -22,29 +25,140 @@ def test_no_test_file_is_over_500_lines():
     assert too_long(ROOT / "tests", 500) == []
 
 
-def package_imports() -> dict[str, set[str]]:
-    """For each folder of the package, the other folders its files import (lazy imports included)."""
-    package = ROOT / "src" / "commsched"
-    folders = {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
-    edges: dict[str, set[str]] = {folder: set() for folder in folders}
-    pattern = re.compile(r"^\s*(?:from|import) commsched\.(\w+)", re.M)
-    for folder in folders:
-        for source in (package / folder).rglob("*.py"):
-            edges[folder] |= {name for name in pattern.findall(source.read_text()) if name in folders and name != folder}
+PACKAGE = ROOT / "src" / "commsched"
+
+
+def node_of(dotted: str) -> str | None:
+    """The node a module of the package belongs to: its folder below `commsched/`, or the root module
+    itself (``commsched.say`` -> ``say``); ``__init__`` is the package's own facade."""
+    parts = dotted.split(".")
+    if parts[0] != "commsched":
+        return None
+    if len(parts) == 1:
+        return "__init__"
+    if (PACKAGE / parts[1] / "__init__.py").is_file() or (PACKAGE / f"{parts[1]}.py").is_file():
+        return parts[1]
+    return None
+
+
+def imported(source: Path) -> set[str]:
+    """Every module of the package a file names: its imports, at the top or inside functions, and the
+    strings that name a module (``importlib.import_module("commsched.runtime.registry")``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "commsched":
+            names |= {f"commsched.{alias.name}" for alias in node.names}  # a module, or a name of the facade
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"commsched(\.\w+)+", node.value):
+            names.add(node.value)
+    return names
+
+
+def package_imports() -> dict[str, dict[str, set[str]]]:
+    """For each node (a folder of the package, or a module at its root), the other nodes its files
+    import, each with the files that do (lazy imports included)."""
+    edges: dict[str, dict[str, set[str]]] = {}
+    for source in PACKAGE.rglob("*.py"):
+        relative = source.relative_to(PACKAGE)
+        here = "__init__" if relative == Path("__init__.py") else relative.parts[0].removesuffix(".py")
+        edges.setdefault(here, {})
+        for name in imported(source):
+            there = node_of(name)
+            if there is None and name.startswith("commsched."):
+                there = "__init__"  # `from commsched import CommSchedConfigError`: a name of the facade
+            if there is not None and there != here:
+                edges[here].setdefault(there, set()).add(str(source.relative_to(ROOT)))
     return edges
 
 
+def loops(edges: dict[str, dict[str, set[str]]]) -> list[str]:
+    """One loop through each group of nodes that reach each other (Tarjan's strongly connected
+    components), spelt with the files behind each step."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in edges.get(node, {}):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    found = []
+    for group in groups:
+        start = min(group)
+        path, seen = [start], {start}
+        while True:  # walk inside the group until a node repeats: that is a loop
+            nxt = min(n for n in edges[path[-1]] if n in group)
+            if nxt in seen:
+                path = path[path.index(nxt):] + [nxt]
+                break
+            path.append(nxt)
+            seen.add(nxt)
+        found.append(" -> ".join(f"{a} ({', '.join(sorted(edges[a][b]))})" for a, b in zip(path, path[1:])) + f" -> {path[-1]}")
+    return found
+
+
 def test_no_loop_between_the_package_folders():
+    """No folder of the package, and no module at its root, imports one that imports it back: each
+    root module is a node of its own beside the folders (the root holds the shared basics, below
+    everyone), and a loop through several of them fails as one between two."""
     edges = package_imports()
-    loops = []
+    assert {"runtime", "comm", "cli", "schedules", "say", "errors"} <= set(edges), sorted(edges)
+    assert loops(edges) == []
 
-    def visit(folder: str, path: list[str]) -> None:
-        for other in sorted(edges[folder]):
-            if other in path:
-                loops.append(" -> ".join(path[path.index(other):] + [other]))
-            elif len(path) < len(edges):
-                visit(other, path + [other])
 
-    for folder in sorted(edges):
-        visit(folder, [folder])
-    assert loops == [], sorted(set(loops))[:10]
+FIND_IT = re.compile(r"`(src/commsched/[\w/]+\.py)`: `([\w.]+)`")
+
+
+def defined(source: Path, dotted: str) -> bool:
+    """`dotted` (``decide``, ``DeARSchedule._apply``) is a `def` or `class` of `source`, a method inside its class."""
+    scopes: list[ast.AST] = [ast.parse(source.read_text())]
+    for name in dotted.split("."):
+        found = [node for scope in scopes for node in ast.walk(scope)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name]
+        if not found:
+            return False
+        scopes = found
+    return True
+
+
+def test_find_it_in_30_seconds_names_real_files_and_functions():
+    """docs/architecture.md's "Find it in 30 seconds" list cannot rot: every file it names exists and
+    defines the function or class named beside it."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Find it in 30 seconds", 1)[1].split("\n## ", 1)[0]
+    items = [line for line in section.splitlines() if line.startswith("- ")]
+    assert len(items) >= 6, "the list asks where DeAR's reduce-scatter starts, a bucket's update is applied, DeFT decides, ..."
+    missing = []
+    for item in items:
+        places = FIND_IT.findall(item)
+        assert places, f"an item names no `src/commsched/FILE.py`: `NAME`: {item}"
+        for path, name in places:
+            source = ROOT / path
+            if not source.is_file() or not defined(source, name):
+                missing.append(f"{path}: {name}")
+        for name in re.findall(r"(?<!: )`([A-Z]\w*\.\w+)`", item):  # `Class.method` after the file was named once
+            if not any(defined(ROOT / path, name) for path, _ in places):
+                missing.append(f"{places[-1][0]}: {name}")
+    assert missing == []

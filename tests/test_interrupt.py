@@ -99,7 +99,7 @@ def test_a_sigterm_arriving_twice_is_one_stop_and_a_later_signal_a_second(tmp_pa
     """A scheduler or a cluster's launcher signals the process group: every rank gets SIGTERM, and
     commsched-train forwards its own copy, which may land after the first was handled. That copy is
     the same request to stop (the run still saves); a signal after the window is a second one."""
-    from commsched.interrupt import SAME_SIGTERM_S, StopAndSave
+    from commsched.runtime.interrupt import SAME_SIGTERM_S, StopAndSave
 
     stopper = StopAndSave(dirpath=tmp_path)
     stopper._install()

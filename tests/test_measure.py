@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from commsched import netns
+from commsched.cluster import netns
 from commsched.profile.probe import fit_line
 from conftest import ended_with_an_error
 
@@ -115,7 +115,7 @@ def test_namespace_is_removed_when_the_command_fails():
 
 @needs_netns
 def test_namespace_is_removed_when_the_run_is_terminated():
-    script = ("import sys; from commsched import netns; "
+    script = ("import sys; from commsched.cluster import netns; "
               "netns.run_in_namespace('10mbit', [sys.executable, '-c', 'import time; time.sleep(60)'])")
     proc = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 30
@@ -129,7 +129,7 @@ def test_namespace_is_removed_when_the_run_is_terminated():
 
 def test_without_root_the_namespace_is_refused_with_the_reason(tmp_path):
     """Run as an unprivileged user (nobody) when we are root, so this path is exercised on CI too."""
-    code = ("from commsched import netns\n"
+    code = ("from commsched.cluster import netns\n"
             "try:\n    netns.run_in_namespace('1gbit', ['true'])\n"
             "except PermissionError as error:\n    print('refused:', error)\n")
     command = [sys.executable, "-c", code]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import commsched
-from commsched.buckets import build_plan
+from commsched.comm.buckets import build_plan
 from commsched.fusion import plan_fixed
 from commsched.options import StreamOptions
 from commsched.streams import Striping, plan_units

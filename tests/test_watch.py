@@ -1,4 +1,4 @@
-"""`commsched.watch` on its own: every way Python code can read or write a pending tensor is a
+"""`commsched.schedules.watch` on its own: every way Python code can read or write a pending tensor is a
 touch that brings it up to date first; metadata and tensors that are not pending cost nothing."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from commsched.watch import Kind, Watch, watchable
+from commsched.schedules.watch import Kind, Watch, watchable
 
 
 class Recorder:

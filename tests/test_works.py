@@ -1,4 +1,4 @@
-"""`commsched.works.Pending` between its two threads: the issuer thread that issues a collective and
+"""`commsched.comm.works.Pending` between its two threads: the issuer thread that issues a collective and
 the training thread that asks for continuations (a local sum, a copy) on it. A continuation asked
 for at any moment runs before `wait()` returns, including in the few bytecodes between the issuer
 chaining what was asked before and saying the collective is issued."""
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.errors import PeerFailureError
-from commsched.works import Issuer, Pending
+from commsched.comm.works import Issuer, Pending
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_a_launch_that_raises_is_local_unless_the_backend_raised(one_process_gro
 def test_a_collective_is_traced_and_counted_when_it_is_sent_not_when_asked_for(one_process_group):
     """A request that waits for its predecessor is in the trace (and in the bytes sent) only once the
     issuer has sent it; a launch that raised sent nothing and is in neither."""
-    from commsched.links import Link
+    from commsched.comm.links import Link
 
     trace: list = []
     link = Link("primary", None, trace)
@@ -128,7 +128,7 @@ def test_a_collective_is_traced_and_counted_when_it_is_sent_not_when_asked_for(o
 
 def test_a_blocking_collective_waits_for_the_requests_before_it(one_process_group):
     """`Link.broadcast_object` goes after the collectives requested before it on the same link."""
-    from commsched.links import Link
+    from commsched.comm.links import Link
 
     trace: list = []
     link = Link("primary", None, trace)

@@ -22,17 +22,18 @@ from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, Fus
 __version__ = "0.2.0"
 
 _NEEDS_LIGHTNING = {
-    "CommSchedStrategy": "commsched.strategy", "DeARStrategy": "commsched.registry", "WFBPStrategy": "commsched.registry",
-    "DeFTStrategy": "commsched.registry", "Preserver": "commsched.deft.preserver", "register_schedule": "commsched.registry",
-    "STRATEGIES": "commsched.registry", "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules",
-    "Handover": "commsched.schedules", "reads_no_weights": "commsched.observers",
-    "StopAndSave": "commsched.interrupt", "StoppedBySignal": "commsched.interrupt",
-    "ResumableDataLoader": "commsched.data.resumable",
+    "CommSchedStrategy": "commsched.runtime.strategy", "DeARStrategy": "commsched.runtime.registry",
+    "WFBPStrategy": "commsched.runtime.registry", "DeFTStrategy": "commsched.runtime.registry",
+    "register_schedule": "commsched.runtime.registry", "STRATEGIES": "commsched.runtime.registry",
+    "reads_no_weights": "commsched.runtime.observers",
+    "StopAndSave": "commsched.runtime.interrupt", "StoppedBySignal": "commsched.runtime.interrupt",
+    "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules", "Handover": "commsched.schedules",
+    "Preserver": "commsched.deft.preserver", "ResumableDataLoader": "commsched.data.resumable",
 }
 
 
 def _register() -> None:
-    importlib.import_module("commsched.registry")  # registers the built-in schedules' strategies with Lightning
+    importlib.import_module("commsched.runtime.registry")  # registers the built-in schedules' strategies with Lightning
 
 
 def __getattr__(name: str) -> Any:

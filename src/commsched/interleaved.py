@@ -123,7 +123,7 @@ class Turns:
 
 def slowest_rank(samples: list[list[float]], control: Any) -> list[list[float]]:
     """Each step's time as the slowest rank measured it (an all-reduce MAX on `control`, a
-    `commsched.links.Link`): every rank then holds the same numbers and reaches the same verdict."""
+    `commsched.comm.links.Link`): every rank then holds the same numbers and reaches the same verdict."""
     import torch
 
     sizes = [len(arm) for arm in samples]

@@ -1,6 +1,8 @@
 """Modules a user names on a command line (`plugins=[...]`, `--plugins`), imported before anything
 else: the schedules they register with `commsched.register_schedule` are then available by name.
-Light on purpose: the command lines answer `--help` and bad input without torch."""
+Light on purpose: the command lines answer `--help` and bad input without torch. Below every command
+line (the simulator's too), so it names no schedule: the names a command line accepts are
+`commsched.cli.config.schedule_names`."""
 
 from __future__ import annotations
 
@@ -30,15 +32,3 @@ def plugins_in(argv: Sequence[str]) -> list[str]:
         if key.lstrip("+") == "plugins" and value:
             return [m.strip().strip("'\"") for m in value.strip("[]").split(",") if m.strip()]
     return []
-
-
-def schedule_names(plugins_loaded: bool) -> tuple[str, ...]:
-    """ddp (Lightning's DDP, the reference) and every registered schedule: the built-in ones without
-    importing torch when no plugin was loaded, else `commsched.SCHEDULES`."""
-    from commsched.options import BUILTIN_SCHEDULES
-
-    if not plugins_loaded:
-        return ("ddp", *BUILTIN_SCHEDULES)
-    from commsched.schedules import SCHEDULES
-
-    return ("ddp", *SCHEDULES)

@@ -3,7 +3,8 @@
 Messages go to the ``commsched`` logger at INFO. As Lightning does for its own logger, that logger
 prints to stderr by itself only while the application has configured no logging (no root handler);
 once it has, messages propagate to the application's handlers instead, so no line appears twice.
-Ranks other than 0 say nothing: every rank reaches the same decisions.
+Ranks other than 0 say nothing: every rank reaches the same decisions. `size_text` spells a size
+the same way in every line (the closing summary, a schedule's own lines).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def say(message: str) -> None:
     """One line for the user, from rank 0 only."""
     _console()
     log.info(message)
+
+
+def size_text(nbytes: float) -> str:
+    """'4.9 KB', '13.6 MB': the unit that keeps one decimal meaningful."""
+    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 0.1 * 2**20 else f"{nbytes / 2**10:.1f} KB"
 
 
 def say_from_this_rank(message: str) -> None:

@@ -26,7 +26,7 @@ import commsched
 import lightning.pytorch as pl
 from commsched import StopAndSave, StoppedBySignal
 from commsched.data import ResumableDataLoader
-from commsched.quiet import quiet_lightning
+from commsched.cli.quiet import quiet_lightning
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 

@@ -212,7 +212,7 @@ def fit(out: Path, name: str, world: int) -> None:
 
 def commsched_bucket_count(model: nn.Module) -> int:
     """Buckets the strategy will build: every parameter in backward order, closed at BUCKET_MB (first at 1 MiB as DDP)."""
-    from commsched.buckets import build_plan
+    from commsched.comm.buckets import build_plan
     from commsched.planning.policy import PlanPolicy
     from commsched.options import FusionOptions
 

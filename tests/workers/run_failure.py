@@ -70,7 +70,7 @@ class DiesBetweenGathers(pl.Callback):
 
     def __init__(self) -> None:
         self.calls, self.per_step = 0, 0
-        real = commsched.point_to_point.all_gather
+        real = commsched.comm.point_to_point.all_gather
 
         def counted(group, full, shard):
             if full.is_floating_point():
@@ -83,7 +83,7 @@ class DiesBetweenGathers(pl.Callback):
                 return self.last
             return real(group, full, shard)
 
-        commsched.point_to_point.all_gather = counted
+        commsched.comm.point_to_point.all_gather = counted
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == 1:  # the first step is taken whole: every bucket's all-gather waited for

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from commsched.links import Links, LinkSpec, local_rank_groups, node_groups
-from commsched.workers import run_workers
+from commsched.comm.links import Links, LinkSpec, local_rank_groups, node_groups
+from commsched.comm.workers import run_workers
 
 WORLD, PER_NODE = 4, 2
 

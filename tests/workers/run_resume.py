@@ -17,7 +17,7 @@ import commsched
 import lightning.pytorch as pl
 from commsched.data import SyntheticImageData
 from commsched.models import ImageClassifier
-from commsched.quiet import quiet_lightning
+from commsched.cli.quiet import quiet_lightning
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import commsched
-import commsched.links
+import commsched.comm.links
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -69,13 +69,13 @@ def case_strategy(case: str):
 def delay_every_request(rank: int) -> None:
     """Sleep 0-4 ms, drawn per rank, before each collective is requested: ranks reach each unit at different times."""
     draw = random.Random(1000 + rank)
-    original = commsched.links.Link._request
+    original = commsched.comm.links.Link._request
 
     def delayed(self, *args, **kwargs):
         time.sleep(draw.uniform(0, 0.004))
         return original(self, *args, **kwargs)
 
-    commsched.links.Link._request = delayed
+    commsched.comm.links.Link._request = delayed
 
 
 class Said(logging.Handler):

@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from commsched import overrides
+from commsched.cli import overrides
 from commsched.bench import report
 from commsched.bench.config import BenchConfig, register_bench_config, validate_bench
 from commsched.errors import CommSchedConfigError, use_syntax

@@ -9,7 +9,8 @@ from hydra.core.config_store import ConfigStore
 
 from commsched import options
 from commsched.errors import bad_value
-from commsched.plugins import import_plugins, schedule_names
+from commsched.cli.config import schedule_names
+from commsched.plugins import import_plugins
 from commsched.rates import parse_rate
 
 DEFAULT_SCHEDULES = ("ddp", "wfbp", "dear")

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from commsched import netns
+from commsched.cluster import netns
 
 COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "median_speedup_vs_ddp", "wire_mb", "local_mb",
            "theoretical_ms", "measured_over_theoretical", "predicted_ms", "prediction_error", "weights_vs_ddp", "chose",

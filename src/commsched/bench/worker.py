@@ -24,12 +24,12 @@ from torch.utils.data import DataLoader
 import commsched
 from commsched.options import CompressionOptions, ProfileOptions
 from commsched.plugins import import_plugins
-from commsched.quiet import exit_silently_on_interrupt, quiet_lightning
+from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
 import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
 from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
-from commsched.workers import end_process_group
+from commsched.comm.workers import end_process_group
 
 
 def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) -> pl.Trainer:

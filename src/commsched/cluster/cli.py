@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from commsched import netns
+from commsched.cluster import netns
 from commsched.cluster.spec import ClusterSpec
 from commsched.errors import CommSchedConfigError
 

@@ -19,7 +19,7 @@ import logging
 import subprocess
 from typing import Optional, Sequence
 
-from commsched import netns
+from commsched.cluster import netns
 from commsched.cluster.spec import MTU, PRIMARY_IFNAME, SECONDARY_IFNAME, ClusterSpec
 from commsched.errors import CommSchedConfigError
 from commsched.rates import parse_rate

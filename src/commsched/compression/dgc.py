@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from commsched.buckets import Bucket
+from commsched.comm.buckets import Bucket
 
 
 @dataclass(frozen=True)

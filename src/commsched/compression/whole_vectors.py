@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from commsched.buckets import Bucket
+from commsched.comm.buckets import Bucket
 
 Selector = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 
 from commsched.deft.predict import Choice
-from commsched.device_time import synchronize
+from commsched.comm.device_time import synchronize
 from commsched.interleaved import Turns, decide, slowest_rank
-from commsched.links import Link
+from commsched.comm.links import Link
 from commsched.say import say
 
 

@@ -10,13 +10,13 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
 from commsched.deft.plan import DeFTPlan, Timings, plan_for
 from commsched.deft.predict import Choice, choose_schedule
 from commsched.deft.probes import GradientProbes
 from commsched.errors import ScheduleError
-from commsched.links import Link
+from commsched.comm.links import Link
 from commsched.options import DeFTOptions
 from commsched.say import say
 

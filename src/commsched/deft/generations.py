@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 from commsched.errors import CommSchedConfigError, ScheduleError
 from commsched.deft.plan import Item
-from commsched.links import Link, Pending
+from commsched.comm.links import Link, Pending
 from commsched.reducers import AllReduce
 from commsched.say import say
 

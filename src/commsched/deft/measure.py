@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from commsched.buckets import BucketPlan
-from commsched.device_time import Stopwatch, seconds_of, synchronize
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.device_time import Stopwatch, median_seconds, synchronize
 from commsched.deft.plan import Timings
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.links import Link
+from commsched.comm.links import Link
 from commsched.reducers import ShardedReduce
 
 
@@ -81,8 +81,8 @@ def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repea
     separate networks show the same times both ways and the loaded ones are used. Two groups on one
     network slow each other down (about twice the time each): a second group adds no bandwidth there,
     so the secondary is left out (its cost infinite) and the primary's times alone are used."""
-    alone = [[_median_seconds([link], [bucket], repeats)[0] for bucket in plan.buckets] for link in links]
-    loaded_by_bucket = [_median_seconds(links, [bucket] * len(links), repeats) for bucket in plan.buckets]
+    alone = [[_median_seconds_together([link], [bucket], repeats)[0] for bucket in plan.buckets] for link in links]
+    loaded_by_bucket = [_median_seconds_together(links, [bucket] * len(links), repeats) for bucket in plan.buckets]
     loaded = [[per_bucket[i] for per_bucket in loaded_by_bucket] for i in range(len(links))]
     n = len(plan.buckets)
     flat = slowest_rank([c for costs in (*alone, *loaded) for c in costs], control, "deft-cost-max")
@@ -94,7 +94,7 @@ def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repea
     return loaded, False
 
 
-def _median_seconds(links: list[Link], buckets: list, repeats: int) -> list[float]:
+def _median_seconds_together(links: list[Link], buckets: list, repeats: int) -> list[float]:
     """Per link, the median time from starting the same all-reduce on all of them to its completion
     (`Stopwatch`: the transfer's completion on the link's device, not the launch)."""
     scratch = [torch.zeros_like(bucket.buffer, device=link.device) for link, bucket in zip(links, buckets)]
@@ -123,8 +123,8 @@ def halves_seconds(plan: BucketPlan, link: Link, control: Link, repeats: int) ->
     for bucket in plan.buckets:
         reducer = ShardedReduce(torch.zeros_like(bucket.buffer, device=link.device), link)
         for half, launch in zip(halves, (reducer.scatter, reducer.gather)):
-            launch("deft-halves-warmup").wait()
-            half.append(statistics.median(seconds_of(link.device, lambda: launch("deft-halves").wait()) for _ in range(repeats)))
+            launch("deft-halves-warmup").wait()  # warmed up under its own tag, so no timed warm-up below
+            half.append(median_seconds(lambda: launch("deft-halves").wait(), repeats, warmup=0, device=link.device))
     flat = slowest_rank(halves[0] + halves[1], control, "deft-halves-max")
     n = len(plan.buckets)
     return flat[:n], flat[n:]

@@ -11,7 +11,7 @@ import torch
 
 from commsched.deft.stability import Stepper
 from commsched.deft.walk import effective_step, gradient_statistics, measured_step
-from commsched.links import Link
+from commsched.comm.links import Link
 
 
 class GradientProbes:

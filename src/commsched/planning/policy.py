@@ -16,9 +16,9 @@ from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 
-from commsched.buckets import param_infos
+from commsched.comm.buckets import param_infos
 from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed, plan_layers
-from commsched.links import Link
+from commsched.comm.links import Link
 from commsched.options import FusionOptions, TuningOptions
 from commsched.planning.auto import PLANNED, AutoFusion, Phase
 from commsched.planning.bayes import BucketSizeTuner

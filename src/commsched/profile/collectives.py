@@ -3,24 +3,16 @@ bests ([DeAR] Eq. 7-8) and the overlap ratio are computed from."""
 
 from __future__ import annotations
 
-import statistics
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from commsched.buckets import BucketPlan
-from commsched.device_time import seconds_of
-from commsched.links import Link
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.device_time import median_seconds
+from commsched.comm.links import Link
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 """What every profile times (the bench's predictions and the planners read these three)."""
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch.device = torch.device("cpu")) -> float:
-    """Median seconds until what `fn` started has completed on `device` (`device_time.seconds_of`)."""
-    for _ in range(warmup):
-        fn()
-    return statistics.median(seconds_of(device, fn) for _ in range(repeats))
 
 
 def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype: torch.dtype = torch.float32) -> float:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from commsched.device_time import synchronize
+from commsched.comm.device_time import synchronize
 from commsched.hooks import OwnHook
 from commsched.sim.workload import Layer, Workload
 from commsched.trace import Span

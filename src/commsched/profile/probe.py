@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from commsched.links import Link
-from commsched.profile.collectives import COLLECTIVES, median_seconds, time_collective
+from commsched.comm.links import Link
+from commsched.comm.device_time import median_seconds
+from commsched.profile.collectives import COLLECTIVES, time_collective
 from commsched.sim.network import Fitted, Line
 
 from commsched.profile import DEFAULT_SIZES

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from commsched import netns
+from commsched.cluster import netns
 from commsched.errors import CommSchedConfigError, bad_value
 from commsched.profile import DEFAULT_SIZES
 from commsched.rates import parse_rate
@@ -48,7 +48,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 def _probe_worker(rank: int, sizes: tuple[int, ...], repeats: int, link_name: str, groups: int, out: str) -> None:
     from datetime import timedelta
 
-    from commsched.links import Links, LinkSpec
+    from commsched.comm.links import Links, LinkSpec
     from commsched.profile.probe import probe_concurrent, probe_link
 
     ifname = os.environ.get("COMMSCHED_SECONDARY_IFNAME") if link_name == "secondary" else None
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if reason is None:
             return netns.run_in_namespace(args.rate, [sys.executable, "-m", "commsched.profile.probe_cli", *argv, "--inside"])
         console.print(f"[yellow]{reason}: probing the unlimited loopback instead of {args.rate}[/yellow]")
-    from commsched.workers import run_node_workers, run_workers  # torch: only once there is something to run
+    from commsched.comm.workers import run_node_workers, run_workers  # torch: only once there is something to run
 
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "probe.json"

@@ -18,9 +18,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from commsched.buckets import BucketPlan
-from commsched.device_time import SpanRecorder, synchronize
-from commsched.links import Link
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.device_time import SpanRecorder, synchronize
+from commsched.comm.links import Link
 from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layers import LayerTimer
 from commsched.profile.probe import probe_link

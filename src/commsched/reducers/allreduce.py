@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from commsched.links import Link, Pending
+from commsched.comm.links import Link, Pending
 from commsched.reducers.base import Reducer
 from commsched.reducers.staging import Staging
 

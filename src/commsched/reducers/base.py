@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from commsched.buckets import Bucket
+from commsched.comm.buckets import Bucket
 
 ReducerState = dict[str, dict[str, torch.Tensor]]
 """kind (e.g. "residual") -> parameter name -> tensor shaped like the parameter."""

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from commsched.links import Link
+from commsched.comm.links import Link
 
 
 class Staging:

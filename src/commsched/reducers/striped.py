@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from commsched.buckets import Bucket
-from commsched.links import Link, Pending
+from commsched.comm.buckets import Bucket
+from commsched.comm.links import Link, Pending
 from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer
 from commsched.reducers.hierarchical import HierarchicalReduce

@@ -24,10 +24,10 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from commsched.buckets import Bucket
+from commsched.comm.buckets import Bucket
 from commsched.compression.dgc import Corrections
 from commsched.compression.whole_vectors import Selector, WholeVectors
-from commsched.links import Link, Pending
+from commsched.comm.links import Link, Pending
 from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 
 
 @dataclass(frozen=True)

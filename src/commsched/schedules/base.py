@@ -24,8 +24,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from commsched.buckets import BucketPlan
-from commsched.links import Links
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.links import Links
 from commsched.reducers import Reducer, ReducerState
 from commsched.schedules.capture import GradientCapture
 from commsched.state import refuse_unknown
@@ -56,7 +56,7 @@ class Schedule:
     """The name users pick it by (``Trainer(strategy=name)``, ``schedule=name``)."""
     description: ClassVar[str] = ""
     links_used: ClassVar[tuple[str, ...]] = ("primary",)
-    """The links (`commsched.links`) this schedule communicates over, created at setup on every rank."""
+    """The links (`commsched.comm.links`) this schedule communicates over, created at setup on every rank."""
     step_collectives: ClassVar[tuple[str, ...]] = ()
     """The collectives one step issues per bucket (the profiler times exactly these)."""
     grads_complete_after_closure: ClassVar[bool] = True

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 from commsched.errors import ScheduleError
 from commsched.hooks import OwnHook
-from commsched.links import Link, Pending
+from commsched.comm.links import Link, Pending
 
 
 class Phase(enum.Enum):

@@ -11,7 +11,7 @@ price of the full optimizer work on every rank -- the same work DDP does. Clippi
 global norm from the shards (one scalar all-reduce) and scales each bucket once it is gathered
 (scaling and clamping commute with the all-gather).
 
-Nobody sees the difference (`commsched.watch`): between backward and the step the parameters'
+Nobody sees the difference (`commsched.schedules.watch`): between backward and the step the parameters'
 `.grad` is pending, and the first read or write of one waits for the all-gathers (already on
 their way: no collective is issued out of order, whichever ranks look) and takes the step at
 once; after the step, each parameter, its `.grad` and its optimizer state are pending until its
@@ -36,14 +36,13 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 from commsched.hooks import OwnHook
-from commsched.links import Links, Pending
-from commsched.watch import Kind, Watch
+from commsched.comm.links import Links, Pending
+from commsched.schedules.watch import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice
-from commsched.run_summary import size_text
-from commsched.say import say
+from commsched.say import say, size_text
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
 from commsched.schedules.dear_update import Gathers, PendingUpdate, landed, start_gathers, taken_back
@@ -238,7 +237,7 @@ class DeARSchedule(Schedule):
             self.watch.mark(b, bucket.params, Kind.GRADIENT)
 
     def _bring_up_to_date(self, buckets: set[int], kind: Kind) -> None:
-        """`commsched.watch`'s callback: someone touched a pending tensor."""
+        """`commsched.schedules.watch`'s callback: someone touched a pending tensor."""
         if kind is Kind.GRADIENT:
             self._make_whole()
         else:

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from torch.optim import Optimizer
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 from commsched.reducers.striped import StripedShards
 
 Segments = list[list[tuple[int, int, int]]]

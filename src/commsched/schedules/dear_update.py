@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from commsched.links import InOrder, Links, Pending
+from commsched.comm.links import InOrder, Links, Pending
 from commsched.reducers.striped import StripedShards
 from commsched.schedules.partial_step import HyperParams, StepUndo, SubsetStepper
 

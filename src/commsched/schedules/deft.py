@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from commsched.buckets import BucketPlan
+from commsched.comm.buckets import BucketPlan
 from commsched.deft.compensation import measured_staleness, resolve, spike_step
 from commsched.deft.confirm import Confirmation
 from commsched.deft.decide import decide, report
@@ -40,7 +40,7 @@ from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
 from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for
 from commsched.errors import ScheduleError
-from commsched.links import Links
+from commsched.comm.links import Links
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
 from commsched.schedules.step_control import run_with_step_replaced

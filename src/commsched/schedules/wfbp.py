@@ -17,8 +17,8 @@ import torch
 from typing_extensions import override
 
 from commsched.errors import setting
-from commsched.buckets import BucketPlan
-from commsched.links import Links
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.links import Links
 from commsched.options import BUILTIN, CompressionOptions, StreamOptions
 from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce

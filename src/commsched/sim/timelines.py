@@ -2,7 +2,7 @@
 layers' forward then backward, and one link that runs collectives one at a time.
 
 Buckets are lists of layer indices (forward order numbering) in the order their communication is
-issued, i.e. backward order, as `commsched.buckets.BucketPlan` lays them out. Layers without
+issued, i.e. backward order, as `commsched.comm.buckets.BucketPlan` lays them out. Layers without
 gradient bytes never communicate. Optimizer time is not modelled.
 """
 

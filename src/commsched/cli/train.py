@@ -1,10 +1,10 @@
-"""`commsched-train` / `python -m commsched.train`: train from the command line, driven by Hydra.
+"""`commsched-train` / `python -m commsched.cli.train`: train from the command line, driven by Hydra.
 
     commsched-train schedule=dear model=resnet data=synthetic_images trainer.max_steps=100
     commsched-train -m schedule=ddp,wfbp,dear fusion.bucket_cap_mb=1,25     # a sweep
 
 The configuration is validated here, before any worker process starts; the run itself happens in
-`commsched.run`, in a fresh process. Each run directory gets config.resolved.yaml, the CSV logs,
+`commsched.cli.run`, in a fresh process. Each run directory gets config.resolved.yaml, the CSV logs,
 metrics.json and summary.json, and the one-line summary is printed. A refused configuration leaves
 nothing behind: the run directory Hydra made for it is removed again.
 """
@@ -25,9 +25,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from commsched import overrides
-from commsched.config import TrainConfig, register_configs, validate
-from commsched.plugins import import_plugins, plugins_in, schedule_names
+from commsched.cli import overrides
+from commsched.cli.config import TrainConfig, register_configs, schedule_names, validate
+from commsched.plugins import import_plugins, plugins_in
 from commsched.errors import CommSchedConfigError, use_syntax
 from commsched.run_files import write_json
 
@@ -94,11 +94,11 @@ def warn_if_oversubscribed(cfg: Any) -> None:
 
 
 def run_to_the_end(resolved: Path, out: Path, devices: int, num_nodes: int) -> int:
-    """Runs every rank of this node (`commsched.ranks`) and waits for them, however they end.
+    """Runs every rank of this node (`commsched.cli.ranks`) and waits for them, however they end.
     Ctrl-C reaches them from the terminal (same process group) and they stop at a step every rank
     agrees on and save: this process must neither die first nor kill them, so it ignores SIGINT
     meanwhile; a SIGTERM sent to this process alone (`kill`, a scheduler) is passed on to them."""
-    from commsched.ranks import Ranks
+    from commsched.cli.ranks import Ranks
 
     ranks = Ranks(resolved, out, devices, num_nodes)
     previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -110,8 +110,8 @@ def run_to_the_end(resolved: Path, out: Path, devices: int, num_nodes: int) -> i
         signal.signal(signal.SIGTERM, previous_term)
 
 
-CONF = Path(__file__).parent / "conf"
-log = logging.getLogger("commsched.train")
+CONF = Path(__file__).parents[1] / "conf"  # commsched/conf, beside this folder
+log = logging.getLogger("commsched.cli.train")
 
 ABOUT = """\
 commsched-train trains a model on N processes (trainer.devices=N, CPU or GPU) with a commsched
@@ -237,7 +237,7 @@ def refuse(error: CommSchedConfigError, out: Optional[Path] = None) -> None:
 def check_launch_and_files(cfg: Any) -> None:
     """What `validate` leaves to the run, checked before anything is written: the launch environment
     (a cluster node's `NODE_RANK` without `trainer.num_nodes`) and the numbers of a DeFT timings file."""
-    from commsched.ranks import rank_environments
+    from commsched.cli.ranks import rank_environments
 
     rank_environments(cfg.trainer.devices, cfg.trainer.num_nodes)
     if cfg.deft.timings_file is not None:
@@ -264,7 +264,7 @@ def main() -> Any:
     return run_training()
 
 
-@hydra.main(version_base=None, config_path="conf", config_name="train")
+@hydra.main(version_base=None, config_path="../conf", config_name="train")
 def run_training(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
     try:

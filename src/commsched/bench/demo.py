@@ -8,7 +8,7 @@ It prints each schedule's step time, its speed-up over ddp, the best step its sc
 the measured compute and communication ([DeAR] Eq. 7-8), and how far its final weights are from
 ddp's: the schedules change when bytes move, not what is computed.
 
-    python -m commsched.demo [--rate 600mbit] [--steps 10] [--rounds 2]
+    python -m commsched.bench.demo [--rate 600mbit] [--steps 10] [--rounds 2]
 """
 
 from __future__ import annotations

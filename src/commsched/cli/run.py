@@ -1,8 +1,8 @@
-"""One rank of the training run behind `commsched-train`: `python -m commsched.run CONFIG.yaml OUT_DIR`.
+"""One rank of the training run behind `commsched-train`: `python -m commsched.cli.run CONFIG.yaml OUT_DIR`.
 
 `commsched-train` (Hydra) composes and validates the configuration, writes it resolved to the run
 directory and starts this module in a fresh process for every rank of its node at once
-(`commsched.ranks`), so that they import torch and Lightning side by side; Lightning takes them as
+(`commsched.cli.ranks`), so that they import torch and Lightning side by side; Lightning takes them as
 created outside it. Keeping Hydra out of the worker processes is what makes multi-runs (`-m`) work
 with multi-process strategies. Rank 0 writes OUT_DIR/metrics.json; Lightning's and commsched's
 messages also go to OUT_DIR/train.log; checkpoints to OUT_DIR/checkpoints.
@@ -24,14 +24,14 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import OmegaConf
 
 import lightning.pytorch as pl
-from commsched.builders import build_data, build_model, build_strategy
-from commsched.callbacks import StepMetrics
-from commsched.config import resume_path
-from commsched.interrupt import StopAndSave, StoppedBySignal
+from commsched.cli.builders import build_data, build_model, build_strategy
+from commsched.runtime.callbacks import StepMetrics
+from commsched.cli.config import resume_path
+from commsched.runtime.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
-from commsched.quiet import quiet_lightning
+from commsched.cli.quiet import quiet_lightning
 from commsched.run_files import write_json
-from commsched.workers import end_process_group
+from commsched.comm.workers import end_process_group
 
 
 class RunProgressBar(RichProgressBar):

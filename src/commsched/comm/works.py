@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from commsched import peers
+from commsched.comm import peers
 from commsched.errors import PeerFailureError
 
 Launch = Callable[[], dist.Work]

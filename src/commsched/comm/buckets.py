@@ -16,7 +16,7 @@ from torch import nn
 
 from commsched.errors import CommSchedConfigError
 from commsched.fusion import ParamInfo
-from commsched.links import Link
+from commsched.comm.links import Link
 
 
 @dataclass

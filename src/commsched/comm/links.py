@@ -3,7 +3,7 @@
 Every collective goes through a `Link`, the one place that (a) picks the collective the installed
 torch offers, (b) keeps the tensors it touches on the link's device (the rank's own CUDA device
 for NCCL, fixed when the link is made; the CPU for gloo), (c) issues collectives in the order
-they were requested (`commsched.works`: chains, staged inputs and second stages -- requested
+they were requested (`commsched.comm.works`: chains, staged inputs and second stages -- requested
 with `after=` their first stage -- wait in the link's queue, never out of order), (d) turns a failed or timed-out collective into a
 `PeerFailureError` that says which one and why, (e) records the sequence of collectives a rank
 issued, which tests compare across ranks, and counts the bytes this rank sends, and (f) times
@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from commsched import point_to_point
-from commsched.device_time import SpanRecorder, synchronize
+from commsched.comm import point_to_point
+from commsched.comm.device_time import SpanRecorder, synchronize
 from commsched.errors import PeerFailureError
-from commsched.works import After, Issuer, Pending, WaitClock
+from commsched.comm.works import After, Issuer, Pending, WaitClock
 
 # torch 2.10+ renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.3.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,5 +1,5 @@
 """Start N local worker processes joined in a gloo process group over 127.0.0.1 (the probe's workers;
-training runs start theirs in `commsched.ranks`)."""
+training runs start theirs in `commsched.cli.ranks`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Flush points at the loop's rare hooks, where a schedule that applies updates late brings every
 parameter up to date before user code runs.
 
-Exactness per step is `commsched.watch`'s: the first touch of a pending tensor (a weight, its
+Exactness per step is `commsched.schedules.watch`'s: the first touch of a pending tensor (a weight, its
 `.grad`, its optimizer state) brings it up to date, whoever touches it, so ordinary callbacks and
 module hooks cost a schedule nothing. At the epoch-level hooks (epoch start and end,
 validation/test/predict start, end of training) everything pending is applied before the first
@@ -23,7 +23,7 @@ Hookable = TypeVar("Hookable")
 def reads_no_weights(target: Hookable) -> Hookable:
     """Deprecated and without effect: a hook that touches no pending tensor keeps the overlap by itself."""
     warnings.warn("commsched.reads_no_weights is no longer needed: hooks that touch no weight cost nothing "
-                  "(commsched.watch); it will be removed", DeprecationWarning, stacklevel=2)
+                  "(commsched.schedules.watch); it will be removed", DeprecationWarning, stacklevel=2)
     return target
 
 

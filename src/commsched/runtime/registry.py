@@ -13,10 +13,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from commsched.errors import CommSchedConfigError
 from commsched.fusion import MODEL_POLICIES
-from commsched.links import KNOWN_COLLECTIVES, KNOWN_LINKS
+from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.schedules import SCHEDULES, Schedule
 from commsched.sim.simulate import register as register_simulation
-from commsched.strategy import CommSchedStrategy
+from commsched.runtime.strategy import CommSchedStrategy
 
 STRATEGIES: dict[str, type[CommSchedStrategy]] = {}
 """The strategy class of every registered schedule, by name."""

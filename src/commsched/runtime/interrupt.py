@@ -196,11 +196,11 @@ class StopAndSave(pl.Callback):
         print(f"commsched: {line}", flush=True)
 
     def _closing_line(self, trainer: pl.Trainer) -> None:
-        """At a fit's end, unless the commsched strategy's closing summary says it (it reads `resume_hint`)."""
-        from commsched.strategy import CommSchedStrategy  # the strategy module imports this one
-
+        """At a fit's end, unless the strategy's closing summary says it: a commsched strategy's does (it
+        reads `resume_hint`) and says so with `says_resume_hint`; this module does not import the strategy,
+        which imports it."""
         hint = self.resume_hint()
-        if hint is not None and not isinstance(trainer.strategy, CommSchedStrategy):
+        if hint is not None and not getattr(trainer.strategy, "says_resume_hint", False):
             self._say(f"last checkpoint {self.last_saved} (step {self.last_step}); continue with: {hint}")
 
     # ------------------------------------------------------------------ signals

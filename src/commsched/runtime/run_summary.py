@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from commsched.errors import current_syntax
+from commsched.say import size_text
 
 
 RECENT_STEPS = 50
@@ -65,11 +66,6 @@ def describe_buckets(strategy: Any) -> str:
     return f"{len(plan.buckets)} bucket(s) for {size_text(total)} of gradients ({how})"
 
 
-def size_text(nbytes: float) -> str:
-    """'4.9 KB', '13.6 MB': the unit that keeps one decimal meaningful."""
-    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 0.1 * 2**20 else f"{nbytes / 2**10:.1f} KB"
-
-
 def describe_time(clock: StepClock) -> Optional[str]:
     recent = clock.recent()
     if recent is None:
@@ -97,7 +93,7 @@ def _relative(path: Path, folder: Optional[Path]) -> str:
 def resume_hint(trainer: Any) -> Optional[str]:
     """How to continue from the last checkpoint this fit wrote, in the user's syntax (a `StopAndSave`
     among the callbacks knows it best: it saved the final step)."""
-    from commsched.interrupt import StopAndSave
+    from commsched.runtime.interrupt import StopAndSave
 
     python = current_syntax() != "hydra"
     for stop in (c for c in trainer.callbacks if isinstance(c, StopAndSave)):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from commsched.buckets import BucketPlan
-from commsched.links import CollectiveRecord, Link, Links
+from commsched.comm.buckets import BucketPlan
+from commsched.comm.links import CollectiveRecord, Link, Links
 from commsched.planning.plan_file import SavedPlan
 from commsched.schedules import Schedule
 
 if TYPE_CHECKING:
-    from commsched.engine import Engine
+    from commsched.runtime.engine import Engine
 
 
 class RunReports:

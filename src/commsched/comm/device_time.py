@@ -10,6 +10,7 @@ probe, DeFT's measurements, and through them the planners and the simulator's in
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -18,7 +19,7 @@ import torch
 from commsched.trace import Span
 
 if TYPE_CHECKING:
-    from commsched.works import Pending
+    from commsched.comm.works import Pending
 
 
 def synchronize(device: torch.device) -> None:
@@ -34,6 +35,14 @@ def seconds_of(device: torch.device, run: Callable[[], object]) -> float:
     run()
     synchronize(device)
     return time.perf_counter() - started
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch.device = torch.device("cpu")) -> float:
+    """Median seconds until what `fn` started has completed on `device` (`seconds_of`), after `warmup`
+    untimed calls: the profiler's collectives, the link probe and DeFT's halves are timed with it."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(seconds_of(device, fn) for _ in range(repeats))
 
 
 class Stopwatch:

@@ -1,7 +1,7 @@
 """Collect a multi-run's summaries into sweep.csv, a rich console table and sweep.png (samples/s).
 
 Runs by itself at the end of every `commsched-train -m ...` (a Hydra callback), or again later:
-`python -m commsched.sweep multirun/2026-11-22/10-00-00`.
+`python -m commsched.cli.sweep multirun/2026-11-22/10-00-00`.
 """
 
 from __future__ import annotations

@@ -33,14 +33,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from commsched import checks, errors, observers, options, peers, run_files, run_summary, state
-from commsched.buffer_sync import BufferSync
-from commsched.engine import Engine
+from commsched import errors, options, run_files, state
+from commsched.runtime import checks, observers, run_summary
+from commsched.comm import peers
+from commsched.runtime.buffer_sync import BufferSync
+from commsched.runtime.engine import Engine
 from commsched.errors import PeerFailureError
-from commsched.interrupt import StoppedBySignal
-from commsched.lr_follow import FollowOptimizerSteps
+from commsched.runtime.interrupt import StoppedBySignal
+from commsched.runtime.lr_follow import FollowOptimizerSteps
 from commsched.options import CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
-from commsched.run_reports import RunReports
+from commsched.runtime.run_reports import RunReports
 from commsched.say import say, say_from_this_rank
 from commsched.schedules import SCHEDULES, Schedule
 
@@ -52,6 +54,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     strategy_name = "commsched"
     default_schedule: ClassVar[str] = "dear"
+    says_resume_hint: ClassVar[bool] = True
+    """Its closing summary says how to continue from the last checkpoint, so `StopAndSave` does not."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CommSchedStrategy":
         """A misspelt argument is refused with the closest one this class takes, not with Python's bare TypeError."""

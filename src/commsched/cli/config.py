@@ -16,13 +16,24 @@ from omegaconf import OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
-from commsched.plugins import schedule_names
 from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 
 
 REFERENCE = "ddp"  # Lightning's own DistributedDataParallel, the reference every schedule is compared with
+
+
+def schedule_names(plugins_loaded: bool) -> tuple[str, ...]:
+    """ddp (Lightning's DDP, the reference) and every registered schedule: the built-in ones without
+    importing torch when no plugin was loaded, else `commsched.SCHEDULES`."""
+    from commsched.options import BUILTIN_SCHEDULES
+
+    if not plugins_loaded:
+        return ("ddp", *BUILTIN_SCHEDULES)
+    from commsched.schedules import SCHEDULES
+
+    return ("ddp", *SCHEDULES)
 
 
 @dataclass
@@ -143,7 +154,7 @@ def validate(cfg: Any) -> None:
         options.check_compression(cfg.compression, name, name in options.COMPRESSING_SCHEDULES)
         options.check_streams(cfg.streams, name, name in options.STRIPING_SCHEDULES, cfg.compression, cfg.fusion.policy)
     elif name != "ddp":  # a plugin's schedule: the plugin imported the registry already
-        from commsched.registry import SCHEDULES
+        from commsched.runtime.registry import SCHEDULES
 
         options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
         options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression, cfg.fusion.policy)
@@ -212,7 +223,7 @@ def check_plan_file(cfg: Any) -> None:
     model built on the meta device (no memory, no weights), before any worker starts."""
     import torch
 
-    from commsched.builders import build_model
+    from commsched.cli.builders import build_model
     from commsched.planning.plan_file import SavedPlan
 
     plan = SavedPlan.load(cfg.fusion.plan_file)

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from commsched import state
-from commsched.buckets import build_plan, verify_same_on_all_ranks
-from commsched.links import CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
+from commsched.comm.buckets import build_plan, verify_same_on_all_ranks
+from commsched.comm.links import CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
 from commsched.options import StrategyOptions
 from commsched.planning.policy import PlanPolicy
 from commsched.profile.run_profiler import RunProfiler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from commsched.links import Link
+from commsched.comm.links import Link
 
 
 class BufferSync:

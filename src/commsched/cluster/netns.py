@@ -142,15 +142,15 @@ def _raise_exit(signum: int, _frame: object) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m commsched.netns RATE COMMAND...`: any command (e.g. commsched-train) over an emulated link."""
+    """`python -m commsched.cluster.netns RATE COMMAND...`: any command (e.g. commsched-train) over an emulated link."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
-        print("usage: python -m commsched.netns RATE COMMAND...   (RATE: e.g. 1gbit, 200mbit, none)", file=sys.stderr)
+        print("usage: python -m commsched.cluster.netns RATE COMMAND...   (RATE: e.g. 1gbit, 200mbit, none)", file=sys.stderr)
         return 2
     try:
         return run_in_namespace(args[0], args[1:])
     except (PermissionError, ValueError) as error:
-        print(f"commsched.netns: {error}", file=sys.stderr)
+        print(f"commsched.cluster.netns: {error}", file=sys.stderr)
         return 3
 
 

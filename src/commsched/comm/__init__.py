@@ -1,0 +1,7 @@
+"""Communication: named process groups ("links") and the collectives a schedule issues on them
+(`links`), the order each link issues them in and the in-flight `Pending` (`works`), gloo's
+point-to-point reduce-scatter and all-gather (`point_to_point`), timings of a collective's completion
+on its device (`device_time`), the flat gradient buckets a collective carries (`buckets`), who the
+other ranks are when one fails (`peers`), and local gloo worker processes for the probe and tests
+(`workers`). Below the schedules, reducers and measurements that use it; import the modules
+themselves (this file imports nothing, so that torch-free code can name the folder)."""
