@@ -29,12 +29,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from commsched.comm.buckets import BucketPlan
-from commsched.deft.compensation import measured_staleness, resolve, spike_step
+from commsched.deft.compensator import Compensator
 from commsched.deft.confirm import Confirmation
 from commsched.deft.decide import decide, report
 from commsched.deft.generations import BufferPool, Generation, ItemSender, same_layout
 from commsched.deft.measure import StageMeter
-from commsched.deft.prediction import WeightPrediction
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
 from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
@@ -91,9 +90,8 @@ class DeFTSchedule(Schedule):
         """While the predicted choice and its runner-up are timed on real steps."""
         self.updates = 0
         """Optimizer steps taken: a generation stepped now is `updates - joined_at` steps late."""
-        self.compensation = self.options.compensation
-        """The compensation that runs ("auto" until the optimizer's first step resolves it)."""
-        self._prediction = self._predicting() if self.compensation.endswith("predict") else None
+        self.compensator = Compensator(self.options.compensation, [p for b in plan.buckets for p in b.params],
+                                       [n for b in plan.buckets for n in b.names])
 
     @classmethod
     @override
@@ -104,19 +102,6 @@ class DeFTSchedule(Schedule):
     @override
     def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
         refuse_optimizers(options.deft.compensation, optimizers)
-
-    def _predicting(self) -> WeightPrediction:
-        return WeightPrediction([p for b in self.plan.buckets for p in b.params], [n for b in self.plan.buckets for n in b.names])
-
-    def _resolve_compensation(self, optimizer: Optimizer) -> None:
-        """"auto" becomes the compensation measured to keep this optimizer's accuracy (`chosen_for`)."""
-        if self.compensation != "auto":
-            return
-        self.compensation = resolve("auto", optimizer)
-        if self.compensation.endswith("predict") and self._prediction is None:
-            self._prediction = self._predicting()
-        elif not self.compensation.endswith("predict"):
-            self._prediction = None
 
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
@@ -144,8 +129,7 @@ class DeFTSchedule(Schedule):
         if running.runs != "plan":
             if self._generations:
                 self.drain()  # a delayed plan timed before an exact schedule: its generations step now
-            if self._prediction is not None:
-                self._prediction.forget()
+            self.compensator.forget()
             self.iteration = 0  # when the plan takes the iterations back, its replay starts with nothing in flight
         if running.runs == "dear":
             return Handover("dear", DeARSettings(tuple(running.dear_links)))
@@ -170,9 +154,8 @@ class DeFTSchedule(Schedule):
 
     def _decide(self) -> None:
         optimizer = self._stepper[0] if self._stepper is not None else None
-        measured = measured_staleness(self.compensation, optimizer) if optimizer is not None else 0
         decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
-                          self._meter, self._probes, self.compensation, measured)
+                          self._meter, self._probes, self.compensator.name, self.compensator.measured_staleness(optimizer))
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
         self._confirm_later()
@@ -198,20 +181,20 @@ class DeFTSchedule(Schedule):
     def summary(self) -> list[str]:
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
         late = self.deft_plan.staleness and self.choice.runs == "plan"
-        compensated = f"; late generations compensated: {self.compensation}" if late and self.compensation != "none" else ""
+        compensated = f"; late generations compensated: {self.compensator.name}" if late and self.compensator.name != "none" else ""
         return [f"plan {self.deft_plan.describe()}{ran}{compensated}", *super().summary()]
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
         return report(self.deft_plan, self.choice, self.decided, self.options, self.links.control.world_size, self.timings,
-                      self.decisions, self.compensation)
+                      self.decisions, self.compensator.name)
 
     # ---------------------------------------------------------------- iteration
     @override
     def before_forward(self) -> None:
-        if self._prediction is not None and self.decided and self.choice.runs == "plan":
+        if self.compensator.prediction is not None and self.decided and self.choice.runs == "plan":
             # every micro-batch of the iteration (accumulated ones too) on the same predicted weights
-            self._prediction.predict(self.deft_plan.steps_until_applied(self.iteration))
+            self.compensator.predict(self.deft_plan.steps_until_applied(self.iteration))
         if self._now is not None or not self.sync_enabled:
             return  # a later micro-batch of the same step, or an accumulation micro-batch
         self._now = self.deft_plan.at(self.iteration)
@@ -245,8 +228,7 @@ class DeFTSchedule(Schedule):
 
     @override
     def on_backward_end(self) -> None:
-        if self._prediction is not None:
-            self._prediction.restore()
+        self.compensator.restore()
         self.capture.read_mask()
         generation = self._generation(self._now.joins)
         generation.k += 1
@@ -306,13 +288,7 @@ class DeFTSchedule(Schedule):
         """The user's step on generation `number`'s gradients, compensated for how late they are (a
         measured step is never late)."""
         late = self.updates - self._generations[number].joined_at
-        self._resolve_compensation(optimizer)
-        if self._prediction is not None:
-            self._prediction.before_step()
-        if self.compensation.startswith("spike"):
-            spike_step(optimizer, real_step, late)
-        else:
-            real_step()
+        self.compensator.step(optimizer, real_step, late)
         self.updates += 1
 
     def _release(self, number: int) -> None:
@@ -325,8 +301,7 @@ class DeFTSchedule(Schedule):
             self._curvature_step = True
 
     def _end_iteration(self) -> None:
-        if self._prediction is not None:
-            self._prediction.restore()  # a step whose backward never ran
+        self.compensator.restore()  # a step whose backward never ran
         if self._now is None:
             return
         if self._curvature_step:
@@ -381,7 +356,7 @@ class DeFTSchedule(Schedule):
                            "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
                 "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
                              "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections],
-                             "prediction": self._prediction.state() if self._prediction is not None else {}}}
+                             "prediction": self.compensator.state()}}
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -402,10 +377,7 @@ class DeFTSchedule(Schedule):
             self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
         self._meter.load(state["meter"])
         self._probes.projections = [list(p) for p in state.get("projections", [])]
-        if self._prediction is None and self.compensation == "auto" and state.get("prediction"):
-            self._prediction = self._predicting()  # "auto" chose prediction in the run saved
-        if self._prediction is not None:
-            self._prediction.load(state.get("prediction", {}))
+        self.compensator.load(state.get("prediction", {}))
 
     @staticmethod
     @override
