@@ -15,6 +15,7 @@ import importlib
 import sys
 from typing import Any
 
+from commsched import moved
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
 from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
@@ -42,6 +43,8 @@ def __getattr__(name: str) -> Any:
     _register()
     return getattr(importlib.import_module(_NEEDS_LIGHTNING[name]), name)
 
+
+moved.install()  # 0.2.0's module paths (commsched.strategy, commsched.links, ...) still import, with a warning
 
 if "commsched_cli" not in sys.modules:
     _register()
