@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from commsched import CommSchedConfigError
-from commsched.cli.config import register_configs, validate
+from commsched.cli.config import register_configs, train_config, validate
 from conftest import ended_with_an_error
 
 RECIPES = sorted(p.stem for p in (Path(__file__).parents[1] / "src/commsched/conf/recipe").glob("*.yaml"))
@@ -49,7 +49,7 @@ def test_there_are_recipes_for_every_model_family():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_and_validates(recipe):
     cfg = composed(f"+recipe={recipe}")
-    validate(cfg)
+    validate(train_config(cfg))
     assert OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -59,15 +59,33 @@ MODELS = sorted(p.stem for p in (Path(__file__).parents[1] / "src/commsched/conf
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_config_composes_and_validates(model):
     data = "text" if model.startswith("gpt2") else "synthetic_images"
-    validate(composed(f"model={model}", f"data={data}"))
+    validate(train_config(composed(f"model={model}", f"data={data}")))
 
 
 @pytest.mark.parametrize("full_size", ["resnet50", "vgg16", "gpt2_small"])
 def test_full_size_variant_is_one_override_away(full_size):
     recipe = {"resnet50": "resnet", "vgg16": "vgg", "gpt2_small": "gpt2"}[full_size]
     cfg = composed(f"+recipe={recipe}", f"model={full_size}")
-    validate(cfg)
+    validate(train_config(cfg))
     assert cfg.model.width == 64 or cfg.model.size == "small"
+
+
+def test_the_configuration_is_converted_once_into_the_options_the_strategy_receives(tmp_path):
+    """The launcher's composition and the YAML each rank loads back become the same typed `TrainConfig`,
+    whose options objects the builders hand to the strategy as they are (the profile dir set on a copy)."""
+    from commsched.cli.builders import build_strategy
+    from commsched.cli.config import TrainConfig
+    from commsched.options import FusionOptions, StreamOptions
+
+    cfg = composed("schedule=dear", "fusion=fixed", "fusion.bucket_cap_mb=2", "streams=auto")
+    train = train_config(cfg)
+    assert isinstance(train, TrainConfig) and isinstance(train.fusion, FusionOptions)
+    assert isinstance(train.stream_options, StreamOptions) and train.streams == "auto" and train.fusion.bucket_cap_mb == 2.0
+    OmegaConf.save(cfg, tmp_path / "config.resolved.yaml", resolve=True)
+    assert train_config(OmegaConf.load(tmp_path / "config.resolved.yaml")) == train
+    strategy = build_strategy(train, tmp_path)
+    assert strategy.options.fusion is train.fusion and strategy.options.stream_options is train.stream_options
+    assert strategy.options.profile.dir == str(tmp_path / "profile") and train.profile.dir is None
 
 
 @pytest.mark.parametrize(
@@ -101,7 +119,7 @@ def test_full_size_variant_is_one_override_away(full_size):
 )
 def test_bad_values_are_refused_with_allowed_values(override, message, hydra_syntax):
     """Named as the command line spells them (`commsched-train` renders refusals so)."""
-    cfg = composed(*override.split())
+    cfg = train_config(composed(*override.split()))
     with pytest.raises(CommSchedConfigError) as error:
         validate(cfg)
     assert message in str(error.value)

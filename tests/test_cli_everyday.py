@@ -147,12 +147,12 @@ def test_compression_input_is_checked_without_torch():
     """Refused input answers at once, and nothing a Ctrl-C could interrupt inside torch's import runs."""
     code = ("import sys, commsched_cli\n"  # as the console scripts do: the package without torch
             "from hydra import compose, initialize_config_module\n"
-            "from commsched.cli.config import register_configs, validate\n"
+            "from commsched.cli.config import register_configs, train_config, validate\n"
             "register_configs()\n"
             "with initialize_config_module(config_module='commsched.conf', version_base=None):\n"
-            "    validate(compose(config_name='train', overrides=['schedule=wfbp', 'compression=mstopk']))\n"
+            "    validate(train_config(compose(config_name='train', overrides=['schedule=wfbp', 'compression=mstopk'])))\n"
             "    try:\n"
-            "        validate(compose(config_name='train', overrides=['schedule=dear', 'compression=mstopk']))\n"
+            "        validate(train_config(compose(config_name='train', overrides=['schedule=dear', 'compression=mstopk'])))\n"
             "    except ValueError as error:\n"
             "        print(error)\n"
             "assert 'torch' not in sys.modules, 'torch imported while checking input'")

@@ -184,7 +184,7 @@ def test_every_command_line_of_the_docs_is_accepted():
     program = f"""
 import sys, commsched_cli  # as the console scripts import the package: without torch
 from hydra import compose, initialize_config_module
-from commsched.cli.config import register_configs, validate
+from commsched.cli.config import register_configs, train_config, validate
 from commsched.bench.config import register_bench_config, validate_bench
 from commsched.cluster.cli import parser as cluster_parser
 from commsched.profile.probe_cli import parser as probe_parser
@@ -197,7 +197,7 @@ register_configs()
 with initialize_config_module(config_module="commsched.conf", version_base=None):
     for page, overrides in {trains!r}:
         try:
-            validate(compose(config_name="train", overrides=first_of_each_sweep(overrides)))
+            validate(train_config(compose(config_name="train", overrides=first_of_each_sweep(overrides))))
         except Exception as error:
             failed.append(f"{{page}}: commsched-train {{' '.join(overrides)}}: {{error}}")
 register_bench_config()

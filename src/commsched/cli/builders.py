@@ -1,25 +1,25 @@
-"""Turn a validated run configuration into the model, data module and strategy it names."""
+"""Turn a validated run configuration (`TrainConfig`, converted from Hydra's once) into the model,
+data module and strategy it names; the strategy receives the configuration's options objects."""
 
 from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, Strategy
-from omegaconf import OmegaConf
 
 import commsched
-from commsched.options import CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
+from commsched.cli.config import TrainConfig
 from commsched.models import ImageClassifier, LanguageModel
 from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
 
 VOCAB_SIZE = 256  # every token source here is bytes (or random bytes)
 
 
-def build_model(cfg: Any) -> pl.LightningModule:
+def build_model(cfg: TrainConfig) -> pl.LightningModule:
     m = cfg.model
     common = dict(optimizer=m.optimizer, lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, lr_schedule=m.lr_schedule)
     if m.kind == "image":
@@ -31,7 +31,7 @@ def build_model(cfg: Any) -> pl.LightningModule:
     )
 
 
-def build_data(cfg: Any) -> pl.LightningDataModule:
+def build_data(cfg: TrainConfig) -> pl.LightningDataModule:
     d = cfg.data
     if d.name == "synthetic_images":
         return SyntheticImageData(d.batch_size, d.train_size, d.val_size, d.resolution, cfg.model.num_classes, d.seed, d.num_workers)
@@ -44,23 +44,16 @@ def build_data(cfg: Any) -> pl.LightningDataModule:
     return ByteTextData(d.path, d.block_size, d.batch_size, num_workers=d.num_workers)
 
 
-def build_strategy(cfg: Any, out: Optional[Path] = None) -> Strategy:
+def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
     """`out`: the run directory; profiles go to out/profile."""
     name = str(cfg.schedule.name)
     timeout = timedelta(seconds=cfg.trainer.timeout_s)
     if name == "ddp":
         return DDPStrategy(bucket_cap_mb=cfg.fusion.bucket_cap_mb, find_unused_parameters=False, timeout=timeout)
-    profile = ProfileOptions(**OmegaConf.to_container(cfg.profile, resolve=True))
+    profile = cfg.profile
     if profile.dir is None and out is not None:
         profile = dataclasses.replace(profile, dir=str(out / "profile"))
     return commsched.STRATEGIES[name](
-        fusion=FusionOptions(**OmegaConf.to_container(cfg.fusion, resolve=True)),
-        tuning=TuningOptions(**OmegaConf.to_container(cfg.tuning, resolve=True)),
-        links=LinkOptions(**OmegaConf.to_container(cfg.link, resolve=True)),
-        deft=DeFTOptions(**OmegaConf.to_container(cfg.deft, resolve=True)),
-        dear=DeAROptions(**OmegaConf.to_container(cfg.dear, resolve=True)),
-        preserver=PreserverOptions(**OmegaConf.to_container(cfg.preserver, resolve=True)),
-        compression=CompressionOptions(**OmegaConf.to_container(cfg.compression, resolve=True)),
-        streams=cfg.streams, stream_options=StreamOptions(**OmegaConf.to_container(cfg.stream_options, resolve=True)),
-        profile=profile, timeout=timeout,
+        fusion=cfg.fusion, tuning=cfg.tuning, links=cfg.link, deft=cfg.deft, dear=cfg.dear, preserver=cfg.preserver,
+        compression=cfg.compression, streams=cfg.streams, stream_options=cfg.stream_options, profile=profile, timeout=timeout,
     )

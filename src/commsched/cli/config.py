@@ -1,8 +1,11 @@
 """Typed configuration of a training run (Hydra structured configs) and its validation.
 
-Every field a user can set on the command line is declared here with its type; `validate` checks
-the values that types cannot (choices, ranges, model/data compatibility) in the launching
-process, so a typo fails before any worker starts, with the valid choices in the message.
+Every field a user can set on the command line is declared here with its type. Hydra's
+configuration is converted once (`train_config`) into a `TrainConfig` whose concerns are the
+options dataclasses themselves; `validate` checks them in place, with the values that types cannot
+(choices, ranges, model/data compatibility), in the launching process, so a typo fails before any
+worker starts, with the valid choices in the message; the builders hand the same objects to the
+strategy.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from commsched import options
 from commsched.errors import bad_value
@@ -142,12 +145,20 @@ def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCH
         store.store(group="schedule", name=name, node=ScheduleConfig(name=name))
 
 
-def validate(cfg: Any) -> None:
+def train_config(cfg: DictConfig) -> TrainConfig:
+    """Hydra's configuration converted once into the typed `TrainConfig` that `validate`, the builders
+    and the run read: its concerns are the options dataclasses the strategy receives as they are. `cfg`
+    is `commsched-train`'s composition (typed by the schema it is composed on) or the resolved YAML a
+    rank loads back (`commsched.cli.run`), typed against the schema here; `Any` fields keep their values."""
+    if OmegaConf.get_type(cfg) is not TrainConfig:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    return OmegaConf.to_object(cfg)
+
+
+def validate(cfg: TrainConfig) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
-    for concern, cls in (("fusion", FusionOptions), ("tuning", TuningOptions), ("profile", ProfileOptions), ("link", LinkOptions),
-                         ("deft", DeFTOptions), ("dear", DeAROptions), ("compression", CompressionOptions),
-                         ("stream_options", StreamOptions)):
-        options.validated(cls(**OmegaConf.to_container(cfg[concern], resolve=True)), f"{concern}.")
+    for concern in ("fusion", "tuning", "profile", "link", "deft", "dear", "compression", "stream_options"):
+        options.validated(getattr(cfg, concern), f"{concern}.")
     options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
     name = str(cfg.schedule.name)
     if name in options.BUILTIN_SCHEDULES:  # checked before torch is imported
@@ -194,7 +205,7 @@ def validate(cfg: Any) -> None:
     if cfg.resume is not None:
         resume_path(cfg.resume)
     if cfg.preserver.enabled:
-        options.validated(PreserverOptions(**OmegaConf.to_container(cfg.preserver)), "preserver.")
+        options.validated(cfg.preserver, "preserver.")
     if cfg.deft.timings_file is not None and not Path(cfg.deft.timings_file).expanduser().is_file():
         raise bad_value("deft.timings_file", cfg.deft.timings_file, "an existing JSON file of per-bucket times (not found)")
     if cfg.data.name == "text" and cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists():
@@ -218,7 +229,7 @@ def resume_path(resume: str) -> Path:
     return path
 
 
-def check_plan_file(cfg: Any) -> None:
+def check_plan_file(cfg: TrainConfig) -> None:
     """A plan file must be a plan, and one for this model: its parameter names are checked against the
     model built on the meta device (no memory, no weights), before any worker starts."""
     import torch

@@ -3,9 +3,11 @@
 `commsched-train` (Hydra) composes and validates the configuration, writes it resolved to the run
 directory and starts this module in a fresh process for every rank of its node at once
 (`commsched.cli.ranks`), so that they import torch and Lightning side by side; Lightning takes them as
-created outside it. Keeping Hydra out of the worker processes is what makes multi-runs (`-m`) work
-with multi-process strategies. Rank 0 writes OUT_DIR/metrics.json; Lightning's and commsched's
-messages also go to OUT_DIR/train.log; checkpoints to OUT_DIR/checkpoints.
+created outside it. Each rank loads the YAML back into the launcher's typed `TrainConfig`
+(`commsched.cli.config.train_config`), whose options objects its strategy receives. Keeping Hydra
+out of the worker processes is what makes multi-runs (`-m`) work with multi-process strategies.
+Rank 0 writes OUT_DIR/metrics.json; Lightning's and commsched's messages also go to
+OUT_DIR/train.log; checkpoints to OUT_DIR/checkpoints.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from omegaconf import OmegaConf
 import lightning.pytorch as pl
 from commsched.cli.builders import build_data, build_model, build_strategy
 from commsched.runtime.callbacks import StepMetrics
-from commsched.cli.config import resume_path
+from commsched.cli.config import TrainConfig, resume_path, train_config
 from commsched.runtime.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
 from commsched.cli.quiet import quiet_lightning
@@ -54,7 +56,7 @@ def loggers(out: Path) -> list[Logger]:
     return chosen
 
 
-def checkpointing(cfg: Any, out: Path) -> Optional[ModelCheckpoint]:
+def checkpointing(cfg: TrainConfig, out: Path) -> Optional[ModelCheckpoint]:
     c = cfg.checkpoint
     if not c.enabled:
         return None
@@ -112,7 +114,7 @@ def interruption(error: BaseException, out: Path, stop: Optional[StopAndSave]) -
     return f"interrupted at once, without saving; {saved}; logs in {out}"
 
 
-def fusion_ran(cfg: Any, strategy: Any) -> dict[str, Any]:
+def fusion_ran(cfg: TrainConfig, strategy: Any) -> dict[str, Any]:
     """What fusion the run actually used (a plan file or a checkpoint's plan outranks the policy
     named in the config) and, if a model chose it, the step time that model predicted."""
     plan = getattr(strategy, "fusion_plan", None)
@@ -132,8 +134,8 @@ def fusion_ran(cfg: Any, strategy: Any) -> dict[str, Any]:
 
 def main() -> None:
     config_file, out = Path(sys.argv[1]), Path(sys.argv[2])
-    cfg = OmegaConf.load(config_file)
-    import_plugins(cfg.get("plugins") or [])  # schedules registered from outside the package, as in the launcher
+    cfg = train_config(OmegaConf.load(config_file))  # typed once: the options the strategy receives
+    import_plugins(cfg.plugins)  # schedules registered from outside the package, as in the launcher
     quiet_lightning()
     pl.seed_everything(cfg.seed, verbose=False)
     model = build_model(cfg)
@@ -161,7 +163,7 @@ def main() -> None:
     samples_per_step = cfg.data.batch_size * trainer.world_size * t.accumulate_grad_batches
     metrics = StepMetrics(samples_per_step)
     trainer.callbacks.append(metrics)
-    ckpt_path = str(resume_path(cfg.resume)) if cfg.get("resume") else None
+    ckpt_path = str(resume_path(cfg.resume)) if cfg.resume else None
     with interruptible(out, stop):
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     end_process_group()

@@ -3,10 +3,11 @@
     commsched-train schedule=dear model=resnet data=synthetic_images trainer.max_steps=100
     commsched-train -m schedule=ddp,wfbp,dear fusion.bucket_cap_mb=1,25     # a sweep
 
-The configuration is validated here, before any worker process starts; the run itself happens in
-`commsched.cli.run`, in a fresh process. Each run directory gets config.resolved.yaml, the CSV logs,
-metrics.json and summary.json, and the one-line summary is printed. A refused configuration leaves
-nothing behind: the run directory Hydra made for it is removed again.
+The configuration is converted once into the typed `TrainConfig` and validated here, before any
+worker process starts; the run itself happens in `commsched.cli.run`, in a fresh process. Each run
+directory gets config.resolved.yaml, the CSV logs, metrics.json and summary.json, and the one-line
+summary is printed. A refused configuration leaves nothing behind: the run directory Hydra made
+for it is removed again.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from commsched.cli import overrides
-from commsched.cli.config import TrainConfig, register_configs, schedule_names, validate
+from commsched.cli.config import TrainConfig, register_configs, schedule_names, train_config, validate
 from commsched.plugins import import_plugins, plugins_in
 from commsched.errors import CommSchedConfigError, use_syntax
 from commsched.run_files import write_json
 
 
-def summarise(cfg: Any, metrics: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def summarise(cfg: TrainConfig, metrics: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     quality = {k: metrics[k] for k in ("train_loss", "val_loss", "val_acc", "val_ppl") if k in metrics}
     return {
         "schedule": str(cfg.schedule.name),
@@ -82,7 +83,7 @@ def predicted_against_measured(summary: dict[str, Any]) -> str:
 _warned: set[str] = set()
 
 
-def warn_if_oversubscribed(cfg: Any) -> None:
+def warn_if_oversubscribed(cfg: TrainConfig) -> None:
     """More CPU workers than cores: they take turns, and every figure measures the turns (said once
     per command, not per run of a sweep)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -234,7 +235,7 @@ def refuse(error: CommSchedConfigError, out: Optional[Path] = None) -> None:
     sys.exit(2)
 
 
-def check_launch_and_files(cfg: Any) -> None:
+def check_launch_and_files(cfg: TrainConfig) -> None:
     """What `validate` leaves to the run, checked before anything is written: the launch environment
     (a cluster node's `NODE_RANK` without `trainer.num_nodes`) and the numbers of a DeFT timings file."""
     from commsched.cli.ranks import rank_environments
@@ -267,18 +268,19 @@ def main() -> Any:
 @hydra.main(version_base=None, config_path="../conf", config_name="train")
 def run_training(cfg: DictConfig) -> float:
     out = Path(HydraConfig.get().runtime.output_dir)
+    train = train_config(cfg)  # converted once; `cfg` stays Hydra's: saved below, each rank loads it back typed
     try:
-        validate(cfg)
-        check_launch_and_files(cfg)
+        validate(train)
+        check_launch_and_files(train)
     except CommSchedConfigError as error:
         refuse(error, out)
-    warn_if_oversubscribed(cfg)
+    warn_if_oversubscribed(train)
     resolved = out / "config.resolved.yaml"
     written = resolved.with_name(f"{resolved.name}.{os.getpid()}")
     OmegaConf.save(cfg, written, resolve=True)
     os.replace(written, resolved)  # whole, never half-written: every node of a cluster writes it, others' ranks read it
     try:
-        code = run_to_the_end(resolved, out, cfg.trainer.devices, cfg.trainer.num_nodes)
+        code = run_to_the_end(resolved, out, train.trainer.devices, train.trainer.num_nodes)
     except CommSchedConfigError as error:  # found where the ranks are started (checked above already)
         refuse(error)
     if code in (130, -signal.SIGINT, -signal.SIGTERM):  # the run said where it stopped and what it saved
@@ -289,7 +291,7 @@ def run_training(cfg: DictConfig) -> float:
         sys.exit(1)
     if os.environ.get("NODE_RANK", "0") != "0":  # a node of a cluster (commsched-cluster): node 0 reports
         return 0.0
-    summary = summarise(cfg, json.loads((out / "metrics.json").read_text()), list(HydraConfig.get().overrides.task))
+    summary = summarise(train, json.loads((out / "metrics.json").read_text()), list(HydraConfig.get().overrides.task))
     write_json(out / "summary.json", summary, indent=2)
     log.info(f"{summary_line(summary)}; results in {out}")
     return float(summary["samples_per_s"]) if summary["samples_per_s"] is not None else math.nan

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from commsched.deft.compensation import COMPENSATIONS, spike_applies
 from commsched.errors import CommSchedConfigError
-from commsched.options import DeFTOptions
+from commsched.options import DeFTOptions, StrategyOptions
 
 
 @dataclass
@@ -25,7 +25,7 @@ class DeFTSettings:
     """Steps the per-step LR schedulers once (before a second optimizer step in one iteration)."""
 
 
-def settings_for(options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
+def settings_for(options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
     """The Preserver: the user's own among the callbacks, else one made from `options.preserver`
     and added to the callbacks (it reads each step's loss and learning rate), unless disabled."""
     from commsched.deft.preserver import Preserver

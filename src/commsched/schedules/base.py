@@ -31,6 +31,7 @@ from commsched.schedules.capture import GradientCapture
 from commsched.state import refuse_unknown
 
 if TYPE_CHECKING:
+    from commsched.options import StrategyOptions
     from commsched.streams.control import StreamControl
     from commsched.reducers.units import Striping
     from commsched.sim.network import CostModel
@@ -175,7 +176,7 @@ class Schedule:
         self.flush()
 
     @classmethod
-    def keeps_its_buckets(cls, options: Any) -> bool:
+    def keeps_its_buckets(cls, options: StrategyOptions) -> bool:
         """True: with these options the buckets must stay as built (e.g. timings given per bucket),
         so `fusion="auto"` keeps fixed buckets."""
         return False
@@ -196,12 +197,12 @@ class Schedule:
         raise NotImplementedError
 
     @classmethod
-    def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
+    def refuse_optimizers(cls, options: StrategyOptions, optimizers: list[Optimizer]) -> None:
         """Raise `CommSchedConfigError` when these options cannot serve the run's optimizers (checked at
         setup, once the optimizers exist, before any step)."""
 
     @classmethod
-    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
+    def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
         """Schedule-specific settings built from the strategy's options and the Trainer (None: none)."""
         return None
 

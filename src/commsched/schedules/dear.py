@@ -52,7 +52,7 @@ from commsched.sim import timelines
 from commsched.sim.network import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
-from commsched.options import BUILTIN, StreamOptions
+from commsched.options import BUILTIN, StrategyOptions, StreamOptions
 from commsched.streams.control import StreamControl
 from commsched.reducers.units import Striping, Unit, plan_units
 
@@ -165,7 +165,7 @@ class DeARSchedule(Schedule):
 
     @classmethod
     @override
-    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeARSettings:
+    def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> DeARSettings:
         o = options.dear
         fallback = (Choice(o.confirm_steps, o.confirm_rounds, o.drift, o.drift_steps)
                     if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1 else None)

@@ -39,6 +39,7 @@ from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
 from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for
 from commsched.errors import ScheduleError
+from commsched.options import StrategyOptions
 from commsched.comm.links import Links
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
@@ -95,12 +96,12 @@ class DeFTSchedule(Schedule):
 
     @classmethod
     @override
-    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
+    def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
         return settings_for(options, trainer, advance_schedulers)
 
     @classmethod
     @override
-    def refuse_optimizers(cls, options: Any, optimizers: list[Optimizer]) -> None:
+    def refuse_optimizers(cls, options: StrategyOptions, optimizers: list[Optimizer]) -> None:
         refuse_optimizers(options.deft.compensation, optimizers)
 
     def _whole_buckets(self) -> list[Item]:
@@ -169,7 +170,7 @@ class DeFTSchedule(Schedule):
 
     @classmethod
     @override
-    def keeps_its_buckets(cls, options: Any) -> bool:
+    def keeps_its_buckets(cls, options: StrategyOptions) -> bool:
         return bool(options.deft.timings_file)  # the file's times are per bucket of the fixed layout
 
     @property

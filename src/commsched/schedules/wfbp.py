@@ -19,7 +19,7 @@ from typing_extensions import override
 from commsched.errors import setting
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.links import Links
-from commsched.options import BUILTIN, CompressionOptions, StreamOptions
+from commsched.options import BUILTIN, CompressionOptions, StrategyOptions, StreamOptions
 from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
@@ -146,7 +146,7 @@ class WFBPSchedule(Schedule):
 
     @classmethod
     @override
-    def settings_for(cls, options: Any, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
+    def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> WFBPSettings:
         """The compression options, `hierarchical` resolved: by default, sparse exchanges go node first
         when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked, or unless
         `streams="auto"` finds node first faster (searched on several nodes when not set)."""
