@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.commsched-installed
 
-.PHONY: install demo test test-gpu bench docs clean
+.PHONY: install demo test test-quick test-gpu bench docs clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# the tests that start no worker process (1-3 minutes; `make test` runs everything, as CI does)
+test-quick: install
+	$(PY) -m pytest -m quick
 
 # the GPU suite alone (CUDA + NCCL; install a CUDA build of torch into .venv first, see above)
 test-gpu: install

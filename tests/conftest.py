@@ -119,3 +119,15 @@ def hydra_syntax():
 # The compression runs, made once per session for the files that read them (imported last: that module
 # imports the helpers above).
 from compression_reference import runs, two_nodes  # noqa: E402,F401
+
+QUICK = {"test_buckets", "test_compensation_choice", "test_data", "test_deft_planning", "test_docs", "test_generations",
+         "test_house", "test_interleaved", "test_models", "test_moved", "test_sim", "test_stability", "test_watch", "test_works"}
+"""Test files that start no worker process: the `quick` tier (`make test-quick`), for the edit-test loop.
+The whole suite (`make test`, what CI runs) takes about 35 minutes on 2 cores, most of it real
+multi-process training runs."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in QUICK:
+            item.add_marker(pytest.mark.quick)
