@@ -155,6 +155,28 @@ class StaleAdamW:
         self.last_update = [p.detach() - b for p, b in zip(self.params, before)]
 
 
+def stale_iteration(params: list[torch.Tensor], optimizer, late: deque, run: Run, loss_at) -> None:
+    """One iteration: forward and backward on the weights the optimizer predicts (the current ones unless
+    it predicts), the weights put back, the gradient queued, and the oldest queued one stepped once it is
+    `optimizer.staleness` iterations old."""
+    weights = [p.detach().clone() for p in params]
+    forward_at = optimizer.predicted()
+    with torch.no_grad():
+        for p, w in zip(params, forward_at):
+            p.copy_(w)
+    loss = loss_at()
+    for p in params:
+        p.grad = None
+    loss.backward()
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    run.losses.append(float(loss.detach()))
+    late.append(([p.grad.detach().clone() for p in params], forward_at))
+    if len(late) > optimizer.staleness:
+        optimizer.step(*late.popleft())
+
+
 def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, weight_decay: float = 5e-4,
           batch_size: int = 64, width: int = 16, model_name: str = "bn_net", resolution: int = 8,
           compensation: str = "none", optimizer_name: str = "sgd", stale_from: int = 0) -> Run:
@@ -179,21 +201,7 @@ def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, we
             model.train()
             iteration += 1
             optimizer.staleness = staleness if iteration > stale_from else 0
-            weights = [p.detach().clone() for p in params]
-            forward_at = optimizer.predicted()
-            with torch.no_grad():
-                for p, w in zip(params, forward_at):
-                    p.copy_(w)
-            loss = F.cross_entropy(model(x[batch]), y[batch])
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            with torch.no_grad():
-                for p, w in zip(params, weights):
-                    p.copy_(w)
-            run.losses.append(float(loss.detach()))
-            late.append(([p.grad.detach().clone() for p in params], forward_at))
-            if len(late) > optimizer.staleness:
-                optimizer.step(*late.popleft())
+            stale_iteration(params, optimizer, late, run, lambda: F.cross_entropy(model(x[batch]), y[batch]))
     model.eval()
     with torch.no_grad():
         run.accuracy = float((model(x_val).argmax(1) == y_val).float().mean())
@@ -251,21 +259,7 @@ def train_text(lr: float, staleness: int, steps: int, seed: int, weight_decay: f
         optimizer.staleness = staleness if iteration > stale_from else 0
         starts = torch.randint(0, len(train_tokens) - window, (batch_size,), generator=draw)
         chunk = torch.stack([train_tokens[s:s + window] for s in starts.tolist()])
-        weights = [p.detach().clone() for p in params]
-        forward_at = optimizer.predicted()
-        with torch.no_grad():
-            for p, w in zip(params, forward_at):
-                p.copy_(w)
-        loss = loss_of(chunk)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        with torch.no_grad():
-            for p, w in zip(params, weights):
-                p.copy_(w)
-        run.losses.append(float(loss.detach()))
-        late.append(([p.grad.detach().clone() for p in params], forward_at))
-        if len(late) > optimizer.staleness:
-            optimizer.step(*late.popleft())
+        stale_iteration(params, optimizer, late, run, lambda: loss_of(chunk))
     with torch.no_grad():
         starts = torch.linspace(0, len(val_tokens) - window - 1, eval_batches * batch_size).long()
         held_out = torch.stack([val_tokens[s:s + window] for s in starts.tolist()])
