@@ -34,11 +34,15 @@ class Compensator:
         elif self.prediction is None:
             self.prediction = self._predicting()
 
-    def step(self, optimizer: Optimizer, real_step: Callable[[], Any], late: int) -> None:
-        """The user's step on gradients `late` optimizer steps old, compensated."""
+    def step(self, optimizer: Optimizer, real_step: Callable[[], Any], late: int, may_predict: bool = True) -> None:
+        """The user's step on gradients `late` optimizer steps old, compensated. `may_predict` False (a plan
+        that delays nothing): no later forward is predicted, so the weights before the step are not kept
+        (a copy of every parameter a step, and its memory, saved)."""
         self._resolve(optimizer)
-        if self.prediction is not None:
+        if self.prediction is not None and may_predict:
             self.prediction.before_step()
+        elif self.prediction is not None:
+            self.prediction.forget()
         if self.name.startswith("spike"):
             spike_step(optimizer, real_step, late)
         else:

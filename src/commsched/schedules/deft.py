@@ -193,7 +193,7 @@ class DeFTSchedule(Schedule):
     # ---------------------------------------------------------------- iteration
     @override
     def before_forward(self) -> None:
-        if self.compensator.prediction is not None and self.decided and self.choice.runs == "plan":
+        if self.compensator.prediction is not None and self.decided and self.deft_plan.delayed and self.choice.runs == "plan":
             # every micro-batch of the iteration (accumulated ones too) on the same predicted weights
             self.compensator.predict(self.deft_plan.steps_until_applied(self.iteration))
         if self._now is not None or not self.sync_enabled:
@@ -289,7 +289,7 @@ class DeFTSchedule(Schedule):
         """The user's step on generation `number`'s gradients, compensated for how late they are (a
         measured step is never late)."""
         late = self.updates - self._generations[number].joined_at
-        self.compensator.step(optimizer, real_step, late)
+        self.compensator.step(optimizer, real_step, late, may_predict=not self.decided or self.deft_plan.delayed)
         self.updates += 1
 
     def _release(self, number: int) -> None:
