@@ -36,14 +36,18 @@ def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complete
 def test_from_python_by_name_equal_to_ddp(example):
     """The example itself: Trainer(strategy="after_backward") next to Trainer(strategy="ddp")."""
     proc = run([sys.executable, "after_backward.py"], example)
-    difference = float(re.search(r"largest difference from ddp: (\S+)", proc.stdout).group(1))
-    assert difference <= 1e-5
+    differences = re.findall(r"(by name|in_flight=2): largest difference from ddp: (\S+)", proc.stdout)
+    assert [label for label, _ in differences] == ["by name", "in_flight=2"], proc.stdout
+    assert all(float(difference) <= 1e-5 for _, difference in differences)
+    assert "commsched after_backward: 2 bucket all-reduce(s) in flight at once" in proc.stdout + proc.stderr  # its own option arrived
 
 
 def test_from_hydra_by_name_profiled_equal_to_ddp(example):
     common = ["plugins=[after_backward]", "model=small_cnn", "model.width=8", "data.batch_size=8", "data.train_size=64",
               "trainer.max_steps=6", "trainer.enable_progress_bar=false", "fusion.bucket_cap_mb=0.01"]
-    run([str(BIN / "commsched-train"), *common, "schedule=after_backward", "profile.steps=3", "hydra.run.dir=mine"], example)
+    proc = run([str(BIN / "commsched-train"), *common, "schedule=after_backward", "after_backward.in_flight=1", "profile.steps=3",
+                "hydra.run.dir=mine"], example)
+    assert "commsched after_backward: 1 bucket all-reduce(s) in flight at once" in proc.stdout + proc.stderr  # its own node
     run([str(BIN / "commsched-train"), *common, "schedule=ddp", "hydra.run.dir=ddp"], example)
     mine = torch.load(example / "mine" / "checkpoints" / "last.ckpt", weights_only=False)
     theirs = torch.load(example / "ddp" / "checkpoints" / "last.ckpt", weights_only=False)

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 import commsched
-from commsched.cli.config import TrainConfig
+from commsched.cli.config import TrainConfig, own_nodes
 from commsched.models import ImageClassifier, LanguageModel
 from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
 
@@ -56,4 +56,5 @@ def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
     return commsched.STRATEGIES[name](
         fusion=cfg.fusion, tuning=cfg.tuning, links=cfg.link, deft=cfg.deft, dear=cfg.dear, preserver=cfg.preserver,
         compression=cfg.compression, streams=cfg.streams, stream_options=cfg.stream_options, profile=profile, timeout=timeout,
+        schedule_options=getattr(cfg, name) if name in own_nodes(bool(cfg.plugins)) else None,
     )

@@ -10,15 +10,15 @@ strategy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from commsched import options
-from commsched.errors import bad_value
+from commsched.errors import CommSchedConfigError, bad_value
 from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
@@ -132,11 +132,45 @@ class TrainConfig:
 DATA_KIND = {"synthetic_images": "image", "cifar10": "image", "digits": "image", "synthetic_tokens": "language", "text": "language"}
 
 
-def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCHEDULES)) -> None:
+def own_nodes(plugins_loaded: bool) -> dict[str, type]:
+    """The node of each plugin schedule's own options (`Schedule.options_class`), by schedule name: a
+    schedule whose options class already has a node (dear's, deft's, for their subclasses) gets none."""
+    if not plugins_loaded:
+        return {}
+    from commsched.schedules import SCHEDULES
+
+    has_node = set(get_type_hints(TrainConfig).values())
+    nodes = {name: cls.options_class for name, cls in SCHEDULES.items()
+             if cls.options_class is not None and cls.options_class not in has_node}
+    for name in nodes:
+        if name in TrainConfig.__dataclass_fields__:
+            raise CommSchedConfigError(f"commsched: schedule {name!r} (registered by a plugin) has options of its own, "
+                                       f"and its name is a node of the configuration already ({', '.join(TrainConfig.__dataclass_fields__)}): "
+                                       "rename the schedule")
+    return nodes
+
+
+def train_schema(plugins_loaded: bool) -> type[TrainConfig]:
+    """`TrainConfig`, with one node more per plugin schedule that declares options of its own, named after it."""
+    nodes = own_nodes(plugins_loaded)
+    if not nodes:
+        return TrainConfig
+    key = tuple(sorted((name, cls) for name, cls in nodes.items()))
+    if key not in _SCHEMAS:
+        _SCHEMAS[key] = make_dataclass("TrainConfig", [(name, cls, field(default_factory=cls)) for name, cls in key],
+                                       bases=(TrainConfig,))
+    return _SCHEMAS[key]
+
+
+_SCHEMAS: dict[tuple, type[TrainConfig]] = {}
+
+
+def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCHEDULES),
+                     schema: type[TrainConfig] = TrainConfig) -> None:
     """Schemas for conf/train.yaml and its groups (Hydra then type-checks every override), and one
     `schedule=` choice per registered schedule."""
     store = ConfigStore.instance()
-    store.store(name="train_schema", node=TrainConfig)
+    store.store(name="train_schema", node=schema)
     for group, node in (("fusion", FusionOptions), ("model", ModelConfig),
                         ("data", DataConfig), ("trainer", TrainerConfig), ("link", LinkOptions),
                         ("compression", CompressionOptions)):
@@ -150,9 +184,10 @@ def train_config(cfg: DictConfig) -> TrainConfig:
     and the run read: its concerns are the options dataclasses the strategy receives as they are. `cfg`
     is `commsched-train`'s composition (typed by the schema it is composed on) or the resolved YAML a
     rank loads back (`commsched.cli.run`), typed against the schema here; `Any` fields keep their values."""
-    if OmegaConf.get_type(cfg) is not TrainConfig:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
-    return OmegaConf.to_object(cfg)
+    typed_as = OmegaConf.get_type(cfg)
+    if not (isinstance(typed_as, type) and issubclass(typed_as, TrainConfig)):
+        cfg = OmegaConf.merge(OmegaConf.structured(train_schema(bool(cfg.get("plugins")))), cfg)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -167,6 +202,8 @@ def validate(cfg: TrainConfig) -> None:
     elif name != "ddp":  # a plugin's schedule: the plugin imported the registry already
         from commsched.runtime.registry import SCHEDULES
 
+        if name in own_nodes(True):
+            options.validated(getattr(cfg, name), f"{name}.")
         options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
         options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression, cfg.fusion.policy)
     elif cfg.streams != 1:

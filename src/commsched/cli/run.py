@@ -134,8 +134,9 @@ def fusion_ran(cfg: TrainConfig, strategy: Any) -> dict[str, Any]:
 
 def main() -> None:
     config_file, out = Path(sys.argv[1]), Path(sys.argv[2])
-    cfg = train_config(OmegaConf.load(config_file))  # typed once: the options the strategy receives
-    import_plugins(cfg.plugins)  # schedules registered from outside the package, as in the launcher
+    resolved = OmegaConf.load(config_file)
+    import_plugins(resolved.get("plugins") or [])  # schedules registered from outside the package, as in the launcher
+    cfg = train_config(resolved)  # typed once (plugin schedules' own nodes too): the options the strategy receives
     quiet_lightning()
     pl.seed_everything(cfg.seed, verbose=False)
     model = build_model(cfg)

@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from commsched.cli import overrides
-from commsched.cli.config import TrainConfig, register_configs, schedule_names, train_config, validate
+from commsched.cli.config import TrainConfig, register_configs, schedule_names, train_config, train_schema, validate
 from commsched.plugins import import_plugins, plugins_in
 from commsched.errors import CommSchedConfigError, use_syntax
 from commsched.run_files import write_json
@@ -255,8 +255,9 @@ def main() -> Any:
         plugins = plugins_in(sys.argv[1:])
         import_plugins(plugins)
         schedules = schedule_names(bool(plugins))
-        register_configs(schedules)
-        overrides.check(sys.argv[1:], TrainConfig, {**overrides.group_choices(CONF), "schedule": schedules})
+        schema = train_schema(bool(plugins))
+        register_configs(schedules, schema)
+        overrides.check(sys.argv[1:], schema, {**overrides.group_choices(CONF), "schedule": schedules})
     except CommSchedConfigError as error:
         refuse(error)
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:

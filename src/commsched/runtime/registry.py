@@ -9,6 +9,8 @@ for explicit configuration, e.g. ``commsched.DeARStrategy(bucket_cap_mb=10)``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from commsched.errors import CommSchedConfigError
@@ -43,6 +45,7 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
         if hasattr(cls, legacy):
             raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{legacy} is never called: the hook is "
                                        f"named {hook} (rename it, with @override)")
+    refuse_options_class(cls)
     missing = [hook for hook in ("on_bucket_ready", "on_backward_end") if getattr(cls, hook) is getattr(Schedule, hook)]
     if missing:
         raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__} does not implement {' and '.join(missing)}: "
@@ -54,6 +57,22 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
     register_simulation(name, cls.simulate)
     StrategyRegistry.register(name, STRATEGIES[name], description=cls.description, override=True)
     return cls
+
+
+def refuse_options_class(cls: type[Schedule]) -> None:
+    """A schedule's own options must be a dataclass whose every field has a default: the strategy and
+    ``commsched-train`` build it with no arguments when the user sets none."""
+    options_class = cls.options_class
+    if options_class is None:
+        return
+    if not (isinstance(options_class, type) and dataclasses.is_dataclass(options_class)):
+        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.options_class = {options_class!r}: "
+                                   "a dataclass (a default and a docstring per field), or None")
+    required = [f.name for f in dataclasses.fields(options_class)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.options_class {options_class.__name__} "
+                                   f"has fields without a default ({', '.join(required)}): give each one")
 
 
 for _builtin in list(SCHEDULES.values()):

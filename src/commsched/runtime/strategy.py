@@ -79,6 +79,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         streams: Union[int, str] = 1,
         stream_options: Optional[StreamOptions] = None,
         dear: Optional[DeAROptions] = None,
+        schedule_options: Any = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -110,6 +111,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 or ``"auto"``: searched on the run's own steps (schedules: wfbp, dear).
             stream_options: `StreamOptions`: unit size, and the search's budget and settings.
             dear: `DeAROptions` for ``schedule="dear"``: whether WFBP runs the iterations when measured faster.
+            schedule_options: the schedule's own options, an instance of its ``options_class`` (a plugin
+                schedule's; for dear and deft the same as ``dear=`` and ``deft=``).
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
@@ -118,7 +121,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
             self.schedule_class: type[Schedule] = SCHEDULES[name]
             self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
-                                                                  compression, streams, stream_options, dear)
+                                                                  compression, streams, stream_options, dear, name,
+                                                                  self.schedule_class.options_class, schedule_options)
             checks.refuse_compression(self.options.compression, self.schedule_class)
             checks.refuse_streams(self.options, self.schedule_class)
             checked_timeout = options.timeout(timeout)

@@ -17,7 +17,7 @@ below at fixed points of the loop; everything it keeps across steps is its commu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterable, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from commsched.sim.workload import Workload
 
 
+SettingsT = TypeVar("SettingsT")
+"""What `settings_for` builds and the schedule reads as ``self.settings`` (``Schedule[MySettings]``)."""
+
+
 @dataclass(frozen=True)
 class Handover:
     """A schedule asks the engine to run its iterations with another registered schedule on the same
@@ -48,10 +52,11 @@ class Handover:
     settings: Any = None
 
 
-class Schedule:
+class Schedule(Generic[SettingsT]):
     """Base class of every schedule. The extension surface is its public methods: a subclass implements
     `on_bucket_ready(b)` and `on_backward_end()` (marked `@override`, as the built-in schedules do) and
-    may override any other public method; everything else has a default."""
+    may override any other public method; everything else has a default. The type parameter is its
+    settings' type (``class Mine(Schedule[MineOptions])``): what ``self.settings`` holds."""
 
     name: ClassVar[str] = "base"
     """The name users pick it by (``Trainer(strategy=name)``, ``schedule=name``)."""
@@ -68,20 +73,29 @@ class Schedule:
     planner: ClassVar[str] = "mgwfbp"
     """The model policy that plans this schedule's buckets under ``fusion="auto"`` (a `commsched.fusion.MODEL_POLICIES` name)."""
     compresses: ClassVar[bool] = False
+    """True: the schedule builds sparse reducers when the strategy's `compression` asks for them."""
     stripes: ClassVar[bool] = False
     """True: the schedule spreads its buckets' units over `streams` (`commsched.streams`)."""
     steps_whole: ClassVar[bool] = True
     """True: `optimizer.step()` runs once per step with every gradient in place on every rank (an
     optimizer may issue its own collectives there, e.g. `commsched.optim.LARS`'s parallel norms)."""
-    """True: the schedule builds sparse reducers when the strategy's `compression` asks for them."""
     skips_steps: ClassVar[bool] = False
     """True: some iterations take no optimizer step (`steps_this_iteration` says how many were taken);
     per-step LR schedulers then follow the optimizer steps, not the iterations."""
 
-    def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
+    options_class: ClassVar[Optional[type]] = None
+    """The dataclass of this schedule's own options, torch-free, a default and a docstring per field (a
+    field's check goes in ``metadata["check"]``, as in `commsched.options`). The strategy takes an
+    instance as ``schedule_options=`` and validates it; ``commsched-train`` gives it a node named after
+    the schedule (``NAME.FIELD=value``); `settings_for` hands it to the schedule by default. None: no
+    options of its own."""
+
+    def __init__(self, plan: BucketPlan, links: Links, settings: Optional[SettingsT] = None) -> None:
         self.plan = plan
         self.links = links
-        self.settings = settings
+        if settings is None and self.options_class is not None:
+            settings = self.options_class()  # built directly (tests, the simulator): the options' defaults
+        self.settings: SettingsT = settings  # type: ignore[assignment]  # None for a schedule with no settings
         self.steps_this_iteration = 1
         self.link = links["primary"]
         mask_link = links.control if self.mask_link == "control" else links[self.mask_link]
@@ -203,8 +217,9 @@ class Schedule:
 
     @classmethod
     def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> Any:
-        """Schedule-specific settings built from the strategy's options and the Trainer (None: none)."""
-        return None
+        """Schedule-specific settings built from the strategy's options and the Trainer. Default: the
+        schedule's own options (`options_class`) as validated, None when it declares none."""
+        return options.schedule_options
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
         """Lightning's gradient clipping (``"norm"`` or ``"value"``), on the averaged gradients wherever they are."""

@@ -52,7 +52,7 @@ from commsched.sim import timelines
 from commsched.sim.network import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
-from commsched.options import BUILTIN, StrategyOptions, StreamOptions
+from commsched.options import BUILTIN, DeAROptions, StrategyOptions, StreamOptions
 from commsched.streams.control import StreamControl
 from commsched.reducers.units import Striping, Unit, plan_units
 
@@ -73,8 +73,9 @@ class DeARSettings:
     """Copies kept of what is applied before the step's last all-gathers land (`DeAROptions.rollback`)."""
 
 
-class DeARSchedule(Schedule):
+class DeARSchedule(Schedule[DeARSettings]):
     name = "dear"
+    options_class = DeAROptions
     planner = "dear-model"
     description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
     step_collectives = ("reduce_scatter", "all_gather")

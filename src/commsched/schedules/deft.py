@@ -39,7 +39,7 @@ from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
 from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for
 from commsched.errors import ScheduleError
-from commsched.options import StrategyOptions
+from commsched.options import DeFTOptions, StrategyOptions
 from commsched.comm.links import Links
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
@@ -51,8 +51,9 @@ from commsched.state import refuse_unknown
 from commsched.say import say
 
 
-class DeFTSchedule(Schedule):
+class DeFTSchedule(Schedule[DeFTSettings]):
     name = "deft"
+    options_class = DeFTOptions  # the Preserver's are apart: a callback of their own can replace it
     planner = "dear-model"  # its exact candidates (DeAR most often) run on the planned buckets
     description = "commsched DeFT: delayed updates solved by knapsacks over a primary and a secondary link"
     links_used = ("primary", "secondary")

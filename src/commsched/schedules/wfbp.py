@@ -87,7 +87,7 @@ def _epoch_steps(batches: float, accumulate: int) -> float:
     return math.ceil(batches / max(1, accumulate)) if math.isfinite(batches) else math.inf
 
 
-class WFBPSchedule(Schedule):
+class WFBPSchedule(Schedule[WFBPSettings]):
     name = "wfbp"
     description = "commsched WFBP: bucketed all-reduce launched during backward"
     step_collectives = ("all_reduce",)
