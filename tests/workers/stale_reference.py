@@ -132,18 +132,20 @@ class StaleSGD:
 
 
 class StaleAdamW:
-    """torch's AdamW on gradients `staleness` steps late; compensations "none" or "predict" (the
-    momentum-specific ones do not apply), the same interface as `StaleSGD`."""
+    """torch's AdamW on gradients `staleness` steps late; compensations "none", "predict", and an Adam
+    analogue of spike compensation ("spike", "spike+predict"): the late gradient gets at once the
+    first-moment weight it missed, 1 - beta1^D, and the first moment keeps only (1 - beta1) beta1^D of
+    it, so that its total weight is the synchronous one. The same interface as `StaleSGD`."""
 
     def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: float, staleness: int, compensation: str = "none") -> None:
-        if compensation not in ("none", "predict"):
-            raise ValueError(f"compensation under AdamW: 'none' or 'predict', not {compensation!r}")
+        if compensation not in ("none", "predict", "spike", "spike+predict"):
+            raise ValueError(f"compensation under AdamW: 'none', 'predict', 'spike' or 'spike+predict', not {compensation!r}")
         self.params, self.staleness, self.compensation = params, staleness, compensation
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         self.last_update = [torch.zeros_like(p) for p in params]
 
     def predicted(self) -> list[torch.Tensor]:
-        if self.compensation != "predict":
+        if not self.compensation.endswith("predict"):
             return [p.detach().clone() for p in self.params]
         return [p.detach() + self.staleness * u for p, u in zip(self.params, self.last_update)]
 
@@ -152,7 +154,23 @@ class StaleAdamW:
         for p, g in zip(self.params, grads):
             p.grad = g
         self.optimizer.step()
+        if self.compensation.startswith("spike") and self.staleness > 0:
+            self._spike(grads)
         self.last_update = [p.detach() - b for p, b in zip(self.params, before)]
+
+    @torch.no_grad()
+    def _spike(self, grads: list[torch.Tensor]) -> None:
+        """After torch's step (numerator beta1 m + (1 - beta1) g): the numerator gets beta1 (1 - beta1^D) g
+        more, and the first moment (1 - beta1)(1 - beta1^D) g less."""
+        group = self.optimizer.param_groups[0]
+        (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+        missed = 1 - beta1 ** self.staleness
+        for p, g in zip(self.params, grads):
+            state = self.optimizer.state[p]
+            step = float(state["step"])
+            state["exp_avg"].add_(g, alpha=-(1 - beta1) * missed)
+            denominator = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt_().add_(eps)
+            p.addcdiv_(g, denominator, value=-lr * beta1 * missed / (1 - beta1 ** step))
 
 
 def stale_iteration(params: list[torch.Tensor], optimizer, late: deque, run: Run, loss_at) -> None:
