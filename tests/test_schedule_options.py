@@ -42,7 +42,7 @@ def test_python_gives_the_schedule_its_validated_options(example):
     assert settings is strategy.options.schedule_options  # what the schedule reads as self.settings
     with pytest.raises(CommSchedConfigError, match=r"after_backward\.in_flight=-1; allowed: an integer >= 0"):
         commsched.STRATEGIES["after_backward"](schedule_options=example.AfterBackwardOptions(in_flight=-1))
-    with pytest.raises(CommSchedConfigError, match=r"schedule_options=\{'in_flight': 2\}\); allowed: a commsched.AfterBackwardOptions"):
+    with pytest.raises(CommSchedConfigError, match=r"schedule_options=\{'in_flight': 2\}\); allowed: a after_backward.AfterBackwardOptions"):
         commsched.STRATEGIES["after_backward"](schedule_options={"in_flight": 2})
 
 
@@ -89,6 +89,38 @@ def test_registering_refuses_options_that_cannot_be_built():
     assert "options_not_a_dataclass" not in commsched.SCHEDULES and "options_without_default" not in commsched.SCHEDULES
 
 
+def test_registering_refuses_options_an_inherited_settings_for_would_drop():
+    """A wfbp subclass with options of its own: wfbp's settings_for builds WFBPSettings, so the options
+    would be validated and never seen; registering says to override settings_for."""
+
+    @dataclasses.dataclass
+    class Extra:
+        every: int = option(1, non_negative_int)
+
+    class WFBPWithOptions(commsched.SCHEDULES["wfbp"]):
+        name = "wfbp_with_options"
+        options_class = Extra
+
+    with pytest.raises(CommSchedConfigError, match=r"options_class Extra would never reach the schedule: the settings_for it "
+                                                    r"inherits from WFBPSchedule builds WFBPSchedule's own settings"):
+        commsched.register_schedule(WFBPWithOptions)
+
+    class WFBPHandingThemOver(WFBPWithOptions):
+        name = "wfbp_handing_options_over"
+
+        @classmethod
+        def settings_for(cls, options, trainer, advance_schedulers):
+            return options.schedule_options
+
+    try:
+        commsched.register_schedule(WFBPHandingThemOver)
+        assert own_nodes(True)["wfbp_handing_options_over"] is Extra
+    finally:
+        commsched.SCHEDULES.pop("wfbp_handing_options_over")
+        commsched.STRATEGIES.pop("wfbp_handing_options_over")
+        StrategyRegistry.remove("wfbp_handing_options_over")
+
+
 def composed(*overrides: str):
     GlobalHydra.instance().clear()
     register_configs(schedule_names(True), train_schema(True))
@@ -102,8 +134,9 @@ def test_the_command_line_has_a_node_named_after_the_schedule(example):
     train = train_config(composed("plugins=[after_backward]", "schedule=after_backward", "after_backward.in_flight=2"))
     validate(train)
     assert train.after_backward == example.AfterBackwardOptions(in_flight=2)
-    with pytest.raises(CommSchedConfigError, match=r"after_backward\.in_flight=-1; allowed: an integer >= 0"):
-        validate(train_config(composed("plugins=[after_backward]", "schedule=after_backward", "after_backward.in_flight=-1")))
+    for schedule in ("after_backward", "wfbp"):  # checked whichever schedule runs, as dear.* and deft.* are
+        with pytest.raises(CommSchedConfigError, match=r"after_backward\.in_flight=-1; allowed: an integer >= 0"):
+            validate(train_config(composed("plugins=[after_backward]", f"schedule={schedule}", "after_backward.in_flight=-1")))
 
 
 def test_a_schedule_named_like_a_node_of_the_configuration_is_refused():

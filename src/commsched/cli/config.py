@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, get_type_hints
+from typing import Any, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -139,9 +139,8 @@ def own_nodes(plugins_loaded: bool) -> dict[str, type]:
         return {}
     from commsched.schedules import SCHEDULES
 
-    has_node = set(get_type_hints(TrainConfig).values())
     nodes = {name: cls.options_class for name, cls in SCHEDULES.items()
-             if cls.options_class is not None and cls.options_class not in has_node}
+             if cls.options_class is not None and cls.options_class not in (DeAROptions, DeFTOptions)}
     for name in nodes:
         if name in TrainConfig.__dataclass_fields__:
             raise CommSchedConfigError(f"commsched: schedule {name!r} (registered by a plugin) has options of its own, "
@@ -195,6 +194,8 @@ def validate(cfg: TrainConfig) -> None:
     for concern in ("fusion", "tuning", "profile", "link", "deft", "dear", "compression", "stream_options"):
         options.validated(getattr(cfg, concern), f"{concern}.")
     options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
+    for node in own_nodes(bool(cfg.plugins)):  # every plugin schedule's, as dear.* and deft.* are always checked
+        options.validated(getattr(cfg, node), f"{node}.")
     name = str(cfg.schedule.name)
     if name in options.BUILTIN_SCHEDULES:  # checked before torch is imported
         options.check_compression(cfg.compression, name, name in options.COMPRESSING_SCHEDULES)
@@ -202,8 +203,6 @@ def validate(cfg: TrainConfig) -> None:
     elif name != "ddp":  # a plugin's schedule: the plugin imported the registry already
         from commsched.runtime.registry import SCHEDULES
 
-        if name in own_nodes(True):
-            options.validated(getattr(cfg, name), f"{name}.")
         options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
         options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression, cfg.fusion.policy)
     elif cfg.streams != 1:

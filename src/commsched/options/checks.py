@@ -129,5 +129,6 @@ def validated(options: OptionsT, prefix: str = "") -> OptionsT:
 def typed(name: str, value: Any, cls: type[OptionsT]) -> OptionsT:
     """`value` if it is a `cls`, else the error naming the argument."""
     if not isinstance(value, cls):
-        raise bad_value(name, value, f"a commsched.{cls.__name__}")
+        where = "commsched" if cls.__module__.startswith("commsched") else cls.__module__
+        raise bad_value(name, value, f"a {where}.{cls.__name__}")
     return value

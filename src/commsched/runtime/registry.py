@@ -68,6 +68,12 @@ def refuse_options_class(cls: type[Schedule]) -> None:
     if not (isinstance(options_class, type) and dataclasses.is_dataclass(options_class)):
         raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.options_class = {options_class!r}: "
                                    "a dataclass (a default and a docstring per field), or None")
+    builder = next(c for c in cls.__mro__ if "settings_for" in vars(c))
+    if builder is not Schedule and builder.options_class is not options_class:
+        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.options_class {options_class.__name__} would "
+                                   f"never reach the schedule: the settings_for it inherits from {builder.__name__} builds "
+                                   f"{builder.__name__}'s own settings. Override settings_for (options.schedule_options "
+                                   "holds the validated instance)")
     required = [f.name for f in dataclasses.fields(options_class)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if required:

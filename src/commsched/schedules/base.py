@@ -52,6 +52,11 @@ class Handover:
     settings: Any = None
 
 
+def _hands_over_options(cls: type) -> bool:
+    """True when `cls.settings_for` is the base one, which hands the schedule its own options as they are."""
+    return cls.settings_for.__func__ is Schedule.settings_for.__func__  # type: ignore[attr-defined]
+
+
 class Schedule(Generic[SettingsT]):
     """Base class of every schedule. The extension surface is its public methods: a subclass implements
     `on_bucket_ready(b)` and `on_backward_end()` (marked `@override`, as the built-in schedules do) and
@@ -93,7 +98,7 @@ class Schedule(Generic[SettingsT]):
     def __init__(self, plan: BucketPlan, links: Links, settings: Optional[SettingsT] = None) -> None:
         self.plan = plan
         self.links = links
-        if settings is None and self.options_class is not None:
+        if settings is None and self.options_class is not None and _hands_over_options(type(self)):
             settings = self.options_class()  # built directly (tests, the simulator): the options' defaults
         self.settings: SettingsT = settings  # type: ignore[assignment]  # None for a schedule with no settings
         self.steps_this_iteration = 1
