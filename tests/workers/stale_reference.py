@@ -195,9 +195,43 @@ def stale_iteration(params: list[torch.Tensor], optimizer, late: deque, run: Run
         optimizer.step(*late.popleft())
 
 
+@dataclass
+class LossGuard:
+    """A guard on a stale run (measured by recipes/staleness_guard.py, not in the product): after
+    `window` stale iterations, if their mean training loss did not fall below that of the `window`
+    synchronous iterations before, the rest of training is synchronous; with `rollback`, from the
+    weights, BatchNorm buffers and velocity of the switch (what the stale iterations did is dropped)."""
+
+    window: int = 10
+    rollback: bool = False
+    verdict: str = "not reached"
+    stopped: bool = False
+    snapshot: Optional[tuple] = None
+
+    def at(self, iteration: int, stale_from: int, model: nn.Module, optimizer: "StaleSGD", late: deque, run: Run) -> None:
+        if self.rollback and iteration == stale_from + 1:
+            self.snapshot = ({k: v.clone() for k, v in model.state_dict().items()},
+                             [None if v is None else v.clone() for v in optimizer.velocity], [u.clone() for u in optimizer.last_update])
+        if iteration != stale_from + self.window + 1:
+            return
+        before = sum(run.losses[stale_from - self.window:stale_from]) / self.window
+        after = sum(run.losses[stale_from:stale_from + self.window]) / self.window
+        self.stopped = after >= before
+        self.verdict = f"{'stopped' if self.stopped else 'kept'} ({before:.2f} -> {after:.2f})"
+        if not self.stopped:
+            return
+        if self.snapshot is not None:
+            late.clear()
+            model.load_state_dict(self.snapshot[0])
+            optimizer.velocity, optimizer.last_update = self.snapshot[1], self.snapshot[2]
+        while late:  # what is in flight is applied, then every step is synchronous
+            optimizer.step(*late.popleft())
+
+
 def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, weight_decay: float = 5e-4,
           batch_size: int = 64, width: int = 16, model_name: str = "bn_net", resolution: int = 8,
-          compensation: str = "none", optimizer_name: str = "sgd", stale_from: int = 0) -> Run:
+          compensation: str = "none", optimizer_name: str = "sgd", stale_from: int = 0,
+          guard: Optional[LossGuard] = None) -> Run:
     """Held-out accuracy after `epochs` of SGD whose every step applies the gradient of `staleness` steps
     ago, compensated as `compensation` says (one of `COMPENSATIONS`). The first `stale_from` iterations
     step synchronously (as DeFT's warm-up and measured steps do); the iteration after them steps nothing,
@@ -218,7 +252,10 @@ def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, we
             batch = order[start : start + batch_size]
             model.train()
             iteration += 1
-            optimizer.staleness = staleness if iteration > stale_from else 0
+            if guard is not None and staleness:
+                guard.at(iteration, stale_from, model, optimizer, late, run)
+            stale = guard is None or not guard.stopped
+            optimizer.staleness = staleness if stale and iteration > stale_from else 0
             stale_iteration(params, optimizer, late, run, lambda: F.cross_entropy(model(x[batch]), y[batch]))
     model.eval()
     with torch.no_grad():
