@@ -64,8 +64,8 @@ class MLP(pl.LightningModule):
 
 
 def make_optimizer(name: str, params) -> dict:
-    if name == "sgd":
-        opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    if name in ("sgd", "sgd-hot"):  # hot: a step large enough that a stale plan raises the loss
+        opt = torch.optim.SGD(params, lr=0.2 if name == "sgd" else HOT_LR, momentum=0.9)
     elif name in ("sgd-groups", "sgd-nesterov"):  # weights decayed, biases not, with another momentum (DGC's cases)
         params = list(params)
         nesterov = name == "sgd-nesterov"
@@ -83,6 +83,8 @@ def make_optimizer(name: str, params) -> dict:
 def timings(buckets: int) -> dict:
     return {"forward": 1.0, "backward": [0.3] * buckets, "costs": [[1.0] * buckets, [1.2] * buckets]}
 
+
+HOT_LR = 1.0
 
 COMPENSATION = {"spike": "spike", "predict": "predict", "both": "spike+predict", "auto": "auto"}
 """What the forced cases named forced-<key>... (and preserved-auto) compensate."""
@@ -119,7 +121,18 @@ CASES = {
     # the same prediction, but WFBP's real steps are slow (a callback sleeps in them): timing both overrules it
     "confirmed-dear": ("sgd", 20, None, None, None),  # 3 steps, then WFBP and DeAR twice each for 1 + 2 steps
     "confirmed-delayed": ("sgd", 20, None, None, 1.0),  # a delayed plan and DeAR take turns twice each: the plan comes back
+    # a one-step-stale plan (compensation "auto") watched for WATCH iterations: its loss fell, or did not
+    # (then it is stopped, rolled back or not, and DeFT measures and solves again without staleness);
+    # 13 steps: float rounding grows by about 1.5x a step at the hot learning rate
+    "watched-kept": ("sgd", 13, None, 0, 1.0),
+    "watched-stopped": ("sgd-hot", 13, None, 0, 1.0),
+    "watched-drained": ("sgd-hot", 13, None, 0, 1.0),
+    "watched-stopped-part": ("sgd-hot", 5, None, 0, 1.0),  # saved inside the window
+    "watched-stopped-resumed": ("sgd-hot", 13, "watched-stopped-part", 0, 1.0),
 }
+
+WATCH = 3
+"""Iterations a stale plan is watched in the watched-* cases (as many as the synchronous ones before it)."""
 
 
 class ReadsWeights(pl.Callback):
@@ -130,6 +143,18 @@ class ReadsWeights(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.norms.append(float(sum(p.detach().norm() for p in pl_module.parameters())))
+
+
+class PlanHistory(pl.Callback):
+    """What ran each batch: (batch index, DeFT's replay index or None while measuring, the plan as JSON)."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, object, dict]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        deft = trainer.strategy._engine.owner
+        replayed = deft.iteration - 1 if deft.decided and deft.choice.runs == "plan" else None
+        self.batches.append((trainer.global_step, replayed, deft.deft_plan.to_json()))
 
 
 class SlowUnder(pl.Callback):
@@ -173,7 +198,8 @@ def fit(out: Path, name: str, world: int) -> None:
                                         fallback="when_undelayed")
     else:
         options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
-                                        timings_file=str(timings_file), compensation=COMPENSATION.get((name.split("-") + [""])[1], "none"))
+                                        timings_file=str(timings_file),
+                                        compensation="auto" if name.startswith("watched") else COMPENSATION.get((name.split("-") + [""])[1], "none"))
     profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
     # Cases without a Preserver of their own run their forced plans unguarded, as asked.
     strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile,
@@ -181,12 +207,16 @@ def fit(out: Path, name: str, world: int) -> None:
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
     staleness, margin = (1, 1.0) if name == "preserved-stale" else (0, 0.0)
     preserver = (commsched.Preserver(max_staleness=1) if name == "preserved-auto" else
+                 commsched.Preserver(max_staleness=1, watch_steps=WATCH, rollback=name != "watched-drained")
+                 if name.startswith("watched") else
                  commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness, curvature_margin=margin)
                  if preserve is not None else None)
     if preserver is not None:
         callbacks.append(preserver)
     if name == "confirmed-dear":
         callbacks.append(SlowUnder("wfbp", 0.3))
+    history = PlanHistory()
+    callbacks.append(history)
     if name.startswith("handed") or name == "confirmed-dear":  # DeAR stays exact (and keeps its overlap) whatever a callback reads
         callbacks.append(ReadsWeights())
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
@@ -205,6 +235,7 @@ def fit(out: Path, name: str, world: int) -> None:
         "seed": SEED,
         "decisions": preserver.decisions if preserver is not None else [],
         "optimizer": optimizer,
+        "history": history.batches,
         "report": trainer.strategy.last_schedule.report(),
     }
     torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")

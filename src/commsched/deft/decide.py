@@ -34,10 +34,12 @@ class Decision:
 
 
 def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOptions, preserver: Any,
-           meter: StageMeter, probes: GradientProbes, compensation: str = "none", measured_staleness: int = 0) -> Decision:
+           meter: StageMeter, probes: GradientProbes, compensation: str = "none", measured_staleness: int = 0,
+           stale_refused: bool = False) -> Decision:
     """Every rank calls it at the same iteration boundary (it issues collectives on every link).
     `compensation` is the one that runs, and `measured_staleness` how late it was measured to keep
-    this optimizer's accuracy (`deft.compensation`): the Preserver judges stale plans by them."""
+    this optimizer's accuracy (`deft.compensation`): the Preserver judges stale plans by them.
+    `stale_refused`: the watch stopped a stale plan earlier in this run; the Preserver takes none."""
     forward, backward = agreed_stage_times(*meter.per_bucket_backward(len(plan.buckets)), control)
     shared = False
     if options.timings_file is not None:
@@ -48,7 +50,8 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
         if shared:
             say("commsched deft: the secondary link shares the primary's network (each slows the other "
                      "down): only the primary is used")
-    stats = {**probes.walk_statistics(preserver), "compensation": compensation, "measured_staleness": measured_staleness}
+    stats = {**probes.walk_statistics(preserver), "compensation": compensation, "measured_staleness": measured_staleness,
+             "stale_refused": stale_refused}
     halves = _dear_halves(plan, links, control, options, shared)
     mine = _solve(plan, timings, stats, halves, options, preserver) if control.rank == 0 else None
     decided = control.broadcast_object(mine, src=0, tag="deft-plan")
@@ -120,10 +123,11 @@ def describe(choice: Choice, fallback: str, world_size: int) -> str:
 
 
 def report(plan: DeFTPlan, choice: Choice, decided: bool, options: DeFTOptions, world_size: int, timings: Optional[Timings],
-           decisions: list[dict[str, Any]], compensation: str = "none") -> dict[str, Any]:
+           decisions: list[dict[str, Any]], compensation: str = "none", watch: Optional[list[str]] = None,
+           stale_refused: bool = False) -> dict[str, Any]:
     """What was decided, for metrics files and benchmark tables."""
     described = plan.describe() + (f"; {describe(choice, options.fallback, world_size)}" if decided else "")
     return {"plan": described, "n": plan.n, "k": list(plan.k), "compensation": compensation,
             "staleness": plan.staleness, "runs": choice.runs, "dear_links": list(choice.dear_links),
             "predicted": choice.predicted, "measured": choice.measured, "mu": timings.mu if timings is not None else None,
-            "preserver": decisions}
+            "preserver": decisions, "watch": list(watch or []), "stale_refused": stale_refused}

@@ -136,6 +136,60 @@ class ItemSender:
         generation.works.append(self._reducers[key].start(f"g{generation.number}.b{item.bucket}.{item.start}", item.start, item.numel))
 
 
+class InFlight:
+    """The generations joined and not yet stepped, by number: their pooled buffers and the sends of
+    their items."""
+
+    def __init__(self, plan: BucketPlan) -> None:
+        self._plan = plan
+        self.generations: dict[int, Generation] = {}
+        self._pool = BufferPool(plan)
+        self._sender = ItemSender()
+
+    def __bool__(self) -> bool:
+        return bool(self.generations)
+
+    def __contains__(self, number: int) -> bool:
+        return number in self.generations
+
+    def __getitem__(self, number: int) -> Generation:
+        return self.generations[number]
+
+    def in_order(self) -> list[int]:
+        return sorted(self.generations)
+
+    def joined(self, number: int) -> Generation:
+        """Generation `number`, begun with buffers from the pool when this iteration is its first."""
+        if number not in self.generations:
+            self.generations[number] = Generation(number, self._pool.take(), self._plan)
+        return self.generations[number]
+
+    def send(self, number: int, index: int, item: Item, link: Link) -> None:
+        self._sender.send(self.generations[number], index, item, link)
+
+    def release(self, number: int) -> None:
+        """It stepped (or is dropped): its buffers go back to the pool."""
+        self._pool.give_back(self.generations.pop(number).buffers)
+
+    def wait(self) -> None:
+        """Every collective launched completes (on every rank: they were launched on every rank)."""
+        for generation in self.generations.values():
+            generation.drain()
+
+    def drop(self) -> None:
+        """Waited for, then forgotten without stepping (the same on every rank)."""
+        self.wait()
+        for number in self.in_order():
+            self.release(number)
+
+    def state(self) -> list[dict[str, Any]]:
+        return [g.state(self._plan) for g in self.generations.values()]
+
+    def restore(self, saved: list[dict[str, Any]]) -> None:
+        for one in saved:
+            self.generations[one["number"]] = Generation.restore(one, self._pool.take(), self._plan)
+
+
 def same_layout(state: dict[str, Any], plan: BucketPlan, quiet: bool = False) -> bool:
     """The saved DeFT state was written for these buckets. Otherwise its delayed gradients are refused
     (their pieces were sent by the old layout's items); without any, measuring starts again, said in

@@ -22,7 +22,7 @@ from commsched.deft.plan import DeFTPlan
 from commsched.deft.stability import largest_stable_curvature
 from commsched.deft.walk import WalkState, plan_ratio
 from commsched.options import check_preserver_settings as check_settings
-from commsched.options import non_negative_int, non_negative_number, positive_int
+from commsched.options import flag, non_negative_int, non_negative_number, positive_int
 from commsched.say import say
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class Preserver(pl.Callback):
     def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 1.25, optimum: float = 0.0,
                  batch_size: Optional[int] = None, recheck_every_n_steps: int = 0, max_staleness: int = 0,
-                 curvature_margin: float = 0.0) -> None:
+                 curvature_margin: float = 0.0, watch_steps: int = 10, rollback: bool = True) -> None:
         """
         Args:
             eps: accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps].
@@ -49,6 +49,12 @@ class Preserver(pl.Callback):
             curvature_margin: > 0: a stale plan is also accepted where the optimizer, compensated as it
                 runs and with that staleness, stays stable (`deft.stability`) on the loss's top
                 curvature, measured on DeFT's probe steps, times this margin; 0: no curvature measured.
+            watch_steps: a stale plan that runs is watched for this many iterations: if their mean training
+                loss (over every rank) is not below that of as many iterations before it, the plan is
+                stopped and stale plans are refused for the rest of the run (DeFT measures and solves
+                again). 0: not watched.
+            rollback: when the watch stops a plan, the weights, buffers and optimizer state go back to
+                where it started (its iterations are dropped); False: training goes on from where they left it.
         """
         self.eps, self.max_tries, self.growth = check_settings(eps, max_tries, growth)
         self.optimum = float(optimum)
@@ -60,6 +66,8 @@ class Preserver(pl.Callback):
         self.recheck_every_n_steps = non_negative_int("Preserver.recheck_every_n_steps", recheck_every_n_steps)
         self.max_staleness = non_negative_int("Preserver.max_staleness", max_staleness)
         self.curvature_margin = non_negative_number("Preserver.curvature_margin", curvature_margin)
+        self.watch_steps = non_negative_int("Preserver.watch_steps", watch_steps)
+        self.rollback = flag("Preserver.rollback", rollback)
         self.curvature_wanted = False
         """Set by DeFT for a probe step: measure the top curvature from this step's loss."""
         self.walk: Optional[WalkState] = None
@@ -138,7 +146,7 @@ class Preserver(pl.Callback):
         compensated optimizer's stable band."""
         if staleness == 0:
             return True
-        if staleness > self.max_staleness:
+        if staleness > self.max_staleness or stats.get("stale_refused"):
             return False
         if staleness <= int(stats.get("measured_staleness", 0)):
             return True
@@ -164,7 +172,9 @@ class Preserver(pl.Callback):
         if plan.staleness and stats is not None:
             compensation = stats.get("compensation", "none")
             decision.update(compensation=compensation, measured_staleness=int(stats.get("measured_staleness", 0)))
-            if plan.staleness > self.max_staleness:
+            if stats.get("stale_refused"):
+                judged = ", stale plans refused (the watch stopped one earlier in this run)"
+            elif plan.staleness > self.max_staleness:
                 judged = f", staleness above max_staleness={self.max_staleness}"
             elif plan.staleness <= decision["measured_staleness"]:
                 judged = f", compensated by {compensation} (measured to keep accuracy {decision['measured_staleness']} iteration late)"

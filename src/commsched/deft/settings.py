@@ -34,7 +34,8 @@ def settings_for(options: StrategyOptions, trainer: Any, advance_schedulers: Cal
     guard = options.preserver
     if preserver is None and guard.enabled:
         preserver = Preserver(guard.eps, guard.max_tries, guard.growth, recheck_every_n_steps=guard.recheck_every_n_steps,
-                              max_staleness=guard.max_staleness, curvature_margin=guard.curvature_margin)
+                              max_staleness=guard.max_staleness, curvature_margin=guard.curvature_margin,
+                              watch_steps=guard.watch_steps, rollback=guard.rollback)
         trainer.callbacks.append(preserver)
     return DeFTSettings(options.deft, preserver, advance_schedulers)
 

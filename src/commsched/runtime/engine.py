@@ -149,6 +149,13 @@ class Engine:
             self._hand_over(self.owner.at_boundary(), module)
         self.maybe_start_profiler(module)
 
+    def training_step_returned(self, output: Any) -> None:
+        """The loss `training_step` returned goes to the schedule that chose (also while it hands its
+        iterations to another): a schedule may judge its choice by it."""
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, torch.Tensor) and self.owner is not None:
+            self.owner.on_loss(loss)
+
     def iteration_done(self) -> None:
         """After an optimizer step: the next batch starts an iteration (accumulation micro-batches do not)."""
         self._iteration_starts = True

@@ -212,6 +212,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._buffers.before_forward(self.lightning_module, self.control_link)
         schedule.before_forward()
         output = super().training_step(*args, **kwargs)
+        self._engine.training_step_returned(output)
         schedule.after_forward()
         self._buffers.after_forward(schedule.sync_enabled)
         self._profile("forward_done")

@@ -111,6 +111,8 @@ class Schedule(Generic[SettingsT]):
         """Schedules that spread buckets over streams (`stripes`): the configuration, fixed or searched;
         its decision is saved with the schedule's state."""
         self._handles: list[RemovableHandle] = []
+        self.module: Optional[nn.Module] = None
+        """The module trained, once attached."""
         self.settling = False
         """True while the engine still decides the buckets (`fusion="auto"`): searches that time steps
         (streams, sparse or dense) wait, so that two choices never read each other's changes."""
@@ -126,6 +128,7 @@ class Schedule(Generic[SettingsT]):
     # ----------------------------------------------------------------- lifecycle
     def attach(self, module: nn.Module) -> None:
         """Install hooks on `module` (at setup, after a rebuild, when taking iterations back)."""
+        self.module = module
         self.capture.attach()
 
     def detach(self) -> None:
@@ -182,6 +185,11 @@ class Schedule(Generic[SettingsT]):
 
     def after_forward(self) -> None:
         """The user's `training_step` returned; backward has not started."""
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """The loss `training_step` returned (each micro-batch, before any callback sees it): for schedules
+        that judge their own choices by it. Read it without waiting (`.detach()`, no `.item()`): the
+        forward may still run on the device."""
 
     def flush(self) -> None:
         """Bring every parameter up to date: nothing in flight, no update pending."""

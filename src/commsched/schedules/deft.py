@@ -25,6 +25,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Optional
 
+import torch
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -32,12 +33,14 @@ from commsched.comm.buckets import BucketPlan
 from commsched.deft.compensator import Compensator
 from commsched.deft.confirm import Confirmation
 from commsched.deft.decide import decide, report
-from commsched.deft.generations import BufferPool, Generation, ItemSender, same_layout
+from commsched.deft.generations import InFlight
+from commsched.deft.saved_state import load_saved_state, saved_state
 from commsched.deft.measure import StageMeter
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
 from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
 from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for
+from commsched.deft.watch import StaleWatch
 from commsched.errors import ScheduleError
 from commsched.options import DeFTOptions, StrategyOptions
 from commsched.comm.links import Links
@@ -47,7 +50,6 @@ from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim.network import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
-from commsched.state import refuse_unknown
 from commsched.say import say
 
 
@@ -76,9 +78,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self.decisions: list[dict[str, Any]] = []
         self.choice = Choice("plan")
         """What runs the iterations once decided: the plan, or an exact schedule it hands them to."""
-        self._generations: dict[int, Generation] = {}
-        self._pool = BufferPool(plan)
-        self._sender = ItemSender()
+        self._in_flight = InFlight(plan)
         self._now: Optional[Iteration] = None
         self._due: list[int] = []
         self._clip: Optional[tuple[float, str]] = None
@@ -94,6 +94,8 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         """Optimizer steps taken: a generation stepped now is `updates - joined_at` steps late."""
         self.compensator = Compensator(self.options.compensation, [p for b in plan.buckets for p in b.params],
                                        [n for b in plan.buckets for n in b.names])
+        guard = self.settings.preserver
+        self.watch = StaleWatch(guard.watch_steps, guard.rollback) if guard is not None else StaleWatch(0, False)
 
     @classmethod
     @override
@@ -116,7 +118,10 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @override
     def at_boundary(self) -> Optional[Handover]:
         """Measure, solve and choose once the measured steps are over; the iterations go to DeAR or
-        WFBP when that was chosen (and come back on a re-plan)."""
+        WFBP when that was chosen (and come back on a re-plan). A stale plan is watched from its first
+        iteration, and stopped here when its loss did not fall (`deft.watch`)."""
+        if self.watch.iteration_ended(self.links.control):  # every rank at the same iteration: the verdict is all-reduced
+            self._stop_the_plan()
         if self._replan or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
             self._restart_measuring()  # (while the buckets are being decided, measure nothing yet)
         if not self.decided and not self.settling and self.seen >= self.options.warmup_steps + self.options.measure_steps:
@@ -129,7 +134,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
             return None
         running = self._confirmation.running if self._confirmation is not None else self.choice
         if running.runs != "plan":
-            if self._generations:
+            if self._in_flight:
                 self.drain()  # a delayed plan timed before an exact schedule: its generations step now
             self.compensator.forget()
             self.iteration = 0  # when the plan takes the iterations back, its replay starts with nothing in flight
@@ -137,7 +142,33 @@ class DeFTSchedule(Schedule[DeFTSettings]):
             return Handover("dear", DeARSettings(tuple(running.dear_links)))
         if running.runs == "wfbp":
             return Handover("wfbp")
+        self.watch.maybe_start(self._stale_plan_runs, self.module, self._stepper[0] if self._stepper else None, self.updates)
         return None
+
+    @property
+    def _stale_plan_runs(self) -> bool:
+        return self.decided and self._confirmation is None and self.choice.runs == "plan" and self.deft_plan.staleness > 0
+
+    @override
+    def on_loss(self, loss: torch.Tensor) -> None:
+        self.watch.listen(loss, self.decided and self._confirmation is None, self._stale_plan_runs)
+
+    def _stop_the_plan(self) -> None:
+        """Its loss did not fall: back to where it started (or on from here, without rollback), stale
+        plans refused from now on, and measure and solve again."""
+        if self.watch.rollback:
+            self._in_flight.drop()
+            optimizer = self._stepper[0] if self._stepper is not None else None
+            taken = self.watch.roll_back(self.module, optimizer)
+            self.updates = taken if taken is not None else self.updates
+            self.compensator.forget()
+            back = "weights, buffers and optimizer state back to where it started"
+        else:
+            self.drain()
+            back = "its delayed gradients applied"
+        say(f"commsched Preserver: the stale plan is stopped ({self.watch.verdict}); {back}; stale plans are refused "
+            f"for the rest of this run, and DeFT measures and solves again")
+        self._restart_measuring()
 
     @override
     def request_replan(self) -> None:
@@ -150,6 +181,8 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
         self.choice = Choice("plan")
         self._confirmation = None
+        if self.watch.watching:
+            self.watch.abandon()
         self.seen = self.options.warmup_steps
         self._meter = StageMeter(self.plan.buckets[0].buffer.device)
         self._probes.clear()
@@ -157,9 +190,11 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def _decide(self) -> None:
         optimizer = self._stepper[0] if self._stepper is not None else None
         decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
-                          self._meter, self._probes, self.compensator.name, self.compensator.measured_staleness(optimizer))
+                          self._meter, self._probes, self.compensator.name, self.compensator.measured_staleness(optimizer),
+                          self.watch.stale_refused)
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
+        self.watch.verdict = None  # a new plan: watched if it is stale and runs
         self._confirm_later()
         self._probes.clear()
 
@@ -184,12 +219,12 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
         late = self.deft_plan.staleness and self.choice.runs == "plan"
         compensated = f"; late generations compensated: {self.compensator.name}" if late and self.compensator.name != "none" else ""
-        return [f"plan {self.deft_plan.describe()}{ran}{compensated}", *super().summary()]
+        return [f"plan {self.deft_plan.describe()}{ran}{compensated}{self.watch.describe()}", *super().summary()]
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
         return report(self.deft_plan, self.choice, self.decided, self.options, self.links.control.world_size, self.timings,
-                      self.decisions, self.compensator.name)
+                      self.decisions, self.compensator.name, self.watch.verdicts, self.watch.stale_refused)
 
     # ---------------------------------------------------------------- iteration
     @override
@@ -220,7 +255,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def on_bucket_ready(self, b: int) -> None:
         if self._now is None:  # a step whose forward ran outside training_step (e.g. manual backward)
             self._now = self.deft_plan.at(self.iteration)
-        generation = self._generation(self._now.joins)
+        generation = self._in_flight.joined(self._now.joins)
         generation.merge(b, self.plan.buckets[b].buffer, first=generation.k == 0)
         if self._measuring:
             self._meter.bucket_ready()
@@ -232,33 +267,28 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def on_backward_end(self) -> None:
         self.compensator.restore()
         self.capture.read_mask()
-        generation = self._generation(self._now.joins)
+        generation = self._in_flight.joined(self._now.joins)
         generation.k += 1
         generation.joined_at = self.updates
         for b, flags in enumerate(self.capture.globally_used):
             generation.used[b] = [u or f for u, f in zip(generation.used[b], flags)]
         self._due = list(self._now.steps)
         if self._due:
-            self._generations[self._due[0]].hand_to_optimizer(self.plan, len(self.deft_plan.items))
+            self._in_flight[self._due[0]].hand_to_optimizer(self.plan, len(self.deft_plan.items))
             if self._measuring and self.link.world_size > 1:
-                self._probes.record([b.buffer for b in self.plan.buckets], self._generations[self._due[0]].buffers)
-
-    def _generation(self, number: int) -> Generation:
-        if number not in self._generations:
-            self._generations[number] = Generation(number, self._pool.take(), self.plan)
-        return self._generations[number]
+                self._probes.record([b.buffer for b in self.plan.buckets], self._in_flight[self._due[0]].buffers)
 
     def _launch(self, stage: str, which: Callable[[Launch], bool]) -> None:
         assert self._now is not None
         for launch in self._now.launches:
             if launch.stage == stage and which(launch):
-                if launch.generation not in self._generations:
+                if launch.generation not in self._in_flight:
                     raise ScheduleError(f"commsched deft: the plan sends generation {launch.generation} before any iteration "
                                         f"joined it (iteration {self.iteration}); the plan is inconsistent: {self.deft_plan.describe()}")
-                self._send(self._generations[launch.generation], launch.item, launch.link)
+                self._send(launch.generation, launch.item, launch.link)
 
-    def _send(self, generation: Generation, index: int, link: int) -> None:
-        self._sender.send(generation, index, self.deft_plan.items[index], self._links[link])
+    def _send(self, generation: int, index: int, link: int) -> None:
+        self._in_flight.send(generation, index, self.deft_plan.items[index], self._links[link])
 
     # ------------------------------------------------------------------- update
     @override
@@ -272,7 +302,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self._stepper = (optimizer, real_step)
         for position, number in enumerate(self._due):
             if position > 0:  # a second generation completes in this iteration
-                self._generations[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
+                self._in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
                 if self._clip is not None:
                     super().clip_gradients(optimizer, *self._clip)
                 self.settings.advance_schedulers()
@@ -280,7 +310,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
                 self._apply(optimizer, partial(self._probes.step, optimizer, real_step), number)
             else:
                 self._apply(optimizer, real_step, number)
-            self._release(number)
+            self._in_flight.release(number)
             self.steps_this_iteration += 1
         self._due = []
         # Lightning's loop called step(); torch's schedulers must not warn that they stepped first.
@@ -289,13 +319,9 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def _apply(self, optimizer: Optimizer, real_step: Callable[[], Any], number: int) -> None:
         """The user's step on generation `number`'s gradients, compensated for how late they are (a
         measured step is never late)."""
-        late = self.updates - self._generations[number].joined_at
+        late = self.updates - self._in_flight[number].joined_at
         self.compensator.step(optimizer, real_step, late, may_predict=not self.decided or self.deft_plan.delayed)
         self.updates += 1
-
-    def _release(self, number: int) -> None:
-        generation = self._generations.pop(number)
-        self._pool.give_back(generation.buffers)
 
     def _ask_for_curvature(self) -> None:
         guard = self.settings.preserver
@@ -324,25 +350,24 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @override
     def flush(self) -> None:
         """Checkpoints, validation, callbacks: wait for what is in flight; delayed gradients stay delayed."""
-        for generation in self._generations.values():
-            generation.drain()
+        self._in_flight.wait()
 
     @override
     def drain(self) -> None:
         """End of training, or buckets about to change: send what is left (primary link, generation
         order, item order: the same on every rank) and step with every generation in order."""
-        if self._stepper is None or not self._generations:
+        if self._stepper is None or not self._in_flight:
             self.flush()
             return
         optimizer, real_step = self._stepper
-        for number in sorted(self._generations):
-            generation = self._generations[number]
+        for number in self._in_flight.in_order():
+            generation = self._in_flight[number]
             for index in range(len(self.deft_plan.items)):
                 if index not in generation.sent:
-                    self._send(generation, index, 0)
+                    self._send(number, index, 0)
             generation.hand_to_optimizer(self.plan, len(self.deft_plan.items))
             self._apply(optimizer, real_step, number)
-            self._release(number)
+            self._in_flight.release(number)
         for p in params_of(optimizer):
             p.grad = None
         say("commsched deft: delayed gradients applied at the end of training")
@@ -350,36 +375,11 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     # ---------------------------------------------------- communication state
     @override
     def state_dict(self) -> dict[str, Any]:
-        measuring_again = self._replan  # asked to solve again: what is carried over starts measuring
-        return {"shared": {"deft_plan": self.deft_plan.to_json(), "decided": self.decided and not measuring_again,
-                           "iteration": self.iteration, "seen": self.options.warmup_steps if measuring_again else self.seen,
-                           "decisions": self.decisions, "choice": self.choice.to_json(),
-                           "confirmed": self._confirmation is None, "updates": self.updates,
-                           "bucket_numels": [b.buffer.numel() for b in self.plan.buckets]},
-                "per_rank": {"generations": [g.state(self.plan) for g in self._generations.values()],
-                             "meter": self._meter.state(), "projections": [list(p) for p in self._probes.projections],
-                             "prediction": self.compensator.state()}}
+        return saved_state(self)
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        refuse_unknown(self.name, state, ("deft_plan", "decided", "iteration", "seen", "decisions", "choice",
-                                          "bucket_numels", "generations", "meter", "projections", "confirmed", "updates", "prediction"))
-        if not state:
-            return
-        if not same_layout(state, self.plan, quiet=self.settling):
-            return
-        self.deft_plan, self.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
-        self.iteration, self.seen = state["iteration"], state["seen"]
-        self.updates = state.get("updates", 0)
-        self.decisions = list(state.get("decisions", []))
-        self.choice = Choice.from_json(state.get("choice", {"runs": "plan"}))
-        if self.decided and not state.get("confirmed", True):
-            self._confirm_later()  # saved while timing the candidates: time them again
-        for saved in state.get("generations", []):
-            self._generations[saved["number"]] = Generation.restore(saved, self._pool.take(), self.plan)
-        self._meter.load(state["meter"])
-        self._probes.projections = [list(p) for p in state.get("projections", [])]
-        self.compensator.load(state.get("prediction", {}))
+        load_saved_state(self, state)
 
     @staticmethod
     @override

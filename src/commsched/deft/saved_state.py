@@ -1,0 +1,52 @@
+"""DeFT's communication state: what a checkpoint holds of the schedule, and its restore.
+
+Kept beside the schedule (it reads the schedule's parts): the plan and the decisions around it, the
+optimizer steps taken, the watch's progress and snapshot (shared: the same on every rank), and per
+rank the generations in flight, the stage times and probes being measured, the weight prediction and
+the watch's losses. A resumed run then replays, measures and judges as the uninterrupted one.
+`deft` below is the `DeFTSchedule` (not imported: the schedules import this folder).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from commsched.deft.generations import same_layout
+from commsched.deft.plan import DeFTPlan
+from commsched.deft.predict import Choice
+from commsched.state import refuse_unknown
+
+KEYS = ("deft_plan", "decided", "iteration", "seen", "decisions", "choice", "bucket_numels", "generations", "meter",
+        "projections", "confirmed", "updates", "prediction", "watch", "watch_rank")
+
+
+def saved_state(deft: Any) -> dict[str, Any]:
+    measuring_again = deft._replan  # asked to solve again: what is carried over starts measuring
+    return {"shared": {"deft_plan": deft.deft_plan.to_json(), "decided": deft.decided and not measuring_again,
+                       "iteration": deft.iteration, "seen": deft.options.warmup_steps if measuring_again else deft.seen,
+                       "decisions": deft.decisions, "choice": deft.choice.to_json(),
+                       "confirmed": deft._confirmation is None, "updates": deft.updates,
+                       "watch": deft.watch.shared_state(),
+                       "bucket_numels": [b.buffer.numel() for b in deft.plan.buckets]},
+            "per_rank": {"generations": deft._in_flight.state(),
+                         "meter": deft._meter.state(), "projections": [list(p) for p in deft._probes.projections],
+                         "prediction": deft.compensator.state(), "watch_rank": deft.watch.rank_state()}}
+
+
+def load_saved_state(deft: Any, state: dict[str, Any]) -> None:
+    """The merged shared and per-rank state (empty: nothing saved; another bucket layout: measure again)."""
+    refuse_unknown(deft.name, state, KEYS)
+    if not state or not same_layout(state, deft.plan, quiet=deft.settling):
+        return
+    deft.deft_plan, deft.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
+    deft.iteration, deft.seen = state["iteration"], state["seen"]
+    deft.updates = state.get("updates", 0)
+    deft.decisions = list(state.get("decisions", []))
+    deft.choice = Choice.from_json(state.get("choice", {"runs": "plan"}))
+    if deft.decided and not state.get("confirmed", True):
+        deft._confirm_later()  # saved while timing the candidates: time them again
+    deft._in_flight.restore(state.get("generations", []))
+    deft._meter.load(state["meter"])
+    deft._probes.projections = [list(p) for p in state.get("projections", [])]
+    deft.compensator.load(state.get("prediction", {}))
+    deft.watch.load({**state.get("watch", {}), **state.get("watch_rank", {})})
