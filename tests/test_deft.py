@@ -63,7 +63,9 @@ def deft_runs(tmp_path_factory):
                       "forced-both-part", "forced-both-resumed", "preserved", "preserved-stale", "preserved-auto",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
                       "handed-wfbp", "confirmed-dear", "confirmed-delayed", "undelayed-two-links", "watched-kept",
-                      "watched-stopped", "watched-drained", "watched-stopped-part", "watched-stopped-resumed")
+                      "watched-stopped", "watched-drained", "watched-stopped-part", "watched-stopped-resumed",
+                      "watched-stopped-late-part", "watched-stopped-late-resumed", "watched-drained-late-part",
+                      "watched-drained-late-resumed", "watched-rechecked")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -79,11 +81,13 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple[int, 
     gradients are taken at w + D (w - w_before_last_step), D the optimizer steps until its generation
     steps; "spike+predict": both.
 
-    `watch` = (window, rollback): which plan ran each batch is read from the run's history (plans solved
-    again after a stop); the verdict is the replay's own: after `window` iterations of a stale plan, it
-    is stopped unless the mean loss over them (every rank's batch) is below that of the `window` before.
-    Stopped: back to the state at its start (rollback: weights, velocity, optimizer state but not its
-    learning rate; its generations dropped) or its generations applied in order; then (state, verdict) is returned."""
+    `watch` = (window, rollback[, re-checked every n steps]): which plan ran each batch is read from the run's history (plans solved
+    again after a stop or a re-check); the verdicts are the replay's own: after `window` iterations of a
+    stale plan, it is stopped unless the mean loss over them (every rank's batch) is below that of the
+    up to `window` iterations before it, since measuring last (re)started. Stopped: back to the state at
+    its start (rollback: weights, velocity, optimizer state but not its learning rate; its generations
+    dropped) or its generations applied in order, and no stale plan is watched again. A re-check solves
+    again (in flight applied) and wins over a verdict due at the same step. Returns (state, verdicts)."""
     sys.path.insert(0, str(WORKERS))
     from run_deft import BATCH, MLP, data, make_optimizer
 
@@ -166,26 +170,35 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple[int, 
             step([g / k for g in summed], taken - joined_at[number])
 
     generations: dict[int, list] = {}
-    watched_from, snapshot, verdict = None, None, None
+    watched_from, snapshot, verdicts, judged, refused = None, None, [], False, False
+    measured_from = 0  # where measuring (re)started
     for t in range(result["steps"]):
         running, i = what_runs(t)
-        if watch is not None and verdict is None and running is not None and running.staleness and i == 0:
-            watched_from = t
-            snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()["state"]),
-                        {k: v.clone() for k, v in velocity.items()}, taken)
-        if watch is not None and watched_from is not None and verdict is None and t == watched_from + watch[0]:
-            before = sum(losses[watched_from - watch[0]:watched_from]) / watch[0]
+        rechecked = watch is not None and len(watch) > 2 and t > 0 and t % watch[2] == 0
+        if rechecked:  # solved again (the Preserver's re-check): in flight is applied, the plan not judged
+            apply_what_is_left()
+            watched_from, judged, measured_from = None, False, t
+        elif watch is not None and watched_from is not None and t == watched_from + watch[0]:
+            before = losses[max(measured_from, watched_from - watch[0]):watched_from]
             after = sum(losses[watched_from:t]) / watch[0]
-            verdict = "stopped" if not after < before else "kept"
-            if verdict == "stopped" and watch[1]:
+            stopped = not after < sum(before) / len(before)
+            verdicts.append("stopped" if stopped else "kept")
+            watched_from, judged, refused = None, True, refused or stopped
+            if stopped and watch[1]:
                 generations.clear()
                 model.load_state_dict(snapshot[0])
                 optimizer.load_state_dict({**optimizer.state_dict(), "state": snapshot[1]})  # its learning rate stays
                 velocity.clear()
                 velocity.update(snapshot[2])
                 taken = snapshot[3]
-            elif verdict == "stopped":
+            elif stopped:
                 apply_what_is_left()
+            if stopped:
+                measured_from = t
+        if watch is not None and not judged and not refused and running is not None and running.staleness and i == 0:
+            watched_from = t
+            snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()["state"]),
+                        {k: v.clone() for k, v in velocity.items()}, taken)
         now = [p.detach().clone() for p in params]
         if compensation.endswith("predict") and running is not None:  # linear weight prediction
             with torch.no_grad():
@@ -209,7 +222,7 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple[int, 
             scheduler.step()
     apply_what_is_left()  # the end of training
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    return (state, verdict) if watch is not None else state
+    return (state, verdicts) if watch is not None else state
 
 
 @pytest.mark.parametrize("case", ["forced-sgd", "forced-adamw"])
@@ -385,7 +398,7 @@ def test_preserver_with_one_step_allowed_accepts_a_compensated_stale_plan(deft_r
                                                      ("watched-drained", False, "stopped")])
 def test_the_watch_keeps_or_stops_a_stale_plan_as_a_single_process_replay_does(deft_runs, case, rollback, verdict):
     """A one-step-stale plan (spike+predict) watched for 3 iterations against the 3 synchronous ones
-    before it. At lr 0.2 its loss falls and it runs on; at lr 1.5 it does not, and it is stopped: rolled
+    before it. At lr 0.2 its loss falls and it runs on; at lr 1.0 it does not, and it is stopped: rolled
     back to its start (its iterations dropped) or with its delayed generations applied, then DeFT
     measures again and runs an exact plan. Both ranks end equal to the replay, which judges on its own losses."""
     sys.path.insert(0, str(WORKERS))
@@ -393,7 +406,7 @@ def test_the_watch_keeps_or_stops_a_stale_plan_as_a_single_process_replay_does(d
 
     result = deft_runs(case)
     expected, judged = replay(result, compensation="spike+predict", watch=(WATCH, rollback))
-    assert judged == verdict
+    assert judged == [verdict]
     report = result["report"]
     assert report["stale_refused"] == (verdict == "stopped")
     indices = [index for _, index, _ in result["history"]]
@@ -415,13 +428,34 @@ def test_the_watch_keeps_or_stops_a_stale_plan_as_a_single_process_replay_does(d
         assert max_abs_diff(replay(result, compensation="spike+predict", watch=(WATCH, not rollback))[0], result["state"])[0] > 1e-3
 
 
-def test_resumed_inside_the_watch_decides_as_the_uninterrupted_run(deft_runs):
-    """Saved after 2 of the 3 watched iterations: the losses (the verdict quotes both means), the snapshot
-    and the refusal carry over."""
+@pytest.mark.parametrize("whole_case, resumed_case", [("watched-stopped", "watched-stopped-resumed"),
+                                                      ("watched-stopped", "watched-stopped-late-resumed"),
+                                                      ("watched-drained", "watched-drained-late-resumed")])
+def test_resumed_inside_the_watch_decides_as_the_uninterrupted_run(deft_runs, whole_case, resumed_case):
+    """Saved after 2 of the 3 watched iterations, or after the last (judged at the resumed run's first
+    step, before its optimizer stepped): the losses (the verdict quotes both means), the snapshot and
+    the refusal carry over, and what is in flight is dropped or applied as in the uninterrupted run."""
     for rank in (0, 1):
-        whole, resumed = deft_runs("watched-stopped", rank), deft_runs("watched-stopped-resumed", rank)
+        whole, resumed = deft_runs(whole_case, rank), deft_runs(resumed_case, rank)
         assert resumed["report"]["stale_refused"] and resumed["report"]["watch"] == whole["report"]["watch"]
         assert max_abs_diff(whole["state"], resumed["state"])[0] <= 1e-6
+
+
+def test_a_plan_solved_again_inside_its_window_is_not_judged(deft_runs):
+    """The Preserver re-checks every 6 steps. At step 6 the first stale plan's window is over, and the
+    re-check wins: it is not judged (its generations are applied, measuring starts again). The second
+    is judged against the 2 iterations measured since, as the replay does."""
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import WATCH
+
+    result = deft_runs("watched-rechecked")
+    expected, verdicts = replay(result, compensation="spike+predict", watch=(WATCH, True, 6))
+    assert len(verdicts) == 1 and [v.split(":")[0] for v in result["report"]["watch"]] == verdicts
+    indices = [index for _, index, _ in result["history"]]
+    assert indices[3:9] == [0, 1, 2, None, None, 0]  # solved again as its window ended, then again stale
+    diff, key = max_abs_diff(expected, result["state"])
+    assert diff <= 1e-5, f"{diff} at {key}"
+    assert max_abs_diff(result["state"], deft_runs("watched-rechecked", 1)["state"])[0] == 0.0
 
 
 def test_preserver_rechecks_and_the_engine_solves_again(deft_runs):

@@ -129,6 +129,13 @@ CASES = {
     "watched-drained": ("sgd-hot", 13, None, 0, 1.0),
     "watched-stopped-part": ("sgd-hot", 5, None, 0, 1.0),  # saved inside the window
     "watched-stopped-resumed": ("sgd-hot", 13, "watched-stopped-part", 0, 1.0),
+    "watched-stopped-late-part": ("sgd-hot", 6, None, 0, 1.0),  # saved after the window's last iteration
+    "watched-stopped-late-resumed": ("sgd-hot", 13, "watched-stopped-late-part", 0, 1.0),
+    "watched-drained-late-part": ("sgd-hot", 6, None, 0, 1.0),
+    "watched-drained-late-resumed": ("sgd-hot", 13, "watched-drained-late-part", 0, 1.0),
+    # re-checked every 6 steps: the first stale plan is solved again as its window ends (not judged),
+    # the second is judged against the 2 iterations measured since
+    "watched-rechecked": ("sgd-hot", 14, None, 6, 1.0),
 }
 
 WATCH = 3
@@ -207,7 +214,8 @@ def fit(out: Path, name: str, world: int) -> None:
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
     staleness, margin = (1, 1.0) if name == "preserved-stale" else (0, 0.0)
     preserver = (commsched.Preserver(max_staleness=1) if name == "preserved-auto" else
-                 commsched.Preserver(max_staleness=1, watch_steps=WATCH, rollback=name != "watched-drained")
+                 commsched.Preserver(max_staleness=1, watch_steps=WATCH, rollback=not name.startswith("watched-drained"),
+                                     recheck_every_n_steps=preserve)
                  if name.startswith("watched") else
                  commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness, curvature_margin=margin)
                  if preserve is not None else None)

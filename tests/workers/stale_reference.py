@@ -204,6 +204,10 @@ class LossGuard:
 
     window: int = 10
     rollback: bool = False
+    rule: str = "mean"
+    """"mean": stop unless the stale window's mean loss is below the synchronous window's; "trend": below
+    the synchronous window's least-squares line carried on over the stale window (early in training,
+    where the loss falls fast whatever runs, "mean" is too easy to pass)."""
     verdict: str = "not reached"
     stopped: bool = False
     snapshot: Optional[tuple] = None
@@ -214,7 +218,8 @@ class LossGuard:
                              [None if v is None else v.clone() for v in optimizer.velocity], [u.clone() for u in optimizer.last_update])
         if iteration != stale_from + self.window + 1:
             return
-        before = sum(run.losses[stale_from - self.window:stale_from]) / self.window
+        synchronous = run.losses[stale_from - self.window:stale_from]
+        before = sum(synchronous) / self.window if self.rule == "mean" else trend_forecast(synchronous)
         after = sum(run.losses[stale_from:stale_from + self.window]) / self.window
         self.stopped = after >= before
         self.verdict = f"{'stopped' if self.stopped else 'kept'} ({before:.2f} -> {after:.2f})"
@@ -226,6 +231,14 @@ class LossGuard:
             optimizer.velocity, optimizer.last_update = self.snapshot[1], self.snapshot[2]
         while late:  # what is in flight is applied, then every step is synchronous
             optimizer.step(*late.popleft())
+
+
+def trend_forecast(losses: list[float]) -> float:
+    """The mean over the next len(losses) iterations of the least-squares line through `losses`."""
+    n = len(losses)
+    x_mean, y_mean = (n - 1) / 2, sum(losses) / n
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in enumerate(losses)) / sum((x - x_mean) ** 2 for x in range(n))
+    return y_mean + slope * n  # the line at the next window's centre, n steps after this one's
 
 
 def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, weight_decay: float = 5e-4,

@@ -13,7 +13,7 @@ import torch
 
 from commsched.comm.buckets import BucketPlan
 from commsched.errors import CommSchedConfigError, ScheduleError
-from commsched.deft.plan import Item
+from commsched.deft.plan import DeFTPlan, Item, Launch
 from commsched.comm.links import Link, Pending
 from commsched.reducers import AllReduce
 from commsched.say import say
@@ -164,8 +164,20 @@ class InFlight:
             self.generations[number] = Generation(number, self._pool.take(), self._plan)
         return self.generations[number]
 
-    def send(self, number: int, index: int, item: Item, link: Link) -> None:
-        self._sender.send(self.generations[number], index, item, link)
+    def launch(self, launches: list[Launch], plan: DeFTPlan, links: list[Link], iteration: int) -> None:
+        """The plan's sends of this stage, in its order."""
+        for launch in launches:
+            if launch.generation not in self.generations:
+                raise ScheduleError(f"commsched deft: the plan sends generation {launch.generation} before any iteration "
+                                    f"joined it (iteration {iteration}); the plan is inconsistent: {plan.describe()}")
+            self._sender.send(self.generations[launch.generation], launch.item, plan.items[launch.item], links[launch.link])
+
+    def send_the_rest(self, number: int, items: list[Item], link: Link) -> None:
+        """Every item of generation `number` not sent yet, in item order (the same on every rank)."""
+        generation = self.generations[number]
+        for index, item in enumerate(items):
+            if index not in generation.sent:
+                self._sender.send(generation, index, item, link)
 
     def release(self, number: int) -> None:
         """It stepped (or is dropped): its buffers go back to the pool."""

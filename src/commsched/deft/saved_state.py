@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from commsched.deft.generations import same_layout
-from commsched.deft.plan import DeFTPlan
+from commsched.deft.plan import DeFTPlan, no_delay_plan
 from commsched.deft.predict import Choice
 from commsched.state import refuse_unknown
 
@@ -21,21 +21,24 @@ KEYS = ("deft_plan", "decided", "iteration", "seen", "decisions", "choice", "buc
 
 
 def saved_state(deft: Any) -> dict[str, Any]:
-    measuring_again = deft._replan  # asked to solve again: what is carried over starts measuring
-    return {"shared": {"deft_plan": deft.deft_plan.to_json(), "decided": deft.decided and not measuring_again,
-                       "iteration": deft.iteration, "seen": deft.options.warmup_steps if measuring_again else deft.seen,
-                       "decisions": deft.decisions, "choice": deft.choice.to_json(),
+    measuring_again = deft._replan  # asked to solve again: what is carried over starts measuring, as `_restart_measuring` does
+    plan = no_delay_plan(deft._whole_buckets()) if measuring_again else deft.deft_plan
+    return {"shared": {"deft_plan": plan.to_json(), "decided": deft.decided and not measuring_again,
+                       "iteration": 0 if measuring_again else deft.iteration,
+                       "seen": deft.options.warmup_steps if measuring_again else deft.seen,
+                       "decisions": deft.decisions, "choice": (Choice("plan") if measuring_again else deft.choice).to_json(),
                        "confirmed": deft._confirmation is None, "updates": deft.updates,
-                       "watch": deft.watch.shared_state(),
+                       "watch": deft.watch.shared_state(restarting=measuring_again),
                        "bucket_numels": [b.buffer.numel() for b in deft.plan.buckets]},
             "per_rank": {"generations": deft._in_flight.state(),
                          "meter": deft._meter.state(), "projections": [list(p) for p in deft._probes.projections],
-                         "prediction": deft.compensator.state(), "watch_rank": deft.watch.rank_state()}}
+                         "prediction": deft.compensator.state(), "watch_rank": deft.watch.rank_state(restarting=measuring_again)}}
 
 
 def load_saved_state(deft: Any, state: dict[str, Any]) -> None:
     """The merged shared and per-rank state (empty: nothing saved; another bucket layout: measure again)."""
     refuse_unknown(deft.name, state, KEYS)
+    deft.watch.load_run(state.get("watch", {}))  # a stop refuses stale plans for the run, whatever the buckets
     if not state or not same_layout(state, deft.plan, quiet=deft.settling):
         return
     deft.deft_plan, deft.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]

@@ -41,7 +41,6 @@ from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
 from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for
 from commsched.deft.watch import StaleWatch
-from commsched.errors import ScheduleError
 from commsched.options import DeFTOptions, StrategyOptions
 from commsched.comm.links import Links
 from commsched.schedules.base import Handover, Schedule, params_of
@@ -95,7 +94,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self.compensator = Compensator(self.options.compensation, [p for b in plan.buckets for p in b.params],
                                        [n for b in plan.buckets for n in b.names])
         guard = self.settings.preserver
-        self.watch = StaleWatch(guard.watch_steps, guard.rollback) if guard is not None else StaleWatch(0, False)
+        self.watch = StaleWatch(guard.watch_steps if guard is not None and guard.max_staleness > 0 else 0, bool(guard and guard.rollback))
 
     @classmethod
     @override
@@ -120,7 +119,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         """Measure, solve and choose once the measured steps are over; the iterations go to DeAR or
         WFBP when that was chosen (and come back on a re-plan). A stale plan is watched from its first
         iteration, and stopped here when its loss did not fall (`deft.watch`)."""
-        if self.watch.iteration_ended(self.links.control):  # every rank at the same iteration: the verdict is all-reduced
+        if self.watch.iteration_ended(self.links.control, judge=not self._replan):  # a re-plan wins: not judged  # every rank at the same iteration: the verdict is all-reduced
             self._stop_the_plan()
         if self._replan or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
             self._restart_measuring()  # (while the buckets are being decided, measure nothing yet)
@@ -142,7 +141,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
             return Handover("dear", DeARSettings(tuple(running.dear_links)))
         if running.runs == "wfbp":
             return Handover("wfbp")
-        self.watch.maybe_start(self._stale_plan_runs, self.module, self._stepper[0] if self._stepper else None, self.updates)
+        self._start_watching()
         return None
 
     @property
@@ -153,18 +152,31 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def on_loss(self, loss: torch.Tensor) -> None:
         self.watch.listen(loss, self.decided and self._confirmation is None, self._stale_plan_runs)
 
+    def _start_watching(self) -> None:
+        """A stale plan starting is watched from nothing in flight (what it ran while confirmed is applied first)."""
+        if not (self.watch.enabled and self._stale_plan_runs and not self.watch.watching and self.watch.verdict is None):
+            return
+        if self._in_flight:
+            self._drain_because("before the watch's snapshot")
+            self.compensator.forget()
+            self.iteration = 0
+        self.watch.maybe_start(True, self.module, self._optimizer(), self.updates)
+
+    def _optimizer(self) -> Optional[Optimizer]:
+        """The user's optimizer: the one last stepped, else (resumed, nothing stepped yet) the Trainer's."""
+        trainer = getattr(self.module, "_trainer", None)
+        return self._stepper[0] if self._stepper else trainer.optimizers[0] if trainer and trainer.optimizers else None
+
     def _stop_the_plan(self) -> None:
-        """Its loss did not fall: back to where it started (or on from here, without rollback), stale
-        plans refused from now on, and measure and solve again."""
+        """Its loss did not fall: back to its start (or on from here), stale plans refused, measure and solve again."""
         if self.watch.rollback:
             self._in_flight.drop()
-            optimizer = self._stepper[0] if self._stepper is not None else None
-            taken = self.watch.roll_back(self.module, optimizer)
+            taken = self.watch.roll_back(self.module, self._optimizer())
             self.updates = taken if taken is not None else self.updates
             self.compensator.forget()
             back = "weights, buffers and optimizer state back to where it started"
         else:
-            self.drain()
+            self._drain_because("as the watch stopped the plan")
             back = "its delayed gradients applied"
         say(f"commsched Preserver: the stale plan is stopped ({self.watch.verdict}); {back}; stale plans are refused "
             f"for the rest of this run, and DeFT measures and solves again")
@@ -176,13 +188,12 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self._replan = True
 
     def _restart_measuring(self) -> None:
-        self.drain()
+        self._drain_because("before measuring again")
         self._replan = False
         self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
         self.choice = Choice("plan")
         self._confirmation = None
-        if self.watch.watching:
-            self.watch.abandon()
+        self.watch.restart()
         self.seen = self.options.warmup_steps
         self._meter = StageMeter(self.plan.buckets[0].buffer.device)
         self._probes.clear()
@@ -280,15 +291,8 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     def _launch(self, stage: str, which: Callable[[Launch], bool]) -> None:
         assert self._now is not None
-        for launch in self._now.launches:
-            if launch.stage == stage and which(launch):
-                if launch.generation not in self._in_flight:
-                    raise ScheduleError(f"commsched deft: the plan sends generation {launch.generation} before any iteration "
-                                        f"joined it (iteration {self.iteration}); the plan is inconsistent: {self.deft_plan.describe()}")
-                self._send(launch.generation, launch.item, launch.link)
-
-    def _send(self, generation: int, index: int, link: int) -> None:
-        self._in_flight.send(generation, index, self.deft_plan.items[index], self._links[link])
+        self._in_flight.launch([launch for launch in self._now.launches if launch.stage == stage and which(launch)],
+                               self.deft_plan, self._links, self.iteration)
 
     # ------------------------------------------------------------------- update
     @override
@@ -356,21 +360,22 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def drain(self) -> None:
         """End of training, or buckets about to change: send what is left (primary link, generation
         order, item order: the same on every rank) and step with every generation in order."""
-        if self._stepper is None or not self._in_flight:
+        self._drain_because("at the end of training")
+
+    def _drain_because(self, why: str) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None or not self._in_flight:
             self.flush()
             return
-        optimizer, real_step = self._stepper
+        real_step = self._stepper[1] if self._stepper is not None else optimizer.step
         for number in self._in_flight.in_order():
-            generation = self._in_flight[number]
-            for index in range(len(self.deft_plan.items)):
-                if index not in generation.sent:
-                    self._send(number, index, 0)
-            generation.hand_to_optimizer(self.plan, len(self.deft_plan.items))
+            self._in_flight.send_the_rest(number, self.deft_plan.items, self._links[0])
+            self._in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
             self._apply(optimizer, real_step, number)
             self._in_flight.release(number)
         for p in params_of(optimizer):
             p.grad = None
-        say("commsched deft: delayed gradients applied at the end of training")
+        say(f"commsched deft: delayed gradients applied {why}")
 
     # ---------------------------------------------------- communication state
     @override
