@@ -4,21 +4,18 @@ DeAR and WFBP, the Preserver's decisions, and refusals."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
 import sys
-from typing import Any, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DistributedSampler
 
 from commsched.deft.plan import DeFTPlan
 from commsched.deft.stability import Stepper, largest_stable_curvature
 from conftest import WORKERS, max_abs_diff, per_link, run_worker
+from deft_replay import replay
 
 
 def test_deft_without_delay_equals_ddp(cases):
@@ -62,167 +59,12 @@ def deft_runs(tmp_path_factory):
                       "forced-spike", "forced-spike-part", "forced-spike-resumed", "forced-predict", "forced-both",
                       "forced-both-part", "forced-both-resumed", "preserved", "preserved-stale", "preserved-auto",
                       "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
-                      "handed-wfbp", "confirmed-dear", "confirmed-delayed", "undelayed-two-links", "watched-kept",
-                      "watched-stopped", "watched-drained", "watched-stopped-part", "watched-stopped-resumed",
-                      "watched-stopped-late-part", "watched-stopped-late-resumed", "watched-drained-late-part",
-                      "watched-drained-late-resumed", "watched-rechecked")
+                      "handed-wfbp", "confirmed-dear", "confirmed-delayed", "undelayed-two-links")
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
     load.out = out
     return load
-
-
-def replay(result: dict, compensation: str = "none", watch: Optional[tuple[int, bool]] = None) -> Any:
-    """One process, every rank's gradient recomputed: the plan's merges, staleness and steps. With
-    compensation "spike", SGD's step is written out here: a generation D optimizer steps late (steps
-    taken since its newest gradient) moves the weights by lr (v + a d) with v <- m v + b d, d its gradient
-    plus weight decay, a = (1 - m^D) / (1 - m), b = m^D. With "predict", each planned iteration's
-    gradients are taken at w + D (w - w_before_last_step), D the optimizer steps until its generation
-    steps; "spike+predict": both.
-
-    `watch` = (window, rollback[, re-checked every n steps]): which plan ran each batch is read from the run's history (plans solved
-    again after a stop or a re-check); the verdicts are the replay's own: after `window` iterations of a
-    stale plan, it is stopped unless the mean loss over them (every rank's batch) is below that of the
-    up to `window` iterations before it, since measuring last (re)started. Stopped: back to the state at
-    its start (rollback: weights, velocity, optimizer state but not its learning rate; its generations
-    dropped) or its generations applied in order, and no stale plan is watched again. A re-check solves
-    again (in flight applied) and wins over a verdict due at the same step. Returns (state, verdicts)."""
-    sys.path.insert(0, str(WORKERS))
-    from run_deft import BATCH, MLP, data, make_optimizer
-
-    world, model = result["world"], MLP(result["optimizer"])
-    model.load_state_dict(result["initial"])
-    configured = make_optimizer(result["optimizer"], model.parameters())
-    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
-    x, y = data().tensors
-    params = list(model.parameters())
-    plan = DeFTPlan.from_json(result["plan"])
-
-    # Lightning's DistributedSampler for training: shuffled, seeded by seed_everything, epoch 0
-    shares = []
-    for r in range(world):
-        sampler = DistributedSampler(data(), num_replicas=world, rank=r, shuffle=True, seed=result["seed"])
-        sampler.set_epoch(0)
-        shares.append(list(sampler))
-
-    losses: list[float] = []
-
-    def averaged_gradient(t: int) -> list[torch.Tensor]:
-        total, loss = [torch.zeros_like(p) for p in params], 0.0
-        for r in range(world):
-            idx = shares[r][t * BATCH:(t + 1) * BATCH]
-            rank_loss = F.cross_entropy(model(x[idx]), y[idx])
-            grads = torch.autograd.grad(rank_loss, params)
-            total = [a + g / world for a, g in zip(total, grads)]
-            loss += float(rank_loss.detach()) / world
-        losses.append(loss)
-        return total
-
-    def what_runs(t: int) -> tuple[Optional[DeFTPlan], int]:
-        """(the plan and its replay index, or None for a synchronous step) at batch t."""
-        if watch is None:
-            return (None, 0) if t < result["sync_steps"] else (plan, t - result["sync_steps"])
-        _, index, solved = result["history"][t]
-        return (None, 0) if index is None else (DeFTPlan.from_json(solved), index)
-
-    velocity: dict[int, torch.Tensor] = {}
-    taken = 0  # optimizer steps so far
-    joined_at: dict[int, int] = {}
-    before_last_step = [p.detach().clone() for p in params]
-
-    def late_by(running: DeFTPlan, i: int) -> int:
-        """How late iteration i's gradient lands: its generation's position among the plan's optimizer steps."""
-        events = [(j, number) for j in range(i + 2 * running.n + 8) for number in running.at(j).steps]
-        applied = next(e for e, (_, number) in enumerate(events) if number == running.at(i).joins)
-        return applied - sum(1 for j, _ in events if j < i)
-
-    @torch.no_grad()
-    def spike(gradient: list[torch.Tensor], late: int) -> None:
-        index = {id(p): i for i, p in enumerate(params)}
-        for group in optimizer.param_groups:
-            m, decay, lr = group["momentum"], group["weight_decay"], group["lr"]
-            for p in group["params"]:
-                i = index[id(p)]
-                d = gradient[i] + decay * p
-                if m == 0:
-                    p.sub_(lr * d)
-                    continue
-                a, b = (1 - m ** late) / (1 - m), m ** late
-                velocity[i] = b * d if i not in velocity else m * velocity[i] + b * d
-                p.sub_(lr * (velocity[i] + a * d))
-
-    def step(gradient: list[torch.Tensor], late: int = 0) -> None:
-        nonlocal taken, before_last_step
-        before_last_step = [p.detach().clone() for p in params]
-        if compensation.startswith("spike"):
-            spike(gradient, late)
-            optimizer._opt_called = True  # the step is written out here: the scheduler must not warn
-        else:
-            for p, g in zip(params, gradient):
-                p.grad = g.clone()
-            optimizer.step()
-        taken += 1
-
-    def apply_what_is_left() -> None:
-        for number in sorted(generations):
-            summed, k = generations.pop(number)
-            step([g / k for g in summed], taken - joined_at[number])
-
-    generations: dict[int, list] = {}
-    watched_from, snapshot, verdicts, judged, refused = None, None, [], False, False
-    measured_from = 0  # where measuring (re)started
-    for t in range(result["steps"]):
-        running, i = what_runs(t)
-        rechecked = watch is not None and len(watch) > 2 and t > 0 and t % watch[2] == 0
-        if rechecked:  # solved again (the Preserver's re-check): in flight is applied, the plan not judged
-            apply_what_is_left()
-            watched_from, judged, measured_from = None, False, t
-        elif watch is not None and watched_from is not None and t == watched_from + watch[0]:
-            before = losses[max(measured_from, watched_from - watch[0]):watched_from]
-            after = sum(losses[watched_from:t]) / watch[0]
-            stopped = not after < sum(before) / len(before)
-            verdicts.append("stopped" if stopped else "kept")
-            watched_from, judged, refused = None, True, refused or stopped
-            if stopped and watch[1]:
-                generations.clear()
-                model.load_state_dict(snapshot[0])
-                optimizer.load_state_dict({**optimizer.state_dict(), "state": snapshot[1]})  # its learning rate stays
-                velocity.clear()
-                velocity.update(snapshot[2])
-                taken = snapshot[3]
-            elif stopped:
-                apply_what_is_left()
-            if stopped:
-                measured_from = t
-        if watch is not None and not judged and not refused and running is not None and running.staleness and i == 0:
-            watched_from = t
-            snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()["state"]),
-                        {k: v.clone() for k, v in velocity.items()}, taken)
-        now = [p.detach().clone() for p in params]
-        if compensation.endswith("predict") and running is not None:  # linear weight prediction
-            with torch.no_grad():
-                for p, w, before in zip(params, now, before_last_step):
-                    p.copy_(w + late_by(running, i) * (w - before))
-        gradient = averaged_gradient(t)
-        with torch.no_grad():
-            for p, w in zip(params, now):
-                p.copy_(w)
-        if running is None:
-            step(gradient)
-            scheduler.step()
-            continue
-        it = running.at(i)
-        summed, k = generations.get(it.joins, ([torch.zeros_like(p) for p in params], 0))
-        generations[it.joins] = ([a + g for a, g in zip(summed, gradient)], k + 1)
-        joined_at[it.joins] = taken
-        for number in it.steps:
-            summed, k = generations.pop(number)
-            step([g / k for g in summed], taken - joined_at[number])
-            scheduler.step()
-    apply_what_is_left()  # the end of training
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    return (state, verdicts) if watch is not None else state
 
 
 @pytest.mark.parametrize("case", ["forced-sgd", "forced-adamw"])
@@ -392,70 +234,6 @@ def test_preserver_with_one_step_allowed_accepts_a_compensated_stale_plan(deft_r
     assert diff <= 1e-5, f"{diff} at {key}"
     assert max_abs_diff(replay(result), result["state"])[0] > 1e-3
     assert max_abs_diff(result["state"], deft_runs("preserved-auto", 1)["state"])[0] == 0.0
-
-
-@pytest.mark.parametrize("case, rollback, verdict", [("watched-kept", True, "kept"), ("watched-stopped", True, "stopped"),
-                                                     ("watched-drained", False, "stopped")])
-def test_the_watch_keeps_or_stops_a_stale_plan_as_a_single_process_replay_does(deft_runs, case, rollback, verdict):
-    """A one-step-stale plan (spike+predict) watched for 3 iterations against the 3 synchronous ones
-    before it. At lr 0.2 its loss falls and it runs on; at lr 1.0 it does not, and it is stopped: rolled
-    back to its start (its iterations dropped) or with its delayed generations applied, then DeFT
-    measures again and runs an exact plan. Both ranks end equal to the replay, which judges on its own losses."""
-    sys.path.insert(0, str(WORKERS))
-    from run_deft import WATCH
-
-    result = deft_runs(case)
-    expected, judged = replay(result, compensation="spike+predict", watch=(WATCH, rollback))
-    assert judged == [verdict]
-    report = result["report"]
-    assert report["stale_refused"] == (verdict == "stopped")
-    indices = [index for _, index, _ in result["history"]]
-    staleness = [DeFTPlan.from_json(solved).staleness for _, index, solved in result["history"] if index is not None]
-    assert indices[:result["sync_steps"]] == [None] * result["sync_steps"]
-    if verdict == "kept":
-        assert len(report["watch"]) == 1 and report["watch"][0].startswith("kept") and set(staleness) == {1}
-    else:  # stale for the window, then measured again (synchronous steps), then exact
-        stale_end = result["sync_steps"] + WATCH
-        assert indices[result["sync_steps"]:stale_end] == list(range(WATCH)) and indices[stale_end] is None
-        assert staleness[:WATCH] == [1] * WATCH and set(staleness[WATCH:]) == {0}
-        assert len(report["watch"]) == 1 and report["watch"][0].startswith("stopped")
-    diff, key = max_abs_diff(expected, result["state"])
-    assert diff <= 1e-5, f"{case}: {diff} at {key}"
-    other = deft_runs(case, 1)
-    assert max_abs_diff(result["state"], other["state"])[0] == 0.0
-    assert per_link(result["trace"]) == per_link(other["trace"])
-    if verdict == "stopped":  # what the stop did matters: the other way of stopping ends elsewhere
-        assert max_abs_diff(replay(result, compensation="spike+predict", watch=(WATCH, not rollback))[0], result["state"])[0] > 1e-3
-
-
-@pytest.mark.parametrize("whole_case, resumed_case", [("watched-stopped", "watched-stopped-resumed"),
-                                                      ("watched-stopped", "watched-stopped-late-resumed"),
-                                                      ("watched-drained", "watched-drained-late-resumed")])
-def test_resumed_inside_the_watch_decides_as_the_uninterrupted_run(deft_runs, whole_case, resumed_case):
-    """Saved after 2 of the 3 watched iterations, or after the last (judged at the resumed run's first
-    step, before its optimizer stepped): the losses (the verdict quotes both means), the snapshot and
-    the refusal carry over, and what is in flight is dropped or applied as in the uninterrupted run."""
-    for rank in (0, 1):
-        whole, resumed = deft_runs(whole_case, rank), deft_runs(resumed_case, rank)
-        assert resumed["report"]["stale_refused"] and resumed["report"]["watch"] == whole["report"]["watch"]
-        assert max_abs_diff(whole["state"], resumed["state"])[0] <= 1e-6
-
-
-def test_a_plan_solved_again_inside_its_window_is_not_judged(deft_runs):
-    """The Preserver re-checks every 6 steps. At step 6 the first stale plan's window is over, and the
-    re-check wins: it is not judged (its generations are applied, measuring starts again). The second
-    is judged against the 2 iterations measured since, as the replay does."""
-    sys.path.insert(0, str(WORKERS))
-    from run_deft import WATCH
-
-    result = deft_runs("watched-rechecked")
-    expected, verdicts = replay(result, compensation="spike+predict", watch=(WATCH, True, 6))
-    assert len(verdicts) == 1 and [v.split(":")[0] for v in result["report"]["watch"]] == verdicts
-    indices = [index for _, index, _ in result["history"]]
-    assert indices[3:9] == [0, 1, 2, None, None, 0]  # solved again as its window ended, then again stale
-    diff, key = max_abs_diff(expected, result["state"])
-    assert diff <= 1e-5, f"{diff} at {key}"
-    assert max_abs_diff(result["state"], deft_runs("watched-rechecked", 1)["state"])[0] == 0.0
 
 
 def test_preserver_rechecks_and_the_engine_solves_again(deft_runs):

@@ -136,6 +136,9 @@ CASES = {
     # re-checked every 6 steps: the first stale plan is solved again as its window ends (not judged),
     # the second is judged against the 2 iterations measured since
     "watched-rechecked": ("sgd-hot", 14, None, 6, 1.0),
+    # stale plans wait until step 6: an exact plan until then, solved again at 6, stale from 8
+    "watched-waiting": ("sgd-hot", 14, None, 0, 1.0),
+    "watched-epoch": ("sgd-hot", 6, None, 0, 1.0),  # stale_after_steps left at its default: one epoch
 }
 
 WATCH = 3
@@ -213,11 +216,14 @@ def fit(out: Path, name: str, world: int) -> None:
                                       preserver=commsched.PreserverOptions(enabled=preserve is not None))
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
     staleness, margin = (1, 1.0) if name == "preserved-stale" else (0, 0.0)
-    preserver = (commsched.Preserver(max_staleness=1) if name == "preserved-auto" else
+    # stale plans start at once here (the default waits one epoch), except where the case is the wait
+    preserver = (commsched.Preserver(max_staleness=1, stale_after_steps=0) if name == "preserved-auto" else
                  commsched.Preserver(max_staleness=1, watch_steps=WATCH, rollback=not name.startswith("watched-drained"),
-                                     recheck_every_n_steps=preserve)
+                                     recheck_every_n_steps=preserve,
+                                     stale_after_steps={"watched-waiting": 6, "watched-epoch": None}.get(name, 0))
                  if name.startswith("watched") else
-                 commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness, curvature_margin=margin)
+                 commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness, curvature_margin=margin,
+                                     stale_after_steps=0)
                  if preserve is not None else None)
     if preserver is not None:
         callbacks.append(preserver)

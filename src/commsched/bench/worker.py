@@ -101,7 +101,8 @@ def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[S
     timer = StepTimer(warmup=spec["warmup"], stop_after=spec["steps"])
     callbacks: list[pl.Callback] = [timer] + ([USER_CALLBACKS[user]()] if user else [])
     if schedule == "deft" and spec["preserver"]:
-        callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"]))
+        # stale plans at once (stale_after_steps=0): the bench times them within its few steps
+        callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"], stale_after_steps=0))
     strategy = _strategy(schedule, spec)
     trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))

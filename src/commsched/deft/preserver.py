@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 class Preserver(pl.Callback):
     def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 1.25, optimum: float = 0.0,
                  batch_size: Optional[int] = None, recheck_every_n_steps: int = 0, max_staleness: int = 0,
-                 curvature_margin: float = 0.0, watch_steps: int = 10, rollback: bool = True) -> None:
+                 curvature_margin: float = 0.0, watch_steps: int = 10, rollback: bool = True,
+                 stale_after_steps: Optional[int] = None) -> None:
         """
         Args:
             eps: accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps].
@@ -53,8 +54,12 @@ class Preserver(pl.Callback):
                 loss (over every rank) is not below that of as many iterations before it, the plan is
                 stopped and stale plans are refused for the rest of the run (DeFT measures and solves
                 again). 0: not watched.
-            rollback: when the watch stops a plan, the weights, buffers and optimizer state go back to
+            rollback: when the watch stopped a plan, the weights, buffers and optimizer state go back to
                 where it started (its iterations are dropped); False: training goes on from where they left it.
+            stale_after_steps: no stale plan runs before this many steps of training (DeFT decides an exact
+                plan until then, and solves again at that step); None: one epoch (200 steps where the
+                training loader has no length). The first steps are where staleness harms most and where
+                the watch cannot tell (docs/deft.md).
         """
         self.eps, self.max_tries, self.growth = check_settings(eps, max_tries, growth)
         self.optimum = float(optimum)
@@ -68,6 +73,7 @@ class Preserver(pl.Callback):
         self.curvature_margin = non_negative_number("Preserver.curvature_margin", curvature_margin)
         self.watch_steps = non_negative_int("Preserver.watch_steps", watch_steps)
         self.rollback = flag("Preserver.rollback", rollback)
+        self.stale_after_steps = None if stale_after_steps is None else non_negative_int("Preserver.stale_after_steps", stale_after_steps)
         self.curvature_wanted = False
         """Set by DeFT for a probe step: measure the top curvature from this step's loss."""
         self.walk: Optional[WalkState] = None
@@ -146,7 +152,7 @@ class Preserver(pl.Callback):
         compensated optimizer's stable band."""
         if staleness == 0:
             return True
-        if staleness > self.max_staleness or stats.get("stale_refused"):
+        if staleness > self.max_staleness or stats.get("stale_barred"):
             return False
         if staleness <= int(stats.get("measured_staleness", 0)):
             return True
@@ -172,10 +178,11 @@ class Preserver(pl.Callback):
         if plan.staleness and stats is not None:
             compensation = stats.get("compensation", "none")
             decision.update(compensation=compensation, measured_staleness=int(stats.get("measured_staleness", 0)))
-            if stats.get("stale_refused"):
-                judged = ", stale plans refused (the watch stopped one earlier in this run)"
-            elif plan.staleness > self.max_staleness:
+            if plan.staleness > self.max_staleness:
                 judged = f", staleness above max_staleness={self.max_staleness}"
+            elif stats.get("stale_barred"):
+                judged = f", stale plans {stats['stale_barred']}"
+                decision.update(barred=stats["stale_barred"], waiting=stats.get("stale_waiting", False))
             elif plan.staleness <= decision["measured_staleness"]:
                 judged = f", compensated by {compensation} (measured to keep accuracy {decision['measured_staleness']} iteration late)"
             else:

@@ -17,7 +17,7 @@ from commsched.deft.predict import Choice
 from commsched.state import refuse_unknown
 
 KEYS = ("deft_plan", "decided", "iteration", "seen", "decisions", "choice", "bucket_numels", "generations", "meter",
-        "projections", "confirmed", "updates", "prediction", "watch", "watch_rank")
+        "projections", "confirmed", "updates", "prediction", "watch", "watch_rank", "replan_at")
 
 
 def saved_state(deft: Any) -> dict[str, Any]:
@@ -28,7 +28,7 @@ def saved_state(deft: Any) -> dict[str, Any]:
                        "seen": deft.options.warmup_steps if measuring_again else deft.seen,
                        "decisions": deft.decisions, "choice": (Choice("plan") if measuring_again else deft.choice).to_json(),
                        "confirmed": deft._confirmation is None, "updates": deft.updates,
-                       "watch": deft.watch.shared_state(restarting=measuring_again),
+                       "watch": deft.watch.shared_state(restarting=measuring_again), "replan_at": deft.replan_at,
                        "bucket_numels": [b.buffer.numel() for b in deft.plan.buckets]},
             "per_rank": {"generations": deft._in_flight.state(),
                          "meter": deft._meter.state(), "projections": [list(p) for p in deft._probes.projections],
@@ -44,6 +44,7 @@ def load_saved_state(deft: Any, state: dict[str, Any]) -> None:
     deft.deft_plan, deft.decided = DeFTPlan.from_json(state["deft_plan"]), state["decided"]
     deft.iteration, deft.seen = state["iteration"], state["seen"]
     deft.updates = state.get("updates", 0)
+    deft.replan_at = state.get("replan_at")
     deft.decisions = list(state.get("decisions", []))
     deft.choice = Choice.from_json(state.get("choice", {"runs": "plan"}))
     if deft.decided and not state.get("confirmed", True):

@@ -5,7 +5,8 @@ compensation cannot serve, checked at setup before any step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Optional
 
 from torch.optim import Optimizer
 
@@ -35,9 +36,42 @@ def settings_for(options: StrategyOptions, trainer: Any, advance_schedulers: Cal
     if preserver is None and guard.enabled:
         preserver = Preserver(guard.eps, guard.max_tries, guard.growth, recheck_every_n_steps=guard.recheck_every_n_steps,
                               max_staleness=guard.max_staleness, curvature_margin=guard.curvature_margin,
-                              watch_steps=guard.watch_steps, rollback=guard.rollback)
+                              watch_steps=guard.watch_steps, rollback=guard.rollback, stale_after_steps=guard.stale_after_steps)
         trainer.callbacks.append(preserver)
     return DeFTSettings(options.deft, preserver, advance_schedulers)
+
+
+FALLBACK_EPOCH_STEPS = 200
+"""Steps a stale plan waits by default where the training loader has no length (no epoch to count)."""
+
+
+def stale_barred(preserver: Any, refused: bool, module: Any) -> tuple[Optional[str], Optional[int]]:
+    """Why no stale plan may run now (None: it may), and the step from which it may (None: never, or now).
+    After a stop by the watch, never; before `stale_after_steps` steps of training (default one epoch), not yet."""
+    if refused:
+        return "refused (the watch stopped one earlier in this run)", None
+    trainer = getattr(module, "_trainer", None)
+    if preserver is None or trainer is None or not preserver.max_staleness:
+        return None, None
+    wait = preserver.stale_after_steps
+    if wait is None:
+        batches = trainer.num_training_batches
+        wait = FALLBACK_EPOCH_STEPS if math.isinf(batches) else int(batches) // max(1, trainer.accumulate_grad_batches)
+    if steps_trained(module) >= wait:
+        return None, None
+    return f"wait until step {wait} (stale_after_steps; now at step {steps_trained(module)})", wait
+
+
+def users_optimizer(stepper: Optional[tuple[Optimizer, Any]], module: Any) -> Optional[Optimizer]:
+    """The user's optimizer: the one last stepped, else (resumed, nothing stepped yet) the Trainer's."""
+    trainer = getattr(module, "_trainer", None)
+    return stepper[0] if stepper else trainer.optimizers[0] if trainer is not None and trainer.optimizers else None
+
+
+def steps_trained(module: Any) -> int:
+    """The Trainer's global step (0 outside a Trainer)."""
+    trainer = getattr(module, "_trainer", None)
+    return trainer.global_step if trainer is not None else 0
 
 
 def refuse_optimizers(compensation: str, optimizers: list[Optimizer]) -> None:

@@ -106,6 +106,11 @@ class PreserverOptions:
     """When the watch stops a plan: True, the weights, buffers and optimizer state go back to where it
     started and its iterations are dropped (one more copy of the model and optimizer state in host memory
     while watching, saved in checkpoints); False, what is in flight is applied and training goes on."""
+    stale_after_steps: Optional[int] = option(None, optional(non_negative_int))
+    """No stale plan runs before this many steps of training: DeFT runs an exact plan until then, and
+    measures and solves again at that step. Unset (null): one epoch (200 steps where the training loader
+    has no length). Staleness harms most in the first steps, and there the loss falls fast whatever runs,
+    so the watch cannot tell a harmful plan (docs/deft.md)."""
     recheck_every_n_steps: int = option(0, non_negative_int)
     """> 0: measure and solve again every N steps."""
 

@@ -39,7 +39,7 @@ from commsched.deft.measure import StageMeter
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
 from commsched.deft.predict import Choice
 from commsched.deft.probes import GradientProbes
-from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for
+from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for, stale_barred, steps_trained, users_optimizer
 from commsched.deft.watch import StaleWatch
 from commsched.options import DeFTOptions, StrategyOptions
 from commsched.comm.links import Links
@@ -86,6 +86,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
         self._replan = False
+        self.replan_at: Optional[int] = None  # the step from which a stale plan waiting may run: solve again then
         self._curvature_step = False
         self._confirmation: Optional[Confirmation] = None
         """While the predicted choice and its runner-up are timed on real steps."""
@@ -119,6 +120,8 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         """Measure, solve and choose once the measured steps are over; the iterations go to DeAR or
         WFBP when that was chosen (and come back on a re-plan). A stale plan is watched from its first
         iteration, and stopped here when its loss did not fall (`deft.watch`)."""
+        if self.replan_at is not None and steps_trained(self.module) >= self.replan_at:
+            self._replan, self.replan_at = True, None  # stale plans may run from now on: solve again
         if self.watch.iteration_ended(self.links.control, judge=not self._replan):  # a re-plan wins: not judged  # every rank at the same iteration: the verdict is all-reduced
             self._stop_the_plan()
         if self._replan or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
@@ -160,18 +163,13 @@ class DeFTSchedule(Schedule[DeFTSettings]):
             self._drain_because("before the watch's snapshot")
             self.compensator.forget()
             self.iteration = 0
-        self.watch.maybe_start(True, self.module, self._optimizer(), self.updates)
-
-    def _optimizer(self) -> Optional[Optimizer]:
-        """The user's optimizer: the one last stepped, else (resumed, nothing stepped yet) the Trainer's."""
-        trainer = getattr(self.module, "_trainer", None)
-        return self._stepper[0] if self._stepper else trainer.optimizers[0] if trainer and trainer.optimizers else None
+        self.watch.maybe_start(True, self.module, users_optimizer(self._stepper, self.module), self.updates)
 
     def _stop_the_plan(self) -> None:
         """Its loss did not fall: back to its start (or on from here), stale plans refused, measure and solve again."""
         if self.watch.rollback:
             self._in_flight.drop()
-            taken = self.watch.roll_back(self.module, self._optimizer())
+            taken = self.watch.roll_back(self.module, users_optimizer(self._stepper, self.module))
             self.updates = taken if taken is not None else self.updates
             self.compensator.forget()
             back = "weights, buffers and optimizer state back to where it started"
@@ -200,12 +198,14 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     def _decide(self) -> None:
         optimizer = self._stepper[0] if self._stepper is not None else None
+        barred, wait_until = stale_barred(self.settings.preserver, self.watch.stale_refused, self.module)
         decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
                           self._meter, self._probes, self.compensator.name, self.compensator.measured_staleness(optimizer),
-                          self.watch.stale_refused)
+                          barred, wait_until is not None)
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
         self.watch.verdict = None  # a new plan: watched if it is stale and runs
+        self.replan_at = wait_until if any(d.get("waiting") for d in self.decisions) else None
         self._confirm_later()
         self._probes.clear()
 
@@ -363,7 +363,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self._drain_because("at the end of training")
 
     def _drain_because(self, why: str) -> None:
-        optimizer = self._optimizer()
+        optimizer = users_optimizer(self._stepper, self.module)
         if optimizer is None or not self._in_flight:
             self.flush()
             return
