@@ -35,12 +35,12 @@ class Decision:
 
 def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOptions, preserver: Any,
            meter: StageMeter, probes: GradientProbes, compensation: str = "none", measured_staleness: int = 0,
-           stale_barred: Optional[str] = None, stale_waiting: bool = False) -> Decision:
+           stale_barred: Optional[str] = None, stale_wait_until: Optional[int] = None) -> Decision:
     """Every rank calls it at the same iteration boundary (it issues collectives on every link).
     `compensation` is the one that runs, and `measured_staleness` how late it was measured to keep
     this optimizer's accuracy (`deft.compensation`): the Preserver judges stale plans by them.
     `stale_barred`: why the Preserver takes no stale plan now (the watch stopped one, or it is too early:
-    `stale_waiting`, the decisions it rejects then say "waiting")."""
+    `stale_wait_until` the step it may from; the decisions it rejects only for that say "waiting")."""
     forward, backward = agreed_stage_times(*meter.per_bucket_backward(len(plan.buckets)), control)
     shared = False
     if options.timings_file is not None:
@@ -52,7 +52,7 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
             say("commsched deft: the secondary link shares the primary's network (each slows the other "
                      "down): only the primary is used")
     stats = {**probes.walk_statistics(preserver), "compensation": compensation, "measured_staleness": measured_staleness,
-             "stale_barred": stale_barred, "stale_waiting": stale_waiting}
+             "stale_barred": stale_barred, "stale_wait_until": stale_wait_until}
     halves = _dear_halves(plan, links, control, options, shared)
     mine = _solve(plan, timings, stats, halves, options, preserver) if control.rank == 0 else None
     decided = control.broadcast_object(mine, src=0, tag="deft-plan")

@@ -182,7 +182,10 @@ class Preserver(pl.Callback):
                 judged = f", staleness above max_staleness={self.max_staleness}"
             elif stats.get("stale_barred"):
                 judged = f", stale plans {stats['stale_barred']}"
-                decision.update(barred=stats["stale_barred"], waiting=stats.get("stale_waiting", False))
+                # waiting: accepted once the wait is over, if nothing else changes (DeFT solves again then)
+                waits = stats.get("stale_wait_until") is not None and plan.staleness <= self.max_staleness and \
+                    self._keeps_accuracy(plan.staleness, {**stats, "stale_barred": None}, stable_below)
+                decision.update(barred=stats["stale_barred"], waiting=waits, wait_until=stats.get("stale_wait_until"))
             elif plan.staleness <= decision["measured_staleness"]:
                 judged = f", compensated by {compensation} (measured to keep accuracy {decision['measured_staleness']} iteration late)"
             else:

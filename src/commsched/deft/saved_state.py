@@ -28,7 +28,7 @@ def saved_state(deft: Any) -> dict[str, Any]:
                        "seen": deft.options.warmup_steps if measuring_again else deft.seen,
                        "decisions": deft.decisions, "choice": (Choice("plan") if measuring_again else deft.choice).to_json(),
                        "confirmed": deft._confirmation is None, "updates": deft.updates,
-                       "watch": deft.watch.shared_state(restarting=measuring_again), "replan_at": deft.replan_at,
+                       "watch": deft.watch.shared_state(restarting=measuring_again), "replan_at": None if measuring_again else deft.replan_at,
                        "bucket_numels": [b.buffer.numel() for b in deft.plan.buckets]},
             "per_rank": {"generations": deft._in_flight.state(),
                          "meter": deft._meter.state(), "projections": [list(p) for p in deft._probes.projections],

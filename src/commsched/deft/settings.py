@@ -54,12 +54,15 @@ def stale_barred(preserver: Any, refused: bool, module: Any) -> tuple[Optional[s
     if preserver is None or trainer is None or not preserver.max_staleness:
         return None, None
     wait = preserver.stale_after_steps
-    if wait is None:
+    if wait is None:  # one epoch, in optimizer steps (the last, incomplete accumulation steps too)
         batches = trainer.num_training_batches
-        wait = FALLBACK_EPOCH_STEPS if math.isinf(batches) else int(batches) // max(1, trainer.accumulate_grad_batches)
+        wait = FALLBACK_EPOCH_STEPS if math.isinf(batches) else -(-int(batches) // max(1, trainer.accumulate_grad_batches))
     if steps_trained(module) >= wait:
         return None, None
-    return f"wait until step {wait} (stale_after_steps; now at step {steps_trained(module)})", wait
+    reason = f"wait until step {wait} (stale_after_steps; now at step {steps_trained(module)})"
+    if wait >= trainer.estimated_stepping_batches:
+        reason += "; this run ends before it, so no stale plan will run (set preserver.stale_after_steps to start earlier)"
+    return reason, wait
 
 
 def users_optimizer(stepper: Optional[tuple[Optimizer, Any]], module: Any) -> Optional[Optimizer]:

@@ -190,7 +190,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self._replan = False
         self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
         self.choice = Choice("plan")
-        self._confirmation = None
+        self._confirmation, self.replan_at = None, None
         self.watch.restart()
         self.seen = self.options.warmup_steps
         self._meter = StageMeter(self.plan.buckets[0].buffer.device)
@@ -201,11 +201,11 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         barred, wait_until = stale_barred(self.settings.preserver, self.watch.stale_refused, self.module)
         decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
                           self._meter, self._probes, self.compensator.name, self.compensator.measured_staleness(optimizer),
-                          barred, wait_until is not None)
+                          barred, wait_until)
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
         self.watch.verdict = None  # a new plan: watched if it is stale and runs
-        self.replan_at = wait_until if any(d.get("waiting") for d in self.decisions) else None
+        self.replan_at = max((d["wait_until"] for d in self.decisions if d.get("waiting")), default=None)  # rank 0's
         self._confirm_later()
         self._probes.clear()
 
