@@ -23,7 +23,6 @@ one wait on the device per iteration, at the iteration's start.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
 from typing import Any, Optional
@@ -33,17 +32,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from commsched.comm.links import Link
+from commsched.state import to_cpu
 from commsched.say import say
-
-
-def _to_host(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_host(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_host(v) for v in value)
-    return copy.deepcopy(value)
 
 
 class StaleWatch:
@@ -126,9 +116,9 @@ class StaleWatch:
         if self.rollback:
             state = module.state_dict()
             buffers = {name for name, _ in module.named_buffers()}
-            self.snapshot = {"module": _to_host({k: v for k, v in state.items() if k not in buffers}),
-                             "buffers": _to_host({k: v for k, v in state.items() if k in buffers}), "updates": updates,
-                             "optimizer": _to_host(optimizer.state_dict()["state"]) if optimizer is not None else None}
+            self.snapshot = {"module": to_cpu({k: v for k, v in state.items() if k not in buffers}),
+                             "buffers": to_cpu({k: v for k, v in state.items() if k in buffers}), "updates": updates,
+                             "optimizer": to_cpu(optimizer.state_dict()["state"]) if optimizer is not None else None}
 
     def judge(self, control: Link) -> bool:
         """True when the plan must stop: the mean loss over every rank did not fall (NaN counts as not
