@@ -105,11 +105,12 @@ class StaleWatch:
         self.losses.clear()
         self._pending = []
 
-    def maybe_start(self, stale_plan_runs: bool, module: nn.Module, optimizer: Optional[Optimizer], updates: int) -> None:
-        """A stale plan runs from this iteration on and was not judged yet: remember the loss so far
-        (and, with `rollback`, the state)."""
-        if not (self.enabled and stale_plan_runs and not self.watching and self.verdict is None):
-            return
+    def starts_now(self, stale_plan_runs: bool) -> bool:
+        """A stale plan runs from this iteration on, and was not watched or judged yet."""
+        return self.enabled and stale_plan_runs and not self.watching and self.verdict is None
+
+    def start(self, module: nn.Module, optimizer: Optional[Optimizer], updates: int) -> None:
+        """Remember the loss so far (and, with `rollback`, the state) of the plan starting now."""
         self.before = sum(self.losses) / len(self.losses) if self.losses else -math.inf  # nothing to compare with: stop
         self.losses.clear()
         self.watched = 0

@@ -122,7 +122,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         iteration, and stopped here when its loss did not fall (`deft.watch`)."""
         if self.replan_at is not None and steps_trained(self.module) >= self.replan_at:
             self._replan, self.replan_at = True, None  # stale plans may run from now on: solve again
-        if self.watch.iteration_ended(self.links.control, judge=not self._replan):  # a re-plan wins: not judged  # every rank at the same iteration: the verdict is all-reduced
+        if self.watch.iteration_ended(self.links.control, judge=not self._replan):  # a re-plan wins: not judged
             self._stop_the_plan()
         if self._replan or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
             self._restart_measuring()  # (while the buckets are being decided, measure nothing yet)
@@ -157,13 +157,13 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     def _start_watching(self) -> None:
         """A stale plan starting is watched from nothing in flight (what it ran while confirmed is applied first)."""
-        if not (self.watch.enabled and self._stale_plan_runs and not self.watch.watching and self.watch.verdict is None):
+        if not self.watch.starts_now(self._stale_plan_runs):
             return
         if self._in_flight:
             self._drain_because("before the watch's snapshot")
             self.compensator.forget()
             self.iteration = 0
-        self.watch.maybe_start(True, self.module, users_optimizer(self._stepper, self.module), self.updates)
+        self.watch.start(self.module, users_optimizer(self._stepper, self.module), self.updates)
 
     def _stop_the_plan(self) -> None:
         """Its loss did not fall: back to its start (or on from here), stale plans refused, measure and solve again."""
