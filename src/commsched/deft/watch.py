@@ -81,9 +81,9 @@ class StaleWatch:
         if self.wants_losses(settled, stale_plan_runs):
             self._pending.append(loss.detach())
 
-    def iteration_ended(self, control: Link, judge: bool = True) -> bool:
+    def iteration_ended(self, control: Link) -> bool:
         """At the next iteration's start: record the last one's loss and, once the window is over,
-        judge (unless `judge` is False: the plan is being solved again); True when the plan must stop."""
+        judge; True when the plan must stop."""
         if not self.enabled:
             return False
         pending, self._pending = self._pending, []
@@ -91,7 +91,7 @@ class StaleWatch:
             self.watched += 1  # whatever the loss: every rank judges at the same iteration
         if pending:
             self.losses.append(float(torch.stack([x.float().mean() for x in pending]).mean()))
-        if not (self.due and judge):
+        if not self.due:
             return False
         stopped = self.judge(control)
         if not stopped:

@@ -122,7 +122,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         iteration, and stopped here when its loss did not fall (`deft.watch`)."""
         if self.replan_at is not None and steps_trained(self.module) >= self.replan_at:
             self._replan, self.replan_at = True, None  # stale plans may run from now on: solve again
-        if self.watch.iteration_ended(self.links.control, judge=not self._replan):  # a re-plan wins: not judged
+        if self.watch.iteration_ended(self.links.control):  # a re-plan rebuilt the schedule first: nothing to judge
             self._stop_the_plan()
         if self._replan or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
             self._restart_measuring()  # (while the buckets are being decided, measure nothing yet)
