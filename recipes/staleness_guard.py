@@ -9,7 +9,7 @@ Prints each seed's accuracies and the guard's verdict, then the mean difference 
 
 The guard is not in the product; this measures whether it would be worth building.
 
-    .venv/bin/python recipes/staleness_guard.py vgg16_bn 0.05 [--stale-from 22] [--rollback] [--seeds 5] [--epochs 10]
+    .venv/bin/python recipes/staleness_guard.py vgg16_bn 0.05 [--stale-from 22] [--rollback] [--seeds 5] [--first-seed 0] [--epochs 10]
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ def main() -> None:
     parser.add_argument("--rule", choices=["mean", "trend"], default="mean",
                         help="what the stale window's mean loss must be below: the synchronous window's mean, or its trend carried on")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from here on (to split them over processes)")
     parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(1)
     width, resolution = SHAPES[args.model]
     common = dict(width=width, resolution=resolution, model_name=args.model, stale_from=args.stale_from)
     synchronous, guarded = [], []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         guard = LossGuard(args.window, args.rollback, args.rule)
         sync_accuracy = train(args.lr, 0.9, 0, args.epochs, seed, **common).accuracy
         guarded_accuracy = train(args.lr, 0.9, 1, args.epochs, seed, compensation="spike+predict", guard=guard, **common).accuracy

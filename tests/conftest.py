@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -44,10 +44,11 @@ CASES_BY_WORLD = {
 }
 
 
-def run_worker(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_worker(script: str, *args: str, timeout: float = 900, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Runs a worker script from tests/workers; `env` adds to this process's environment."""
     return subprocess.run(
         [sys.executable, str(WORKERS / script), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=WORKERS,
+        capture_output=True, text=True, timeout=timeout, cwd=WORKERS, env={**os.environ, **(env or {})},
     )
 
 

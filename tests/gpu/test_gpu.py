@@ -12,7 +12,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from conftest import max_abs_diff, per_link, run_worker  # noqa: E402
+from conftest import WORKERS, max_abs_diff, per_link, run_worker  # noqa: E402
+from deft_replay import replay  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU suite needs one")]
@@ -73,3 +74,31 @@ def test_profiled_times_are_completion_times(runs):
         assert profiled > 0 and measured > 0
         band = 2.0 if measured > 1e-3 else 4.0
         assert 1 / band <= profiled / measured <= band, (profiled, measured)
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def watched_runs(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"gpu-watched-{request.param}")
+    proc = run_worker("run_deft.py", str(out), str(request.param), "watched-kept", "watched-stopped", timeout=900,
+                      env={"COMMSCHED_TEST_ACCELERATOR": "gpu"})
+    if proc.returncode != 0:
+        pytest.fail(f"watched runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("case, verdict", [("watched-kept", "kept"), ("watched-stopped", "stopped")])
+def test_a_compensated_stale_plan_and_its_watch_equal_the_replay_on_cuda(watched_runs, case, verdict):
+    """A forced one-step-stale plan on CUDA: spike compensation and weight prediction in the optimizer's
+    step, the watch's verdict after 3 iterations, and, when stopped, the rollback from its snapshot in
+    host memory back onto the GPU, then an exact plan. The weights equal the single-process replay on
+    the CPU (tests/deft_replay.py), which judges on its own losses."""
+    sys.path.insert(0, str(WORKERS))
+    from run_deft import WATCH
+
+    result = watched_runs(case)
+    assert result["device"].startswith("cuda")
+    expected, judged = replay(result, compensation="spike+predict", watch=(WATCH, True))
+    assert judged == [verdict] and result["report"]["watch"][0].startswith(verdict)
+    for rank in range(result["world"]):
+        diff, key = max_abs_diff(expected, watched_runs(case, rank)["state"])
+        assert diff <= 1e-5, f"{case}, rank {rank}: {key} differs from the replay by {diff:.3g}"

@@ -10,6 +10,7 @@ shuffling, so the test can recompute every rank's gradient of every iteration in
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -32,6 +33,8 @@ warnings.filterwarnings("ignore", ".*Checkpoint directory.*exists.*")
 BATCH = 4
 SEED = 99
 SAMPLES = 256
+ACCELERATOR = os.environ.get("COMMSCHED_TEST_ACCELERATOR", "cpu")
+"""Where the runs train: the CPU over gloo, or "gpu" over NCCL in the GPU suite (tests/gpu)."""
 BUCKET_MB = 64 / 2**20  # the MLP's ~1.8 KB of gradients in 5 buckets (each closes once it holds 64 bytes)
 
 
@@ -233,19 +236,20 @@ def fit(out: Path, name: str, world: int) -> None:
     callbacks.append(history)
     if name.startswith("handed") or name == "confirmed-dear":  # DeAR stays exact (and keeps its overlap) whatever a callback reads
         callbacks.append(ReadsWeights())
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+    trainer = pl.Trainer(accelerator=ACCELERATOR, devices=world, strategy=strategy, max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          default_root_dir=out / name, num_sanity_val_steps=0)
     ckpt = str(out / f"{resume_from}-ckpt" / f"epoch=0-step={CASES[resume_from][1]}.ckpt") if resume_from else None
     trainer.fit(model, ckpt_path=ckpt)
     result = {
         "initial": initial,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "trace": [tuple(vars(r).values()) for r in trainer.strategy.collective_trace],
         "plan": trainer.strategy.deft_plan.to_json(),
         "sync_steps": 3,
         "steps": steps,
         "world": world,
+        "device": str(trainer.strategy.root_device),
         "seed": SEED,
         "decisions": preserver.decisions if preserver is not None else [],
         "optimizer": optimizer,
