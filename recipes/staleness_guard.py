@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--stale-from", type=int, default=22)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--rollback", action="store_true")
+    parser.add_argument("--windows", type=int, default=1,
+                        help="consecutive windows judged, each against the one before (a stop rolls back to the plan's start)")
     parser.add_argument("--rule", choices=["mean", "trend"], default="mean",
                         help="what the stale window's mean loss must be below: the synchronous window's mean, or its trend carried on")
     parser.add_argument("--seeds", type=int, default=5)
@@ -46,7 +48,7 @@ def main() -> None:
     common = dict(width=width, resolution=resolution, model_name=args.model, stale_from=args.stale_from)
     synchronous, guarded = [], []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        guard = LossGuard(args.window, args.rollback, args.rule)
+        guard = LossGuard(args.window, args.rollback, args.windows, args.rule)
         sync_accuracy = train(args.lr, 0.9, 0, args.epochs, seed, **common).accuracy
         guarded_accuracy = train(args.lr, 0.9, 1, args.epochs, seed, compensation="spike+predict", guard=guard, **common).accuracy
         synchronous.append(sync_accuracy)

@@ -204,6 +204,9 @@ class LossGuard:
 
     window: int = 10
     rollback: bool = False
+    windows: int = 1
+    """How many consecutive windows are judged, each against the one before it (the first against the
+    synchronous window); a stop at any of them rolls back to the plan's start."""
     rule: str = "mean"
     """"mean": stop unless the stale window's mean loss is below the synchronous window's; "trend": below
     the synchronous window's least-squares line carried on over the stale window (early in training,
@@ -216,13 +219,14 @@ class LossGuard:
         if self.rollback and iteration == stale_from + 1:
             self.snapshot = ({k: v.clone() for k, v in model.state_dict().items()},
                              [None if v is None else v.clone() for v in optimizer.velocity], [u.clone() for u in optimizer.last_update])
-        if iteration != stale_from + self.window + 1:
+        judged, due = divmod(iteration - stale_from - 1, self.window)
+        if due or not 1 <= judged <= self.windows or self.stopped:
             return
-        synchronous = run.losses[stale_from - self.window:stale_from]
-        before = sum(synchronous) / self.window if self.rule == "mean" else trend_forecast(synchronous)
-        after = sum(run.losses[stale_from:stale_from + self.window]) / self.window
+        previous = run.losses[stale_from + (judged - 2) * self.window:stale_from + (judged - 1) * self.window]
+        before = sum(previous) / self.window if self.rule == "mean" or judged > 1 else trend_forecast(previous)
+        after = sum(run.losses[stale_from + (judged - 1) * self.window:stale_from + judged * self.window]) / self.window
         self.stopped = after >= before
-        self.verdict = f"{'stopped' if self.stopped else 'kept'} ({before:.2f} -> {after:.2f})"
+        self.verdict = (f"{self.verdict}, " if judged > 1 else "") + f"{'stopped' if self.stopped else 'kept'} ({before:.2f} -> {after:.2f})"
         if not self.stopped:
             return
         if self.snapshot is not None:
