@@ -7,9 +7,11 @@ synchronous: with `--rollback`, from the weights, BatchNorm buffers and velocity
 (what the stale iterations did is thrown away); without, from where the stale iterations left it.
 Prints each seed's accuracies and the guard's verdict, then the mean difference in points.
 
-The guard is not in the product; this measures whether it would be worth building.
+With `--windows N` it judges N windows in a row, each against the one before; a stop at any of them
+rolls back to the plan's start. DeFT's watch (the Preserver's `watch_steps` and `rollback`) is this
+guard with one window, the mean rule and rollback.
 
-    .venv/bin/python recipes/staleness_guard.py vgg16_bn 0.05 [--stale-from 22] [--rollback] [--seeds 5] [--first-seed 0] [--epochs 10]
+    .venv/bin/python recipes/staleness_guard.py vgg16_bn 0.05 [--stale-from 22] [--rollback] [--windows 1] [--seeds 5] [--first-seed 0 | --only-seeds 3,9] [--epochs 10]
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ def main() -> None:
                         help="what the stale window's mean loss must be below: the synchronous window's mean, or its trend carried on")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds run from here on (to split them over processes)")
+    parser.add_argument("--only-seeds", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                        help="these seeds (comma-separated) instead of --first-seed and --seeds")
     parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(1)
     width, resolution = SHAPES[args.model]
     common = dict(width=width, resolution=resolution, model_name=args.model, stale_from=args.stale_from)
     synchronous, guarded = [], []
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
+    for seed in args.only_seeds or range(args.first_seed, args.first_seed + args.seeds):
         guard = LossGuard(args.window, args.rollback, args.windows, args.rule)
         sync_accuracy = train(args.lr, 0.9, 0, args.epochs, seed, **common).accuracy
         guarded_accuracy = train(args.lr, 0.9, 1, args.epochs, seed, compensation="spike+predict", guard=guard, **common).accuracy
