@@ -121,7 +121,7 @@ def hydra_syntax():
 # imports the helpers above).
 from compression_reference import runs, two_nodes  # noqa: E402,F401
 
-QUICK = {"test_buckets", "test_compensation_choice", "test_data", "test_deft_planning", "test_docs", "test_generations", "test_schedule_options",
+QUICK = {"test_buckets", "test_compensation_choice", "test_data", "test_deft_planning", "test_docs", "test_generations", "test_per_parameter", "test_schedule_options",
          "test_house", "test_interleaved", "test_models", "test_moved", "test_sim", "test_stability", "test_watch", "test_works"}
 """Test files that start no worker process: the `quick` tier (`make test-quick`), for the edit-test loop.
 The whole suite (`make test`, what CI runs) takes about 35 minutes on 2 cores, most of it real

@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
 
+from commsched.errors import bad_value
 from commsched.options.checks import positive_int, non_negative_number, flag, one_of, option
+
+
+def optimizer_classes(name: str, value: Any) -> list[Any]:
+    """Classes, or their `package.module.Class` names: the module is found now, before any worker
+    starts (the class is imported and checked when the run starts)."""
+    allowed = "a list of optimizer classes or 'package.module.Class' names"
+    if not isinstance(value, (list, tuple)):
+        raise bad_value(name, value, allowed)
+    for entry in value:
+        if isinstance(entry, type):
+            continue
+        module = entry.rpartition(".")[0] if isinstance(entry, str) else ""
+        try:
+            found = bool(module) and importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise bad_value(name, value, allowed, fix=f"{entry!r} names no module this Python can import")
+    return list(value)
 
 
 @dataclass
@@ -34,3 +56,11 @@ class DeAROptions:
     reused every step; none where the all-gathers land before the forward needs them) and the copy
     (within noise where measured). False: no copies, and a failure part-way leaves weights that mix
     two steps (said when it happens)."""
+    per_parameter: list[Any] = field(default_factory=list, metadata={"check": optimizer_classes})
+    """Optimizer classes (or `package.module.Class` names) whose step computes each parameter's update
+    from that parameter's gradient and state alone, besides those known to (torch's SGD, Adam, AdamW,
+    RMSprop, Adagrad, Adamax, NAdam, RAdam, ASGD, Adadelta, Rprop and lion-pytorch's Lion): DeAR steps
+    them bucket by bucket as each bucket's all-gather lands. Any other optimizer is stepped whole once
+    every all-gather of the step has landed (exact, with less overlap): one that sums over a whole group
+    inside its step (Prodigy, D-Adaptation) or keeps group-level state (schedule-free) must be. A declared
+    class is checked before its first split step (a split and a whole step on random tensors must agree)."""

@@ -47,6 +47,7 @@ from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
 from commsched.schedules.dear_update import Gathers, PendingUpdate, landed, start_gathers, taken_back
 from commsched.schedules.partial_step import StepUndo, SubsetStepper, snapshot_hyperparams
+from commsched.schedules.per_parameter import resolve
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
 from commsched.sim.network import CostModel
@@ -71,6 +72,8 @@ class DeARSettings:
     """WFBP (arm 0) or DeAR (arm 1), measured on real steps (`DeAROptions.fallback`); kept across bucket rebuilds."""
     rollback: bool = True
     """Copies kept of what is applied before the step's last all-gathers land (`DeAROptions.rollback`)."""
+    per_parameter: tuple[type, ...] = ()
+    """Optimizer classes the user declared to step each parameter alone (`DeAROptions.per_parameter`)."""
 
 
 class DeARSchedule(Schedule[DeARSettings]):
@@ -171,7 +174,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         fallback = (Choice(o.confirm_steps, o.confirm_rounds, o.drift, o.drift_steps)
                     if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1 else None)
         return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
-                            fallback=fallback, rollback=o.rollback)
+                            fallback=fallback, rollback=o.rollback, per_parameter=tuple(resolve(o.per_parameter)))
 
     @override
     def at_boundary(self) -> Optional[Handover]:
@@ -213,7 +216,8 @@ class DeARSchedule(Schedule[DeARSettings]):
     def summary(self) -> list[str]:
         rollback = ([f"copies kept to take a step back on failure: at most {size_text(self.rollback_peak_bytes)} "
                      "(DeAROptions.rollback)"] if self.rollback_peak_bytes else [])
-        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + rollback + super().summary()
+        stepping = [self._stepper.mode.describe(self._stepper.optimizer)] if self._stepper is not None else []
+        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + stepping + rollback + super().summary()
 
     @override
     def _restripe(self, striping: Striping) -> None:
@@ -320,7 +324,7 @@ class DeARSchedule(Schedule[DeARSettings]):
     def _defer(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         assert self._gathers is not None
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
-            self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets])
+            self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets], self.settings.per_parameter)
         self._pending = PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
                                        [True] * len(self.plan.buckets), self._undo.begin() if self._undo is not None else None, set())
         state = optimizer.state
@@ -335,13 +339,19 @@ class DeARSchedule(Schedule[DeARSettings]):
 
     def _apply(self, b: int, why: str) -> None:
         """Apply bucket `b`'s update, waiting for its all-gather; buckets whose all-gathers have
-        landed already are applied in the same optimizer call."""
+        landed already are applied in the same optimizer call. An optimizer that is not stepped
+        bucket by bucket (`SubsetStepper.mode`) waits for every all-gather and steps whole."""
         with self.watch.lock:
             pending = self._pending
             if pending is None or not pending.waiting[b]:
                 return
-            ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and landed(pending.gathers, c)]
-            pending.gathers.wait(b)  # re-raises this bucket's failure before anything changes
+            split = pending.stepper.mode.split
+            if split:
+                ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and landed(pending.gathers, c)]
+            else:
+                ready = [c for c, waiting in enumerate(pending.waiting) if waiting]
+            for c in ready if not split else [b]:
+                pending.gathers.wait(c)  # re-raises a failure before anything changes
             for c in ready:
                 self.watch.unmark(c)  # before anything below reads its tensors
                 pending.waiting[c] = False
@@ -354,7 +364,10 @@ class DeARSchedule(Schedule[DeARSettings]):
                 self.rollback_peak_bytes = max(self.rollback_peak_bytes, pending.undo.reserved_bytes)
             self.hand_back_gradients(ready)
             self.applied[why] += len(ready)
-            pending.stepper.step_buckets(ready, pending.hyper, pending.step)
+            if split:
+                pending.stepper.step_buckets(ready, pending.hyper, pending.step)
+            else:
+                pending.stepper.step_whole(pending.hyper, pending.step)
             if not any(pending.waiting):
                 self._pending = None
 

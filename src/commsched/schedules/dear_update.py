@@ -12,7 +12,8 @@ import torch
 
 from commsched.comm.links import InOrder, Links, Pending
 from commsched.reducers.striped import StripedShards
-from commsched.schedules.partial_step import HyperParams, StepUndo, SubsetStepper
+from commsched.schedules.partial_step import StepUndo, SubsetStepper
+from commsched.schedules.per_parameter import HyperParams
 
 
 class Gathers:

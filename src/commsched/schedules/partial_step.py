@@ -2,21 +2,23 @@
 
 DeAR applies the update of step t bucket by bucket during the forward of step t+1. By then
 Lightning has already stepped the LR scheduler, so the update must use the hyper-parameters as
-they were when step t was taken. torch optimizers are element-wise per parameter (state keyed by
-parameter, parameters without `.grad` skipped), so stepping bucket by bucket with the snapshot
-gives exactly the update a single `optimizer.step()` at step t would have made.
+they were when step t was taken. For an optimizer that steps each parameter alone
+(`per_parameter`: state keyed by parameter, parameters without `.grad` skipped), stepping bucket by
+bucket with the snapshot gives exactly the update a single `optimizer.step()` at step t would have
+made; any other optimizer is stepped whole, once every bucket's gradient is there.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-HyperParams = list[dict[str, Any]]
+from commsched.errors import ScheduleError
+from commsched.schedules.per_parameter import HyperParams, StepMode, qualified_name, step_mode, step_with
 
 
 def snapshot_hyperparams(optimizer: Optimizer) -> HyperParams:
@@ -28,11 +30,13 @@ def snapshot_hyperparams(optimizer: Optimizer) -> HyperParams:
 
 
 class SubsetStepper:
-    """Steps `optimizer` on some buckets' parameters; the per-group subsets are computed once per bucket."""
+    """Steps `optimizer` on some buckets' parameters (per-group subsets computed once per bucket), or
+    whole where its class is not known to step each parameter alone (`mode`)."""
 
-    def __init__(self, optimizer: Optimizer, buckets: list[list[nn.Parameter]]) -> None:
+    def __init__(self, optimizer: Optimizer, buckets: list[list[nn.Parameter]], declared: Sequence[type] = ()) -> None:
         self.optimizer = optimizer
         self.key_at_build = self.key(optimizer)
+        self.mode: StepMode = step_mode(optimizer, declared)
         group_members = [{id(p) for p in g["params"]} for g in optimizer.param_groups]
         self._subsets: list[list[list[nn.Parameter]]] = [
             [[p for p in params if id(p) in members] for members in group_members] for params in buckets
@@ -47,16 +51,22 @@ class SubsetStepper:
         """Call `step` (the optimizer's own, unwrapped by us) with only `buckets`' parameters visible:
         one call for several buckets costs the optimizer's per-call overhead once."""
         groups = self.optimizer.param_groups
-        saved = [(g["params"], {k: g[k] for k in hp}) for g, hp in zip(groups, hyper)]
+        saved = [g["params"] for g in groups]
         try:
-            for index, (g, hp) in enumerate(zip(groups, hyper)):
+            for index, g in enumerate(groups):
                 g["params"] = [p for b in buckets for p in self._subsets[b][index]]
-                g.update(hp)
-            step()
+            written = step_with(self.optimizer, hyper, step)
         finally:
-            for g, (params, current) in zip(groups, saved):
+            for g, params in zip(groups, saved):
                 g["params"] = params
-                g.update(current)
+        if written:
+            raise ScheduleError(f"commsched dear: {qualified_name(type(self.optimizer))} wrote {sorted(written)} into its param "
+                                "groups while stepping part of its parameters: its step keeps group-level state, so it "
+                                "cannot be stepped bucket by bucket; remove it from DeAROptions.per_parameter")
+
+    def step_whole(self, hyper: HyperParams, step: Callable[[], Any]) -> None:
+        """One call over the user's own param groups, as `optimizer.step()` at step time."""
+        step_with(self.optimizer, hyper, step)
 
 
 class StepUndo:

@@ -69,16 +69,20 @@ def _run_pre_hooks(optimizer: Optimizer, kwargs: dict[str, Any]) -> tuple[tuple[
 
 @contextlib.contextmanager
 def _hooks_silenced(optimizer: Optimizer) -> Iterator[None]:
-    """The step hooks (the optimizer's own and torch's global ones) out of the way for one call."""
+    """The step hooks (the optimizer's own and torch's global ones) out of the way for one call.
+
+    The dicts are replaced by empty ones, never emptied: a partial step may run from inside a hook
+    (a pre-hook that reads a pending weight applies it), while torch or `_run_pre_hooks` iterates
+    the very dict the hook came from. A hook registered meanwhile joins the user's dicts after."""
     owned = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
     shared = (torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
-    saved_shared = [dict(hooks) for hooks in shared]
-    optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-    for hooks in shared:
-        hooks.clear()
+    quiet = [OrderedDict() for _ in range(4)]
+    optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = quiet[0], quiet[1]
+    torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks = quiet[2], quiet[3]
     try:
         yield
     finally:
         optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = owned
-        for hooks, saved in zip(shared, saved_shared):
-            hooks.update(saved)
+        torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks = shared
+        for hooks, added in zip((*owned, *shared), quiet):
+            hooks.update(added)

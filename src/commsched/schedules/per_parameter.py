@@ -1,0 +1,172 @@
+"""Which optimizers may be stepped on part of their parameters at a time, and the proof for one a user declares.
+
+DeAR applies a step's update bucket by bucket, as each bucket's all-gather lands in the next
+forward. That is the step a single `optimizer.step()` would take only if the optimizer computes
+each parameter's update from that parameter's gradient and state and the group's hyper-parameters
+alone. torch's element-wise optimizers do. Others do not: Prodigy and D-Adaptation sum over every
+parameter of a group inside `step()` (their `d` estimate), schedule-free keeps group-level weights
+and counters, LAMB and LARS take norms over the whole step. Those are stepped whole instead, once
+every all-gather of the step has landed: still exact, with less of the all-gathers hidden.
+
+The rule is by class, exactly (a subclass may override `step`): the classes below, whose rules were
+checked here by `check_splits_exactly`, and the classes a user declares (`DeAROptions.per_parameter`),
+checked the same way before their first split step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from commsched.errors import CommSchedConfigError
+
+KNOWN_PER_PARAMETER = frozenset({
+    *(f"torch.optim.{module}.{name}" for module, name in (
+        ("sgd", "SGD"), ("adam", "Adam"), ("adamw", "AdamW"), ("rmsprop", "RMSprop"), ("adagrad", "Adagrad"),
+        ("adamax", "Adamax"), ("nadam", "NAdam"), ("radam", "RAdam"), ("asgd", "ASGD"), ("adadelta", "Adadelta"),
+        ("rprop", "Rprop"))),
+    "lion_pytorch.lion_pytorch.Lion",  # lion-pytorch: sign of an interpolated momentum, element-wise
+})
+"""Qualified class names (`module.Class`) of optimizers whose step is a function of each parameter alone."""
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """How DeAR steps one optimizer: `split` (bucket by bucket as the all-gathers land) or whole."""
+
+    split: bool
+    why: str
+
+    def describe(self, optimizer: Optimizer) -> str:
+        name = type(optimizer).__name__
+        if self.split:
+            return f"the optimizer ({name}) steps bucket by bucket as the all-gathers land: {self.why}"
+        return (f"the optimizer ({name}) steps whole once every all-gather of the step has landed: {self.why}; "
+                "DeAROptions(per_parameter=[...]) declares a class whose step treats each parameter alone")
+
+
+def resolve(declared: Iterable[Any]) -> list[type]:
+    """The classes `DeAROptions.per_parameter` names (classes, or `module.Class` strings imported now)."""
+    classes = []
+    for entry in declared:
+        if isinstance(entry, type):
+            classes.append(entry)
+            continue
+        module, _, name = str(entry).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise CommSchedConfigError(f"dear.per_parameter: {entry!r} is not an importable class ({error}); give "
+                                       "'package.module.Class' or the class itself") from None
+        if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+            raise CommSchedConfigError(f"dear.per_parameter: {entry!r} is not a torch.optim.Optimizer subclass")
+        classes.append(cls)
+    return classes
+
+
+def step_mode(optimizer: Optimizer, declared: Sequence[type]) -> StepMode:
+    """Split only for a class known to step each parameter alone, or declared so and checked here."""
+    cls = type(optimizer)
+    name = qualified_name(cls)
+    if name in KNOWN_PER_PARAMETER:
+        return StepMode(True, f"{name} steps each parameter alone")
+    if cls in declared:
+        check_splits_exactly(cls, optimizer.param_groups)
+        return StepMode(True, f"{name} is declared per-parameter (DeAROptions.per_parameter) and a split step on "
+                              "random tensors equalled a whole one")
+    return StepMode(False, f"{name} is not known to step each parameter alone (its step may read the whole group)")
+
+
+def check_splits_exactly(cls: type, groups: list[dict[str, Any]], steps: int = 3) -> None:
+    """Two copies of `cls` on the same random tensors, with the user's group settings: one stepped
+    whole, one in two parts with the group's settings put back in between, as DeAR steps; refused
+    unless they agree (values and state, 1e-6) and the split step wrote nothing into its groups."""
+    generator = torch.Generator().manual_seed(0)  # the run's own random streams stay untouched
+    shapes = [(3, 4), (5,), (2, 3), (4,)]
+    values = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(steps)]
+    settings = {k: v for k, v in groups[0].items() if k != "params"}
+
+    def build() -> tuple[Optimizer, list[torch.nn.Parameter]]:
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        accepted = inspect.signature(cls.__init__).parameters
+        try:
+            optimizer = cls(params, **{k: v for k, v in settings.items() if k in accepted})
+        except Exception as error:  # noqa: BLE001 - the user's class: any failure means it cannot be checked
+            raise CommSchedConfigError(f"dear.per_parameter: {qualified_name(cls)} could not be built on test tensors to "
+                                       f"check that it steps each parameter alone ({error})") from None
+        optimizer.param_groups[0].update(settings)
+        return optimizer, params
+
+    whole, whole_params = build()
+    split, split_params = build()
+    for step_grads in grads:
+        for p, q, g in zip(whole_params, split_params, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        try:
+            whole.step()
+            written = set().union(*(_step_part(split, part, settings) for part in (split_params[:2], split_params[2:])))
+        except Exception as error:  # noqa: BLE001 - the user's class
+            raise CommSchedConfigError(f"dear.per_parameter: {qualified_name(cls)} failed to step on test tensors while "
+                                       f"checking that it steps each parameter alone ({error})") from None
+        if written:
+            _refuse(cls, f"its step wrote {sorted(written)} into the param group (group-level state)")
+    for p, q in zip(whole_params, split_params):
+        if not torch.allclose(p, q, rtol=1e-6, atol=1e-6):
+            _refuse(cls, f"a split step moved a parameter {float((p - q).abs().max()):.2e} away from a whole step")
+        for key, value in whole.state[p].items():
+            other = split.state[q].get(key)
+            if isinstance(value, torch.Tensor) and not (isinstance(other, torch.Tensor) and torch.allclose(value, other, rtol=1e-6, atol=1e-6)):
+                _refuse(cls, f"its state {key!r} differs after a split step")
+
+
+def _step_part(optimizer: Optimizer, part: list[torch.nn.Parameter], settings: dict[str, Any]) -> set[str]:
+    group = optimizer.param_groups[0]
+    everything = group["params"]
+    group["params"] = part
+    try:
+        optimizer.step()
+    finally:
+        group["params"] = everything
+    written = {k for k, v in settings.items() if group[k] is not v}
+    group.update(settings)
+    return written
+
+
+def _refuse(cls: type, why: str) -> None:
+    raise CommSchedConfigError(f"dear.per_parameter: {qualified_name(cls)} does not step each parameter alone: {why}. "
+                               "Remove it from DeAROptions.per_parameter: DeAR then steps it whole, exactly")
+
+
+HyperParams = list[dict[str, Any]]
+
+
+def step_with(optimizer: Optimizer, hyper: HyperParams, step: Callable[[], Any]) -> set[str]:
+    """Run `step` with each group's hyper-parameters as `hyper` holds them (taken when the step was due;
+    a scheduler may have moved them since). Afterwards a key the step left alone gets back its value
+    of now; a key the step wrote (group-level state: Prodigy's `d`, schedule-free's `k`) keeps what
+    the step wrote. Returns the keys the step wrote."""
+    groups = optimizer.param_groups
+    now = [{k: g[k] for k in hp} for g, hp in zip(groups, hyper)]
+    for g, hp in zip(groups, hyper):
+        g.update(hp)
+    written: set[str] = set()
+    try:
+        step()
+    finally:
+        for g, hp, values in zip(groups, hyper, now):
+            for k, v in values.items():
+                if g[k] is hp[k]:
+                    g[k] = v
+                else:
+                    written.add(k)
+    return written
