@@ -27,26 +27,50 @@ def one_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-class HeldOpen(threading.Event):
-    """Holds the issuer between chaining the continuations it was given and saying 'issued'."""
+class AsksWhileIssuing(threading.Event):
+    """The issuer's `set()` (inside `issued()`, after it chained what was asked before): from there,
+    another thread asks for a continuation, and `set()` goes on only once that call returned or
+    half a second passed. Without the lock the call returns at once and finds the collective not yet
+    issued, every time; with it, the call waits for `issued()` to finish."""
+
+    def __init__(self, pending: Pending, ran: list[str]) -> None:
+        super().__init__()
+        self.asker = threading.Thread(target=lambda: pending.then(lambda: ran.append("local sum")))
 
     def set(self) -> None:
-        time.sleep(0.3)
+        self.asker.start()
+        self.asker.join(timeout=0.5)
         super().set()
 
 
 def test_a_continuation_asked_for_while_the_issuer_finishes_is_not_lost(one_process_group):
     pending = Pending("all_reduce of a test tensor")
-    pending._issued = HeldOpen()
-    work = dist.all_reduce(torch.ones(3), async_op=True)
-    issuer = threading.Thread(target=pending.issued, args=(work,))
-    issuer.start()
-    time.sleep(0.1)  # the issuer has chained nothing (nothing was asked) and is inside set()
     ran: list[str] = []
-    pending.then(lambda: ran.append("local sum"))
-    issuer.join()
+    pending._issued = asking = AsksWhileIssuing(pending, ran)
+    pending.issued(dist.all_reduce(torch.ones(3), async_op=True))
+    asking.asker.join()
     pending.wait()
     assert ran == ["local sum"]
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["issued-at-once", "queued"])
+def test_a_second_stage_is_not_issued_after_its_first_stage_failed(one_process_group, queued):
+    """On both paths of the issuer: at once (the predecessor already complete) and from its queue."""
+    issuer = Issuer("test", timeout_s=60)
+    first = Pending("first stage")
+    first.failed(PeerFailureError("commsched: the first stage failed"))
+    launched: list[int] = []
+
+    def launch() -> dist.Work:
+        launched.append(1)
+        return dist.all_reduce(torch.ones(1), async_op=True)
+    try:
+        second = issuer.request(Pending("second stage"), launch, after=first, offload=queued)
+        with pytest.raises(PeerFailureError, match="the first stage failed"):
+            second.wait()
+        assert launched == []
+    finally:
+        issuer.stop()
 
 
 def test_continuations_asked_for_at_random_moments_all_run_in_order(one_process_group):

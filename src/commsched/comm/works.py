@@ -190,7 +190,7 @@ class Issuer:
         waits = () if after is None else (after,) if isinstance(after, Pending) else tuple(after)
         with self._lock:
             if not self._queue and not offload and ready is None and all(w.is_completed() for w in waits):
-                self._issue(_Request(pending, launch))
+                self._issue_after(_Request(pending, launch, waits))
                 return pending
             self._enqueue(_Request(pending, launch, waits, ready))
         return pending
@@ -213,6 +213,16 @@ class Issuer:
             self._thread = threading.Thread(target=self._run, name=f"commsched-issue-{self._name}", daemon=True)
             self._thread.start()
         self._wakeup.notify_all()
+
+    def _issue_after(self, request: _Request) -> None:
+        """Issue `request` once its predecessors are done; one that failed fails it instead (a second
+        stage never goes out after its first stage failed), on either path."""
+        try:
+            self._wait_for(request)
+        except BaseException as exc:  # noqa: BLE001 - a failed or hung predecessor
+            request.pending.failed(exc)
+        else:
+            self._issue(request)
 
     @staticmethod
     def _issue(request: _Request) -> None:
