@@ -222,3 +222,21 @@ def describe_corrections(corrections: Corrections, optimizers: Sequence[Optimize
     if others:
         said.append(f"{', '.join(others)}: DGC's corrections apply to torch's SGD (without dampening or maximize) only: error feedback alone")
     return "; ".join(said) if said else "DGC's corrections: no optimizer yet"
+
+
+def export_momentum(optimizer: Optimizer, saved: dict, velocities: dict[int, torch.Tensor], terms: OptimizerTerms) -> dict:
+    """`saved` (the optimizer's `state_dict()`) with each parameter's `momentum_buffer` as torch's SGD holds it
+    under ddp, from `velocities` (by parameter id: every rank's velocity summed, which is the velocity of the
+    averaged gradient, momentum being linear). Under Nesterov the velocity carries the momentum factor once
+    more (`u = m (u + g)` against SGD's `buf = m buf + g`). The SGD here steps with momentum 0 and never reads
+    the buffer: it is written for a run that resumes from the checkpoint with the momentum in the optimizer
+    (Lightning's ddp). The per-parameter dicts are copied, so the optimizer's own state stays as it was."""
+    state = dict(saved["state"])
+    for group, packed in zip(optimizer.param_groups, saved["param_groups"]):
+        for param, index in zip(group["params"], packed["params"]):
+            sgd = terms.of(param)
+            if id(param) not in velocities or not sgd.momentum:
+                continue
+            buffer = velocities[id(param)].view_as(param)
+            state[index] = {**state.get(index, {}), "momentum_buffer": buffer / sgd.momentum if sgd.nesterov else buffer}
+    return {**saved, "state": state}

@@ -3,10 +3,9 @@
 `CommSchedStrategy` subclasses Lightning's `DDPStrategy` for everything DDP already does right
 (launcher, ranks, process group, distributed sampler, `sync_dist` logging) but never builds a
 `DistributedDataParallel`: `self.model` stays the LightningModule and the schedule installs its
-own hooks. The strategy knows *when* things happen in Lightning's loop; the schedule (chosen by
-name from `commsched.schedules.SCHEDULES`) knows *what* to communicate. Customisation comes in as
-options objects (`commsched.options`), the same ones `commsched-train` validates.
-"""
+own hooks. The strategy knows *when* things happen in Lightning's loop; the schedule (chosen by name
+from `commsched.schedules.SCHEDULES`) knows *what* to communicate. Customisation comes in as options
+objects (`commsched.options`), the same ones `commsched-train` validates."""
 
 from __future__ import annotations
 
@@ -315,7 +314,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
         self._flush()
-        return super().optimizer_state(optimizer)
+        saved, owner = super().optimizer_state(optimizer), self._engine.owner or self._engine.finished  # after fit too
+        return owner.optimizer_state(optimizer, saved) if owner and dist.is_initialized() and not self._run_failed() else saved
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

@@ -260,6 +260,12 @@ class Schedule(Generic[SettingsT]):
         line = self.streams.finish() if self.streams is not None else None
         return [line] if line else []
 
+    def optimizer_state(self, optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer's `state_dict()` as a checkpoint holds it (called on every rank, after `flush`):
+        a schedule that keeps part of the optimizer's state itself (DGC's velocities) puts it back
+        where a run under another strategy reads it. Here: as it is."""
+        return saved
+
     def state_dict(self) -> dict[str, Any]:
         """What this schedule keeps across steps (called after `flush`, so nothing is in flight):
         ``{"shared": {...}, "per_rank": {...}}``, the first equal on every rank, the second not

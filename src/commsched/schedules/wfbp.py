@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from commsched.errors import setting
@@ -25,7 +26,7 @@ from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.compression.auto import SparseOrDense, fastest_selection
 from commsched.compression.selections import SELECTIONS, selector
-from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections
+from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections, export_momentum
 from commsched.compression.warmup import SparsityWarmup
 from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.schedules.base import Schedule
@@ -237,16 +238,37 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         step, _ = self.settings.progress()
         return super().settled and (judge is None or not judge.deciding) and not self._warming(step)
 
+    def _corrects(self, optimizer: Any) -> bool:
+        corrections = self.settings.corrections
+        return corrections is not None and corrected(optimizer) and self.settings.compression.method != "none"
+
     @override
     def optimizer_step(self, optimizer: Any, run_step: Callable[[], Any]) -> Any:
         """Under DGC's corrections the exchanged update already moved with momentum and decay: the
-        user's SGD steps with momentum 0 and weight decay 0 (its param groups are as the user set
-        them before and after the step, so schedulers and callbacks see their own values)."""
-        corrections = self.settings.corrections
-        if corrections is None or not corrected(optimizer) or self.settings.compression.method == "none":
+        user's SGD steps with momentum 0 and weight decay 0. Its step hooks run once, around the
+        whole step, and see the param groups as the user set them (as do schedulers and callbacks)."""
+        if not self._corrects(optimizer):
             return run_step()
+        corrections = self.settings.corrections
         zeroed = ("momentum",) * corrections.momentum + ("weight_decay",) * corrections.decay
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs))
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs),
+                                      hooks_once=True)
+
+    @override
+    def optimizer_state(self, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
+        """Under momentum correction the momentum is in the ranks' velocities: summed over the ranks (one
+        all-reduce on the default group, as the checkpoint's gather, which also serves after the fit),
+        they become the checkpoint's `momentum_buffer`s, so a run resumed under ddp keeps its momentum
+        (`export_momentum`)."""
+        corrections = self.settings.corrections
+        if not self._corrects(optimizer) or not corrections.momentum:
+            return saved
+        kept = {name: t for reducer in self.reducers for name, t in reducer.state_dict().get("momentum", {}).items()}
+        params = [(name, p) for bucket in self.plan.buckets for name, p in zip(bucket.names, bucket.params)]
+        flat = torch.cat([kept[name].reshape(-1) if name in kept else p.new_zeros(p.numel()) for name, p in params])
+        dist.all_reduce(flat)
+        summed = {id(p): t for (_, p), t in zip(params, flat.split([p.numel() for _, p in params]))}
+        return export_momentum(optimizer, saved, summed, corrections.terms)
 
     @override
     def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: str) -> None:
