@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import TensorDataset
 
 import commsched
@@ -240,7 +241,14 @@ def fit(out: Path, name: str, world: int) -> None:
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          default_root_dir=out / name, num_sanity_val_steps=0)
     ckpt = str(out / f"{resume_from}-ckpt" / f"epoch=0-step={CASES[resume_from][1]}.ckpt") if resume_from else None
-    trainer.fit(model, ckpt_path=ckpt)
+    hooks: list = []
+    handles = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: record("pre", opt, hooks)),
+               register_optimizer_step_post_hook(lambda opt, args, kwargs: record("post", opt, hooks))] if name == "forced-spike" else []
+    try:
+        trainer.fit(model, ckpt_path=ckpt)
+    finally:
+        for handle in handles:
+            handle.remove()
     result = {
         "initial": initial,
         "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
@@ -255,8 +263,15 @@ def fit(out: Path, name: str, world: int) -> None:
         "optimizer": optimizer,
         "history": history.batches,
         "report": trainer.strategy.last_schedule.report(),
+        "hooks": hooks,
     }
     torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
+
+
+def record(kind: str, optimizer: torch.optim.Optimizer, calls: list) -> None:
+    """What a global step hook sees (forced-spike): the first group's weight decay and the weights."""
+    weights = sum(float(p.detach().double().sum()) for group in optimizer.param_groups for p in group["params"])
+    calls.append((kind, optimizer.param_groups[0]["weight_decay"], weights))
 
 
 def commsched_bucket_count(model: nn.Module) -> int:

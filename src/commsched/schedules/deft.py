@@ -11,9 +11,8 @@ into that generation's own buffers as each bucket fills), which items of which g
 which link in the forward stage (at the start of forward) and in the backward stage (old ones at
 the start of backward, this iteration's as their bucket fills), and which generations step at the
 end of backward: their items are waited for, averaged over their k iterations and handed to the
-user's optimizer as `.grad`. An iteration with nothing to step runs the closure (forward,
-backward, hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer
-steps actually taken.
+user's optimizer as `.grad`. An iteration with nothing to step runs the closure (forward, backward,
+hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer steps taken.
 
 After solving, the iterations may go to an exact schedule on the same buckets (`Handover`, chosen
 by `commsched.deft.predict.choose_schedule`): DeAR when predicted clearly faster (it hides the
@@ -298,7 +297,8 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @override
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         try:
-            return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self._step_due(optimizer, partial(real_step, **kwargs)))
+            step_due = lambda real_step, kwargs: self._step_due(optimizer, partial(real_step, **kwargs))  # noqa: E731
+            return run_with_step_replaced(optimizer, run_step, step_due, hooks_once=True)  # hooks see one whole step
         finally:
             self._end_iteration()
 
