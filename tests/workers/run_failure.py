@@ -4,8 +4,8 @@ Usage: python run_failure.py MODE OUT_DIR   (MODE: manual, lbfgs, plan-mismatch,
 peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR, the run's folder;
 gather-dies, gather-dies-no-rollback: a `Chain` under DeAR whose rank 1 dies between two of step 3's
 all-gathers, so that rank 0 has applied part of that step when the failure reaches it, saved by
-OnExceptionCheckpoint; chain-reference: the same `Chain` under Lightning's ddp for 3 steps, saved as
-OUT_DIR/reference.ckpt)
+OnExceptionCheckpoint; chain-reference: the same `Chain` under Lightning's ddp for 4 steps, saved after 3
+as OUT_DIR/reference.ckpt and after 4 as OUT_DIR/after-forward-4.ckpt)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 import commsched
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from exit_report import report_issuer_threads, watch_workers_slowly  # noqa: E402
@@ -44,11 +44,13 @@ class DiesAtStep3(ToyNet):
 
 class Chain(pl.LightningModule):
     """Three linear layers, one bucket each, nothing touched before the first layer runs: DeAR's next
-    forward applies the buckets one by one, as each layer is about to run."""
+    forward applies the buckets one by one, as each layer is about to run. A BatchNorm without
+    parameters after the first layer updates its statistics in that forward, before the second
+    layer's bucket is needed."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.Tanh(),
+        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.BatchNorm1d(32, affine=False), torch.nn.Tanh(),
                                           torch.nn.Linear(32, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 4, bias=False))
 
     def training_step(self, batch, batch_idx):
@@ -94,8 +96,8 @@ class DiesBetweenGathers(pl.Callback):
 def chain_run(mode: str, out: str) -> None:
     """The `gather-*` modes and their reference."""
     pl.seed_everything(0, verbose=False)
-    if mode == "chain-reference":
-        strategy, callbacks, steps = "ddp", [], 3
+    if mode == "chain-reference":  # the weights after 3 steps; the buffers after the 4th forward, which the failure interrupts
+        strategy, callbacks, steps = "ddp", [ModelCheckpoint(dirpath=out, filename="reference", every_n_train_steps=3)], 4
     else:
         strategy = commsched.DeARStrategy(bucket_cap_mb=1e-4, timeout=timedelta(seconds=15), dear=commsched.DeAROptions(
             fallback="never", rollback=not mode.endswith("no-rollback")))
@@ -106,7 +108,7 @@ def chain_run(mode: str, out: str) -> None:
                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, default_root_dir=out)
     trainer.fit(Chain())
     if mode == "chain-reference":
-        trainer.save_checkpoint(Path(out) / "reference.ckpt")
+        trainer.save_checkpoint(Path(out) / "after-forward-4.ckpt")
     else:
         print("commsched-test: training finished without the expected error")
 

@@ -110,8 +110,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         self.applied: Counter[str] = Counter()
         """Buckets applied, by what brought them: "forward" (the module that needs them is about to run:
         the overlap DeAR is for), "touch", "after_forward", "flush", "unwatchable", "compiled" (before a
-        torch.compile'd forward), "after_failure" (the step completed after the run failed elsewhere);
-        "whole": steps whose gradients were made whole at once."""
+        torch.compile'd forward); "whole": steps whose gradients were made whole at once."""
 
     # ----------------------------------------------------------------- lifecycle
     @override
@@ -126,31 +125,23 @@ class DeARSchedule(Schedule[DeARSettings]):
             if buckets and sub is not module:
                 self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
                 self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
+            buffers = [b for name, b in sub.named_buffers(recurse=False) if name not in sub._non_persistent_buffers_set]
+            if buffers and self._undo is not None:
+                self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_buffers_change, buffers))))
 
     @override
     def after_failure(self) -> Optional[str]:
-        """The step in progress completed where every all-gather landed, otherwise taken back (the
-        copies `DeAROptions.rollback` keeps), so that the weights are those of one step."""
+        """A step still partly on the network is taken back (the copies `DeAROptions.rollback` keeps),
+        so that the weights are those of one step. Taken back on every rank, even where the rest of
+        its all-gathers happen to have landed: whether one has landed yet when the failure is noticed
+        differs from rank to rank, and the surviving ranks must keep the same model."""
         with self.watch.lock:
-            return self._settle_after_failure()
-
-    def _settle_after_failure(self) -> Optional[str]:
-        pending = self._pending
-        if pending is None or not any(pending.waiting) or self._complete(pending):
-            return None
-        self.watch.unmark_all()  # what is left cannot be applied: reading the tensors must not try
-        self._pending = None
-        return taken_back(pending)
-
-    def _complete(self, pending: PendingUpdate) -> bool:
-        """Apply what is left of the step if every remaining all-gather landed intact (never waits)."""
-        if not all(landed(pending.gathers, b) for b, waiting in enumerate(pending.waiting) if waiting):
-            return False
-        try:
-            self.flush("after_failure")
-        except Exception:  # noqa: BLE001 - the optimizer failed here: the step is taken back instead
-            return False
-        return True
+            pending = self._pending
+            if pending is None or not any(pending.waiting):
+                return None
+            self.watch.unmark_all()  # what is left cannot be applied: reading the tensors must not try
+            self._pending = None
+            return taken_back(pending)
 
     @override
     def detach(self) -> None:
@@ -370,6 +361,14 @@ class DeARSchedule(Schedule[DeARSettings]):
                 pending.stepper.step_whole(pending.hyper, pending.step)
             if not any(pending.waiting):
                 self._pending = None
+
+    def _before_buffers_change(self, buffers: list[torch.Tensor], module: nn.Module, args: Any) -> None:
+        """A module with buffers (BatchNorm's statistics) is about to run while a step is partly applied:
+        copies of them, so that a step taken back takes back what this forward changed too."""
+        pending = self._pending
+
+        if pending is not None and pending.undo is not None:
+            pending.undo.keep_buffers(buffers)
 
     def _before_module(self, module_id: int, module: nn.Module, args: Any) -> None:
         if self._pending is not None:

@@ -75,11 +75,14 @@ def landed(gathers: Gathers, b: int) -> bool:
 
 
 def taken_back(pending: PendingUpdate) -> Optional[str]:
-    """A step that cannot complete (some all-gathers failed): taken back where the copies allow, so that
+    """A step still partly on the network when the run failed: taken back where the copies allow, so that
     the weights are those of one step; what the model holds, in a sentence."""
     applied = [b for b, waiting in enumerate(pending.waiting) if not waiting]
-    before = "the weights and optimizer state are those before that step, whole (the step count saved with them includes it)"
+    before = ("the weights, buffers and optimizer state are those before that step, whole (the step count saved with "
+              "them includes it)")
     if not applied:
+        if pending.undo is not None:
+            pending.undo.restore(pending.stepper.optimizer.state)  # buffers the forward since changed
         return f"the last optimizer step's update was not applied (its all-gathers did not complete): {before}"
     if pending.undo is not None and pending.kept.issuperset(applied):
         pending.undo.restore(pending.stepper.optimizer.state)

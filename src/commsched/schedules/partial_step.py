@@ -70,13 +70,17 @@ class SubsetStepper:
 
 
 class StepUndo:
-    """Copies of parameters and their optimizer state taken just before part of a step is applied, so
-    that a step that cannot be completed (its other buckets' all-gathers failed) can be taken back:
-    the model is then the one before the step, whole, rather than a mix of two steps. The copies'
-    memory is allocated once and reused every step (`begin`), so keeping them costs the copy alone."""
+    """Copies taken just before part of a step is applied, so that a step that cannot be completed
+    (its other buckets' all-gathers failed) can be taken back: the parameters and their optimizer
+    state, and the module buffers (BatchNorm's statistics) that the next forward changes while the
+    step is still partly on the network. The model is then the one before the step, whole, rather
+    than a mix of two steps. The copies' memory is allocated once and reused every step (`begin`),
+    so keeping them costs the copy alone. (Group-level optimizer state needs no copy: an optimizer
+    whose step writes any is stepped whole, after every all-gather landed.)"""
 
     def __init__(self) -> None:
         self._saved: list[tuple[nn.Parameter, torch.Tensor, Optional[dict[str, Any]]]] = []
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spare: dict[tuple[int, str], torch.Tensor] = {}
 
     @property
@@ -87,9 +91,10 @@ class StepUndo:
     def begin(self) -> "StepUndo":
         """A new step: nothing kept yet (the memory stays for this step's copies)."""
         self._saved.clear()
+        self._buffers.clear()
         return self
 
-    def _copy(self, p: nn.Parameter, key: str, value: torch.Tensor) -> torch.Tensor:
+    def _copy(self, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
         spare = self._spare.get((id(p), key))
         if spare is None or spare.shape != value.shape or spare.dtype != value.dtype or spare.device != value.device:
             spare = self._spare[(id(p), key)] = torch.empty_like(value, memory_format=torch.preserve_format)
@@ -101,6 +106,12 @@ class StepUndo:
                 if p in state else None
             self._saved.append((p, self._copy(p, "", p), before))
 
+    def keep_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Before a module that may change them runs (once a step each)."""
+        for buffer in buffers:
+            if id(buffer) not in self._buffers:
+                self._buffers[id(buffer)] = (buffer, self._copy(buffer, "buffer", buffer))
+
     def restore(self, state: dict[Any, dict[str, Any]]) -> None:
         with torch.no_grad():
             for p, data, before in self._saved:
@@ -109,5 +120,8 @@ class StepUndo:
                     state.pop(p, None)
                 else:
                     state[p] = before
+            for buffer, data in self._buffers.values():
+                buffer.copy_(data)
         self._saved.clear()
+        self._buffers.clear()
         self._spare.clear()  # the optimizer's state now holds some of them
