@@ -136,11 +136,10 @@ class DeARSchedule(Schedule[DeARSettings]):
         its all-gathers happen to have landed: whether one has landed yet when the failure is noticed
         differs from rank to rank, and the surviving ranks must keep the same model."""
         with self.watch.lock:
-            pending = self._pending
-            if pending is None or not any(pending.waiting):
+            pending, self._pending = self._pending, None  # None once every bucket of the step is applied
+            if pending is None:
                 return None
             self.watch.unmark_all()  # what is left cannot be applied: reading the tensors must not try
-            self._pending = None
             return taken_back(pending)
 
     @override
@@ -337,10 +336,8 @@ class DeARSchedule(Schedule[DeARSettings]):
             if pending is None or not pending.waiting[b]:
                 return
             split = pending.stepper.mode.split
-            if split:
-                ready = [b] + [c for c, waiting in enumerate(pending.waiting) if waiting and c != b and landed(pending.gathers, c)]
-            else:
-                ready = [c for c, waiting in enumerate(pending.waiting) if waiting]
+            ready = [b] + [c for c, waiting in enumerate(pending.waiting)
+                           if waiting and c != b and (not split or landed(pending.gathers, c))]
             for c in ready if not split else [b]:
                 pending.gathers.wait(c)  # re-raises a failure before anything changes
             for c in ready:
@@ -355,16 +352,13 @@ class DeARSchedule(Schedule[DeARSettings]):
                 self.rollback_peak_bytes = max(self.rollback_peak_bytes, pending.undo.reserved_bytes)
             self.hand_back_gradients(ready)
             self.applied[why] += len(ready)
-            if split:
-                pending.stepper.step_buckets(ready, pending.hyper, pending.step)
-            else:
-                pending.stepper.step_whole(pending.hyper, pending.step)
+            pending.stepper.step_buckets(ready, pending.hyper, pending.step)
             if not any(pending.waiting):
                 self._pending = None
 
     def _before_buffers_change(self, buffers: list[torch.Tensor], module: nn.Module, args: Any) -> None:
         """A module with buffers (BatchNorm's statistics) is about to run while a step is partly applied:
-        copies of them, so that a step taken back takes back what this forward changed too."""
+        copies of them, so that a step taken back takes back what this forward changed."""
         pending = self._pending
 
         if pending is not None and pending.undo is not None:

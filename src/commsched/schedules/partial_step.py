@@ -49,7 +49,11 @@ class SubsetStepper:
 
     def step_buckets(self, buckets: list[int], hyper: HyperParams, step: Callable[[], Any]) -> None:
         """Call `step` (the optimizer's own, unwrapped by us) with only `buckets`' parameters visible:
-        one call for several buckets costs the optimizer's per-call overhead once."""
+        one call for several buckets costs the optimizer's per-call overhead once. An optimizer stepped
+        whole (`mode`) is given every bucket at once, and steps over the user's own param groups."""
+        if not self.mode.split:
+            step_with(self.optimizer, hyper, step)
+            return
         groups = self.optimizer.param_groups
         saved = [g["params"] for g in groups]
         try:
@@ -63,10 +67,6 @@ class SubsetStepper:
             raise ScheduleError(f"commsched dear: {qualified_name(type(self.optimizer))} wrote {sorted(written)} into its param "
                                 "groups while stepping part of its parameters: its step keeps group-level state, so it "
                                 "cannot be stepped bucket by bucket; remove it from DeAROptions.per_parameter")
-
-    def step_whole(self, hyper: HyperParams, step: Callable[[], Any]) -> None:
-        """One call over the user's own param groups, as `optimizer.step()` at step time."""
-        step_with(self.optimizer, hyper, step)
 
 
 class StepUndo:
