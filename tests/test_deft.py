@@ -96,11 +96,14 @@ def test_spike_compensated_delays_equal_a_single_process_replay(deft_runs):
 def test_step_hooks_see_the_users_settings_and_the_compensated_step_whole(deft_runs):
     """Spike compensation steps the SGD with gradients and decay scaled by m^D, then adds the share the
     late gradients missed: torch's global step hooks see neither, as under ddp they see one step. A
-    pre-hook reads the decay the user set; a post-hook reads the weights the next pre-hook finds."""
+    pre-hook reads the decay the user set; a post-hook reads the weights the next pre-hook finds. The
+    generations still in flight when training ends are drained as steps of their own, hooks around each:
+    the last post-hook reads the final weights."""
     result = deft_runs("forced-spike")
     pre = [call for call in result["hooks"] if call[0] == "pre"]
     post = [call for call in result["hooks"] if call[0] == "post"]
-    assert len(pre) == len(post) == result["steps"]
+    assert len(pre) == len(post) > result["steps"]
+    assert post[-1][2] == pytest.approx(sum(float(v.double().sum()) for v in result["state"].values()), abs=1e-6)
     assert {decay for _, decay, _ in pre + post} == {0.05}
     for i, (after, next_before) in enumerate(zip(post, pre[1:])):
         assert after[2] == pytest.approx(next_before[2], abs=1e-6), f"step {i}: the post-hook saw weights before the step was whole"

@@ -15,6 +15,7 @@ from prodigyopt import Prodigy
 from schedulefree import SGDScheduleFree
 
 from commsched.errors import CommSchedConfigError
+from commsched.schedules.partial_step import snapshot_hyperparams
 from commsched.schedules.per_parameter import (KNOWN_PER_PARAMETER, check_splits_exactly, resolve, step_mode, step_with)
 
 
@@ -67,8 +68,8 @@ def test_a_declared_name_must_be_an_optimizer_class():
 def test_a_deferred_step_uses_its_own_hyperparameters_and_keeps_what_it_wrote():
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=0.5)
-    optimizer.param_groups[0]["d"] = 1.0
-    hyper = [{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}]
+    optimizer.param_groups[0].update(d=1.0, count=torch.zeros(()), scale=torch.ones(()))
+    hyper = snapshot_hyperparams(optimizer)  # as DeAR takes it when the step is due (tensors cloned)
     optimizer.param_groups[0]["lr"] = 0.25  # a scheduler stepped after the step was due
     seen = []
 
@@ -76,6 +77,9 @@ def test_a_deferred_step_uses_its_own_hyperparameters_and_keeps_what_it_wrote():
         group = optimizer.param_groups[0]
         seen.append(group["lr"])
         group["d"] = group["d"] * 2  # group-level state, as Prodigy's d
+        group["count"].add_(1)  # group-level state changed in place
     written = step_with(optimizer, hyper, step)
-    assert seen == [0.5] and written == {"d"}
-    assert optimizer.param_groups[0]["lr"] == 0.25 and optimizer.param_groups[0]["d"] == 2.0
+    assert seen == [0.5] and written == {"d", "count"}
+    group = optimizer.param_groups[0]
+    assert group["lr"] == 0.25 and group["d"] == 2.0 and float(group["count"]) == 1.0
+    assert float(group["scale"]) == 1.0 and group["scale"] is not hyper[0]["scale"]  # untouched: the run's own tensor back

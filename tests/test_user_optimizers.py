@@ -11,7 +11,7 @@ import torch
 
 from conftest import max_abs_diff, run_worker
 
-SCHEDULES = ["wfbp", "dear", "deft"]
+SCHEDULES = ["wfbp", "dear", "deft", "streams", "topk"]
 OPTIMIZERS = ["prodigy", "dadapt", "schedulefree", "lion", "hooks2", "hooks3"]
 
 

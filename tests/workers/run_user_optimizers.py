@@ -2,7 +2,7 @@
 
 Usage: python run_user_optimizers.py OUT_DIR CASE [CASE ...]   (a case: SCHEDULE-OPTIMIZER)
 
-SCHEDULE: ddp, wfbp, dear, deft. OPTIMIZER: prodigy (prodigyopt), dadapt (dadaptation's DAdaptAdam),
+SCHEDULE: ddp, wfbp, dear, deft, streams (wfbp on 2 streams), topk (at a density that sends everything). OPTIMIZER: prodigy (prodigyopt), dadapt (dadaptation's DAdaptAdam),
 schedulefree (schedulefree's SGDScheduleFree, with `train()`/`eval()` called from the LightningModule's
 hooks as its README shows, a validation every 5 steps), lion (lion-pytorch), hooks2 and hooks3 (torch's
 SGD with two or three of torch's global step pre-hooks that read a weight).
@@ -94,6 +94,11 @@ def strategy_for(schedule: str):
         return commsched.DeARStrategy(bucket_cap_mb=TINY_BUCKETS_MB, dear=commsched.DeAROptions(fallback="never"))
     if schedule == "wfbp":
         return commsched.WFBPStrategy(bucket_cap_mb=TINY_BUCKETS_MB)
+    if schedule == "streams":
+        return commsched.WFBPStrategy(bucket_cap_mb=TINY_BUCKETS_MB, streams=2)
+    if schedule == "topk":  # density 1/2 on 2 processes sends everything: exact, with DGC's corrections under SGD
+        return commsched.WFBPStrategy(bucket_cap_mb=TINY_BUCKETS_MB, compression=commsched.CompressionOptions(
+            method="topk", density=0.5, sparsity_warmup_steps=0))
     if schedule == "deft":
         return commsched.DeFTStrategy(bucket_cap_mb=TINY_BUCKETS_MB,
                                       deft=commsched.DeFTOptions(warmup_steps=1, measure_steps=1, cost_repeats=1))

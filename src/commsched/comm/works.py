@@ -141,6 +141,19 @@ class Pending:
             if self._clock is not None:
                 self._clock.seconds += time.perf_counter() - started
 
+    def failure(self) -> Optional[BaseException]:
+        """A completed request's error, if it failed (never waits, syncs or counts as waiting)."""
+        if self._error is not None:
+            return self._error
+        done = self._future if self._future is not None else self._work.get_future() if self._work is not None else None
+        if done is None or not done.done():
+            return None
+        try:
+            done.value()
+        except Exception as exc:  # noqa: BLE001 - the collective's or a continuation's error
+            return exc
+        return None
+
     def is_completed(self) -> bool:
         if not self._issued.is_set():
             return False
@@ -215,12 +228,11 @@ class Issuer:
         self._wakeup.notify_all()
 
     def _issue_after(self, request: _Request) -> None:
-        """Issue `request` once its predecessors are done; one that failed fails it instead (a second
-        stage never goes out after its first stage failed), on either path."""
-        try:
-            self._wait_for(request)
-        except BaseException as exc:  # noqa: BLE001 - a failed or hung predecessor
-            request.pending.failed(exc)
+        """Issue `request`, whose predecessors are complete; one that failed fails it instead (a second
+        stage never goes out after its first stage failed), as on the queued path."""
+        failed = next((error for error in map(Pending.failure, request.after) if error is not None), None)
+        if failed is not None:
+            request.pending.failed(failed)  # its `wait()` names it, as it names a backend's error
         else:
             self._issue(request)
 

@@ -125,9 +125,8 @@ class DeARSchedule(Schedule[DeARSettings]):
             if buckets and sub is not module:
                 self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
                 self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
-            buffers = [b for name, b in sub.named_buffers(recurse=False) if name not in sub._non_persistent_buffers_set]
-            if buffers and self._undo is not None:
-                self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_buffers_change, buffers))))
+            if self._undo is not None and any(name not in sub._non_persistent_buffers_set for name in sub._buffers):
+                self._handles.append(sub.register_forward_pre_hook(OwnHook(self._before_buffers_change)))
 
     @override
     def after_failure(self) -> Optional[str]:
@@ -204,8 +203,8 @@ class DeARSchedule(Schedule[DeARSettings]):
 
     @override
     def summary(self) -> list[str]:
-        rollback = ([f"copies kept to take a step back on failure: at most {size_text(self.rollback_peak_bytes)} "
-                     "(DeAROptions.rollback)"] if self.rollback_peak_bytes else [])
+        peak = max(self.rollback_peak_bytes, self._undo.reserved_bytes if self._undo is not None else 0)  # buffers too
+        rollback = [f"copies kept to take a step back on failure: at most {size_text(peak)} (DeAROptions.rollback)"] if peak else []
         stepping = [self._stepper.mode.describe(self._stepper.optimizer)] if self._stepper is not None else []
         return ([self._describe_fallback()] if self.settings.fallback is not None else []) + stepping + rollback + super().summary()
 
@@ -295,8 +294,7 @@ class DeARSchedule(Schedule[DeARSettings]):
     @override
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         """Let Lightning run closure, hooks and clipping; the update itself is the schedule's."""
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, partial(real_step, **kwargs)),
-                                      hooks_once=True)
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, partial(real_step, **kwargs)))
 
     def step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         """After the closure: take the step at once (gradients already whole, or the fit's first step)
@@ -356,13 +354,13 @@ class DeARSchedule(Schedule[DeARSettings]):
             if not any(pending.waiting):
                 self._pending = None
 
-    def _before_buffers_change(self, buffers: list[torch.Tensor], module: nn.Module, args: Any) -> None:
-        """A module with buffers (BatchNorm's statistics) is about to run while a step is partly applied:
-        copies of them, so that a step taken back takes back what this forward changed."""
+    def _before_buffers_change(self, module: nn.Module, args: Any) -> None:
+        """A module in training with saved buffers (BatchNorm's statistics) is about to run while a step is
+        partly applied: copies of them, so that a step taken back takes back what this forward changed."""
         pending = self._pending
-
-        if pending is not None and pending.undo is not None:
-            pending.undo.keep_buffers(buffers)
+        if pending is not None and pending.undo is not None and module.training:
+            pending.undo.keep_buffers([b for name, b in module._buffers.items()
+                                       if b is not None and name not in module._non_persistent_buffers_set])
 
     def _before_module(self, module_id: int, module: nn.Module, args: Any) -> None:
         if self._pending is not None:

@@ -44,7 +44,7 @@ from commsched.options import DeFTOptions, StrategyOptions
 from commsched.comm.links import Links
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
-from commsched.schedules.step_control import run_with_step_replaced
+from commsched.schedules.step_control import hooked_step, run_with_step_replaced
 from commsched.sim.network import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
@@ -298,7 +298,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         try:
             step_due = lambda real_step, kwargs: self._step_due(optimizer, partial(real_step, **kwargs))  # noqa: E731
-            return run_with_step_replaced(optimizer, run_step, step_due, hooks_once=True)  # hooks see one whole step
+            return run_with_step_replaced(optimizer, run_step, step_due)
         finally:
             self._end_iteration()
 
@@ -367,11 +367,11 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         if optimizer is None or not self._in_flight:
             self.flush()
             return
-        real_step = self._stepper[1] if self._stepper is not None else optimizer.step
         for number in self._in_flight.in_order():
             self._in_flight.send_the_rest(number, self.deft_plan.items, self._links[0])
             self._in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
-            self._apply(optimizer, real_step, number)
+            # a step of its own, outside Lightning's: the user's step hooks run around it
+            hooked_step(optimizer, optimizer.step, {}, lambda quiet_step, kwargs: self._apply(optimizer, partial(quiet_step, **kwargs), number))
             self._in_flight.release(number)
         for p in params_of(optimizer):
             p.grad = None

@@ -15,6 +15,7 @@ checked the same way before their first split step.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -91,21 +92,23 @@ def check_splits_exactly(cls: type, groups: list[dict[str, Any]], steps: int = 3
     whole, one in two parts with the group's settings put back in between, as DeAR steps; refused
     unless they agree (values and state, 1e-6) and the split step wrote nothing into its groups."""
     generator = torch.Generator().manual_seed(0)  # the run's own random streams stay untouched
+    like = groups[0]["params"][0]  # the test tensors live where the run's do (a fused or CUDA-only step)
     shapes = [(3, 4), (5,), (2, 3), (4,)]
-    values = [torch.randn(s, generator=generator) for s in shapes]
-    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(steps)]
-    settings = {k: v for k, v in groups[0].items() if k != "params"}
+    values = [torch.randn(s, generator=generator).to(like.device, like.dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=generator).to(like.device, like.dtype) for s in shapes] for _ in range(steps)]
 
     def build() -> tuple[Optimizer, list[torch.nn.Parameter]]:
         params = [torch.nn.Parameter(v.clone()) for v in values]
         accepted = inspect.signature(cls.__init__).parameters
         try:
-            optimizer = cls(params, **{k: v for k, v in settings.items() if k in accepted})
+            optimizer = cls(params, **{k: v for k, v in copy.deepcopy(settings).items() if k in accepted})
         except Exception as error:  # noqa: BLE001 - the user's class: any failure means it cannot be checked
             raise CommSchedConfigError(f"dear.per_parameter: {qualified_name(cls)} could not be built on test tensors to "
                                        f"check that it steps each parameter alone ({error})") from None
-        optimizer.param_groups[0].update(settings)
+        optimizer.param_groups[0].update(copy.deepcopy(settings))  # the run's own tensors stay untouched
         return optimizer, params
+
+    settings = {k: v for k, v in groups[0].items() if k != "params"}
 
     whole, whole_params = build()
     split, split_params = build()
@@ -130,16 +133,14 @@ def check_splits_exactly(cls: type, groups: list[dict[str, Any]], steps: int = 3
 
 
 def _step_part(optimizer: Optimizer, part: list[torch.nn.Parameter], settings: dict[str, Any]) -> set[str]:
+    """A step of `part` with the group's settings as they were before the first part, as DeAR steps."""
     group = optimizer.param_groups[0]
     everything = group["params"]
     group["params"] = part
     try:
-        optimizer.step()
+        return step_with(optimizer, [copy.deepcopy(settings)], optimizer.step)
     finally:
         group["params"] = everything
-    written = {k for k, v in settings.items() if group[k] is not v}
-    group.update(settings)
-    return written
 
 
 def _refuse(cls: type, why: str) -> None:
@@ -157,15 +158,16 @@ def step_with(optimizer: Optimizer, hyper: HyperParams, step: Callable[[], Any])
     the step wrote. Returns the keys the step wrote."""
     groups = optimizer.param_groups
     now = [{k: g[k] for k in hp} for g, hp in zip(groups, hyper)]
+    versions = [{k: v._version for k, v in hp.items() if isinstance(v, torch.Tensor)} for hp in hyper]
     for g, hp in zip(groups, hyper):
         g.update(hp)
     written: set[str] = set()
     try:
         step()
     finally:
-        for g, hp, values in zip(groups, hyper, now):
+        for g, hp, values, version in zip(groups, hyper, now, versions):
             for k, v in values.items():
-                if g[k] is hp[k]:
+                if g[k] is hp[k] and (k not in version or hp[k]._version == version[k]):  # not replaced, not changed in place
                     g[k] = v
                 else:
                     written.add(k)

@@ -16,34 +16,24 @@ RealStep = Callable[..., Any]
 
 
 def run_with_step_replaced(optimizer: Optimizer, run_step: Callable[[], Any],
-                           instead: Callable[[RealStep, dict[str, Any]], None], hooks_once: bool = False) -> Any:
-    """Run `run_step` with `optimizer.step(closure)` running the closure, then `instead(real_step, kwargs)`.
+                           instead: Callable[[RealStep, dict[str, Any]], None]) -> Any:
+    """Run `run_step` with `optimizer.step(closure)` running the closure, then `instead(quiet_step, kwargs)`.
 
-    `hooks_once`: `instead` may call `real_step` several times, each on part of the parameters (DeAR
-    steps bucket by bucket). The step hooks users register (`register_step_pre_hook`,
-    `register_step_post_hook`, torch's global ones: EMA, schedule-free and logging libraries hook
-    there) then run once per optimizer step, around the whole of it, with the param groups the user
-    built, as under ddp; the partial calls run without them."""
+    The step hooks users register (`register_step_pre_hook`, `register_step_post_hook`, torch's global
+    ones: EMA, schedule-free and logging libraries hook there) run once per optimizer step, around the
+    whole of it (`hooked_step`), with the param groups and hyper-parameters the user set, as under ddp;
+    `quiet_step`, the optimizer's own step without them, may be called any number of times, on part of
+    the parameters (DeAR steps bucket by bucket) or with other values (DGC's zeroed momentum)."""
     real_step = optimizer.step
     had_instance_step = "step" in optimizer.__dict__
-    hooked = hooks_once and hasattr(optimizer, "_optimizer_step_pre_hooks") and hasattr(optimizer, "_optimizer_step_post_hooks")
-
-    def quiet_step(**kwargs: Any) -> Any:
-        with _hooks_silenced(optimizer):
-            return real_step(**kwargs)
 
     def replaced(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-        if not hooked:
+        def body(quiet_step: RealStep, kwargs: dict[str, Any]) -> Any:
+            closure = kwargs.get("closure")
             loss = closure() if closure is not None else None
-            instead(real_step, kwargs)
+            instead(quiet_step, {k: v for k, v in kwargs.items() if k != "closure"})
             return loss
-        args, kwargs = _run_pre_hooks(optimizer, {"closure": closure, **kwargs})
-        closure = kwargs.pop("closure", None)
-        loss = closure() if closure is not None else None
-        instead(quiet_step, kwargs)
-        for hook in chain(optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()):
-            hook(optimizer, args, {"closure": closure, **kwargs})
-        return loss
+        return hooked_step(optimizer, real_step, {"closure": closure, **kwargs}, body)
 
     optimizer.step = replaced  # type: ignore[method-assign]
     try:
@@ -53,6 +43,21 @@ def run_with_step_replaced(optimizer: Optimizer, run_step: Callable[[], Any],
             optimizer.step = real_step  # type: ignore[method-assign]
         else:
             del optimizer.step
+
+
+def hooked_step(optimizer: Optimizer, real_step: RealStep, kwargs: dict[str, Any],
+                body: Callable[[RealStep, dict[str, Any]], Any]) -> Any:
+    """One optimizer step as torch's own runs it: the pre-hooks (which may give new kwargs), then
+    `body(quiet_step, kwargs)` in place of the step, then the post-hooks."""
+    args, kwargs = _run_pre_hooks(optimizer, kwargs)
+
+    def quiet_step(**step_kwargs: Any) -> Any:
+        with _hooks_silenced(optimizer):
+            return real_step(**step_kwargs)
+    result = body(quiet_step, kwargs)
+    for hook in chain(optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()):
+        hook(optimizer, args, kwargs)
+    return result
 
 
 def _run_pre_hooks(optimizer: Optimizer, kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -251,8 +251,7 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             return run_step()
         corrections = self.settings.corrections
         zeroed = ("momentum",) * corrections.momentum + ("weight_decay",) * corrections.decay
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs),
-                                      hooks_once=True)
+        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs))
 
     @override
     def optimizer_state(self, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
