@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from commsched.interleaved import MIN_MARGIN, Turns, decide, relative_spread
+from commsched.interleaved import (BUDGET_FACTOR, MIN_MARGIN, MODEL_MARGIN, Comparison, Rechecks, Turns, Verdict, decide, favoured,
+                                  relative_spread)
 
 
 def run_turns(turns: Turns, step_s: list[float]) -> list[int]:
@@ -63,3 +64,93 @@ def test_a_quiet_machine_still_needs_the_minimum_margin():
     verdict = decide([[1.0] * 5, [1.0 - MIN_MARGIN / 2] * 5])
     assert verdict.margin == MIN_MARGIN and verdict.keep == 0
     assert decide([[1.0] * 5, [0.9] * 5, [0.95] * 5]).keep == 1  # the fastest candidate, when it clears the margin
+
+
+# ------------------------------------------------------------------ the model and the measurement together
+def test_the_arm_the_model_favours_is_kept_unless_the_steps_contradict_it_beyond_their_noise():
+    rng = random.Random(2)
+    noisy = lambda mean, n: [mean * (1 + rng.gauss(0, 0.1)) for _ in range(n)]  # 10% noise: a margin near 12%
+    leaning = decide([noisy(1.0, 9), noisy(1.03, 9)], predicted=[1.18, 1.0])  # model: the candidate, 18% faster
+    assert leaning.favoured == 1 and leaning.keep == 1  # 3% the other way is inside the noise: the model's arm
+    clear = decide([[1.0] * 9, [1.3] * 9], predicted=[1.18, 1.0])
+    assert clear.keep == 0 and clear.resolved  # 30% slower on a quiet machine: the measurement overrules
+    assert "overruled" in clear.describe(["wfbp", "dear"])
+
+
+def test_a_prediction_within_the_models_margin_favours_the_default():
+    assert favoured([1.0, 1.0 - MODEL_MARGIN / 2]) == 0
+    assert favoured([1.0, 0.9]) == 1
+    assert favoured(None) == 0 and favoured([1.0, float("nan")]) == 0
+    # no clear prediction: the candidate needs the measurement beyond the noise, as without a model
+    assert decide([[1.0] * 9, [0.995] * 9], predicted=[1.0, 0.99]).keep == 0
+
+
+def test_steps_that_lean_against_the_model_within_the_noise_are_not_resolved():
+    verdict = decide([[1.0, 1.1, 0.9] * 3, [1.03, 1.13, 0.93] * 3], predicted=[1.0, 0.8])  # 3% slower, 10% spread
+    assert verdict.favoured == 1 and verdict.keep == 1 and not verdict.resolved
+    agree = decide([[1.0, 1.1, 0.9] * 3, [0.8, 0.88, 0.72] * 3], predicted=[1.0, 0.8])
+    assert agree.resolved and agree.keep == 1 and "confirmed" in agree.describe(["a", "b"])
+
+
+def test_added_rounds_continue_the_turns_where_they_ended():
+    turns = Turns(arms=2, steps_per_turn=2, rounds=1)
+    ran = run_turns(turns, [0.1, 0.2])
+    assert ran == [0, 0, 0, 1, 1, 1]
+    turns.add_rounds(1)
+    now, arm, more = 10.0, ran[-1], []
+    while True:
+        switch = turns.at_boundary(now)
+        arm = switch if switch is not None else arm
+        if turns.done:
+            break
+        more.append(arm)
+        now += [0.1, 0.2][arm]
+    assert more == [0, 0, 0, 1, 1, 1] and turns.rounds == 2
+    assert turns.samples() == [pytest.approx([0.1] * 4), pytest.approx([0.2] * 4)]  # switch steps left out
+
+
+def drive(comparison: Comparison, step_s, control, limit: int = 400) -> tuple[Verdict, int]:
+    """Steps of each arm take `step_s(arm, i)`; returns the verdict and the steps it took."""
+    now, arm, i = 0.0, 0, 0
+    while i < limit:
+        switch = comparison.at_boundary(now)
+        arm = switch if switch is not None else arm
+        if comparison.done:
+            verdict = comparison.conclude(control)
+            if verdict is not None:
+                return verdict, i
+            continue
+        now += step_s(arm, i)
+        i += 1
+    raise AssertionError("the comparison never ended")
+
+
+def test_agreement_is_quick_and_disagreement_takes_more_turns_up_to_the_budget(one_process_link):
+    quick, steps = drive(Comparison(2, 3, 3, predicted=[1.0, 0.8]), lambda arm, i: [1.0, 0.8][arm] * (1 + 0.05 * (i % 3 - 1)),
+                         one_process_link)
+    assert quick.keep == 1 and quick.resolved and steps == 3 * 2 * 4  # the first rounds only
+    # the candidate measures 2% slower under 10% noise: never beyond the noise, so the budget is spent
+    noisy = lambda arm, i: [1.0, 1.02][arm] * (1 + 0.1 * ((i * 7919) % 5 - 2) / 2)
+    slow, steps = drive(Comparison(2, 3, 3, predicted=[1.0, 0.8]), noisy, one_process_link)
+    assert not slow.resolved and slow.keep == 1 and steps == 3 * BUDGET_FACTOR * 2 * 4
+
+
+@pytest.fixture
+def one_process_link(tmp_path):
+    """A real gloo group of one process and a commsched link on it: `slowest_rank` runs its all-reduce."""
+    import torch.distributed as dist
+
+    from commsched.comm.links import Link
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield Link("control", None)
+    dist.destroy_process_group()
+
+
+def test_a_kept_choice_is_checked_again_later_on_longer_turns():
+    checks = Rechecks(((5, 3), (12, 6)))
+    factors = [checks.due() for _ in range(20)]
+    assert [i + 1 for i, f in enumerate(factors) if f] == [5, 12] and [f for f in factors if f] == [3, 6]
+    assert checks.done == 2

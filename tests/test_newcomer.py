@@ -14,7 +14,9 @@ import torch
 
 from conftest import WORKERS, max_abs_diff
 
-STRATEGIES = ("ddp", "dear", "wfbp", "deft", "dear-planned")
+STRATEGIES = ("ddp", "dear", "wfbp", "deft", "dear-planned", "dear-quiet")
+QUIET = ("dear-quiet",)
+"""Fit with logger=False and enable_checkpointing=False: no run folder, so nothing may be written."""
 ONE_PROCESS_ONLY = ("topk",)
 """One process has nothing to exchange: top-k is off there, and the model is ddp's."""
 
@@ -43,7 +45,7 @@ def test_nothing_lands_in_the_working_directory(newcomer):
     cwd, _, strategies = newcomer
     assert sorted(p.name for p in cwd.iterdir()) == sorted(["lightning_logs", *(f"final-{s}.pt" for s in strategies)])
     versions = sorted((cwd / "lightning_logs").iterdir(), key=lambda p: int(p.name.split("_")[1]))
-    assert len(versions) == len(strategies)  # one run folder per fit; the commsched files are inside them
+    assert len(versions) == len(strategies) - len(QUIET)  # one run folder per fit with a logger; the commsched files are inside
     planned = versions[strategies.index("dear-planned")]
     assert (planned / "commsched_plan.json").is_file() and (planned / "commsched_profile" / "profile.json").is_file()
     assert not any(p.name.startswith(".partial") for p in planned.rglob("*"))
@@ -57,3 +59,4 @@ def test_each_fit_ends_with_a_summary_of_what_commsched_did(newcomer):
         assert any("a median step of" in line and "the training loop waited" in line for line in lines), output[-4000:]
         assert any("continue with: trainer.fit(model, ckpt_path=" in line for line in lines), output[-4000:]
     assert "commsched dear: files in " in output and "commsched_plan.json, commsched_profile/profile.json" in output
+    assert "not saved: the run has no folder (no logger, no checkpoints)" in output  # the quiet fit still says what it decided

@@ -1,16 +1,25 @@
-"""Choosing between configurations on real training steps, robust to a noisy machine.
+"""Choosing between configurations: the run's model predicts, real training steps confirm.
 
-Every automatic choice commsched makes (planned buckets or fixed ones, sparse or dense exchanges,
-several streams or one, DeFT's plan or an exact schedule) is a claim that one configuration runs
-faster than the simple default. Measured once each, one after the other, a drift in the machine
-(another job, a throttled core, the data loader warming its cache) reads as a difference between
-them: Horovod's autotune picks the best of noisy samples and users report 7% spreads between
-near-identical settings. So the arms take turns (A B A B ...), the first step after each switch is
-left out (it pays for the switch), every rank's step times are combined as the slowest rank's
-(a step is as slow as its slowest rank) so that all ranks reach the same verdict, and a candidate
-replaces the default only if it beats it by more than the noise measured in these very steps:
-two standard errors of the difference of the medians, from the steps' own spread. Ties go to the
-default, the simpler configuration.
+Every automatic choice commsched makes (planned buckets or fixed ones, DeAR or WFBP, sparse or
+dense exchanges, several streams or one, DeFT's plan or an exact schedule) is a claim that one
+configuration runs faster than the simple default. Two sources speak to it:
+
+- the model: the step each arm allows for the compute and communication the profiler measured
+  (a bound or a replayed timeline). It is steady, but leaves out what a real step holds (data
+  loading, callbacks, the optimizer, contention);
+- the measurement: the arms take turns on real steps (A B A B ...), the first step after each
+  switch left out (it pays for the switch), every step timed as the slowest rank measured it, so
+  that all ranks reach the same verdict. It is real, but noisy: a machine's steps vary by 5-10%,
+  and a drift (another job, a throttled core) would read as a difference if the arms ran one
+  after the other.
+
+So the arm the model favours (the default, the simpler arm, when the model predicts no clear
+gain or has nothing to say) is kept unless the measurement contradicts it beyond the noise of
+those very steps: two standard errors of the difference of the medians, from the steps' own
+spread. Where the two agree the choice is quick; where the measurement leans the other way
+within the noise, more turns are taken until the difference is resolved or a budget is spent.
+A choice is checked again later on many more steps (`RECHECK_AFTER`), so that an early verdict
+on a noisy moment is corrected at a cost far below 1% of the run.
 """
 
 from __future__ import annotations
@@ -19,29 +28,67 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 MIN_MARGIN = 0.01
-"""A candidate must win by at least 1% even on a perfectly quiet machine: less is not worth a change."""
+"""A measurement overrules the model only by at least 1%, even on a perfectly quiet machine."""
+MODEL_MARGIN = 0.03
+"""The model favours a candidate only when it predicts it at least 3% faster than the default:
+less is inside what the model leaves out, and the default (the simpler arm) is kept."""
 MEDIAN_EFFICIENCY = 1.2533
 """Standard error of a median over that of a mean, for normal noise (sqrt(pi / 2))."""
+EXTRA_ROUNDS = 2
+"""Turns each arm takes again when the measurement leans against the model within the noise."""
+BUDGET_FACTOR = 3
+"""The rounds a comparison may grow to, as a multiple of its first rounds (unless told otherwise)."""
+RECHECK_AFTER = ((500, 3), (5000, 6))
+"""(iterations after the first verdict, how many times longer each turn is) of the later checks:
+at 500 iterations with 3 x 3 steps a turn, the other arm runs about 30 steps (0.6% of the run if it
+is 10% slower); at 5,000 with 6 x 3, about 57 (0.1%)."""
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the measured steps say: `keep` is the index of the arm kept (0: the default)."""
+    """What the model and the measured steps say: `keep` is the index of the arm kept (0: the default)."""
 
     keep: int
     medians_s: list[float]
     margin: float
-    """The relative gain a candidate needed (from the spread of the steps, at least `MIN_MARGIN`)."""
+    """The relative difference the measurement needed to overrule the model (from the spread of the steps, at least `MIN_MARGIN`)."""
     steps: int
     """Training steps the comparison took, switches included."""
+    predicted_s: Optional[list[float]] = None
+    """The model's step for each arm (None: no model for this choice)."""
+    favoured: int = 0
+    """The arm the model favours (0 when it predicts no clear gain, or has nothing to say)."""
+    resolved: bool = True
+    """False when the measured fastest arm is not the favoured one but not beyond the noise: more turns would tell."""
 
     @property
     def gain(self) -> float:
         """How much faster the kept arm ran than the default (1.0 when the default is kept)."""
         return self.medians_s[0] / self.medians_s[self.keep]
+
+    def describe(self, names: Sequence[str]) -> str:
+        """Predicted, measured and chosen, in one sentence: e.g. "predicted dear 411 ms/step and
+        wfbp 486; measured dear 420 and wfbp 471 (noise margin 4%, 64 steps): dear kept"."""
+        order = sorted(range(len(names)), key=lambda arm: arm != self.keep)
+        if self.predicted_s is not None:
+            predicted = "predicted " + " and ".join(
+                f"{names[a]} {self.predicted_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}" for i, a in enumerate(order)) + "; "
+        else:
+            predicted = "no model; "
+        measured = "measured " + " and ".join(
+            f"{names[a]} {self.medians_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}" for i, a in enumerate(order))
+        if self.keep != self.favoured:
+            why = f"the measurement overruled the model's {names[self.favoured]}"
+        elif not self.resolved:
+            why = "within the noise after the budget of turns: the model's choice"
+        elif self.predicted_s is not None and self.favoured != 0:
+            why = "the model's choice, confirmed"
+        else:
+            why = "the default, confirmed" if self.keep == 0 else "confirmed"
+        return f"{predicted}{measured} (noise margin {self.margin:.0%}, {self.steps} steps): {names[self.keep]} kept, {why}"
 
 
 def relative_spread(samples: Sequence[Sequence[float]]) -> float:
@@ -51,18 +98,31 @@ def relative_spread(samples: Sequence[Sequence[float]]) -> float:
     return 1.4826 * statistics.median(deviations) if deviations else 0.0
 
 
-def decide(samples: Sequence[Sequence[float]], steps: int = 0, min_margin: float = MIN_MARGIN) -> Verdict:
-    """Arm 0 is the default. The fastest other arm is kept only if its median step is faster than
-    the default's by more than `margin`: two standard errors of the relative difference of two
-    medians of n steps each (2 x 1.2533 x sqrt(2 / n) x the steps' relative spread)."""
+def favoured(predicted: Optional[Sequence[float]], min_gain: float = MODEL_MARGIN) -> int:
+    """The arm the model favours: its fastest, if predicted faster than the default by more than `min_gain`, else the default."""
+    if predicted is None or len(predicted) < 2 or not all(math.isfinite(p) and p > 0 for p in predicted):
+        return 0
+    best = min(range(len(predicted)), key=predicted.__getitem__)
+    return best if predicted[best] < predicted[0] * (1.0 - min_gain) else 0
+
+
+def decide(samples: Sequence[Sequence[float]], steps: int = 0, predicted: Optional[Sequence[float]] = None,
+           min_margin: float = MIN_MARGIN) -> Verdict:
+    """Arm 0 is the default. The arm the model favours (`favoured`) is kept unless another arm's median
+    step is faster than its own by more than `margin`: two standard errors of the relative difference
+    of two medians of n steps each (2 x 1.2533 x sqrt(2 / n) x the steps' relative spread)."""
     if len(samples) < 2 or any(not arm for arm in samples):
         raise ValueError("every arm needs at least one timed step")
+    if predicted is not None and len(predicted) != len(samples):
+        raise ValueError("one prediction per arm")
     medians = [statistics.median(arm) for arm in samples]
     n = min(len(arm) for arm in samples)
     margin = max(min_margin, 2.0 * MEDIAN_EFFICIENCY * math.sqrt(2.0 / n) * relative_spread(samples))
-    best = min(range(1, len(samples)), key=medians.__getitem__)
-    keep = best if medians[best] < medians[0] * (1.0 - margin) else 0
-    return Verdict(keep, medians, margin, steps)
+    prior = favoured(predicted)
+    best = min(range(len(samples)), key=lambda arm: (medians[arm], arm != prior))
+    overruled = best != prior and medians[best] < medians[prior] * (1.0 - margin)
+    return Verdict(best if overruled else prior, medians, margin, steps, list(predicted) if predicted is not None else None,
+                   prior, resolved=overruled or best == prior)
 
 
 @dataclass
@@ -117,6 +177,15 @@ class Turns:
             return None
         return self._order[self._turn]
 
+    def add_rounds(self, rounds: int) -> None:
+        """After the last turn: `rounds` more turns of each arm; the next `at_boundary` starts the first."""
+        if not self.done:
+            raise RuntimeError("rounds are added once the turns are done")
+        self._order += [arm for _ in range(rounds) for arm in range(self.arms)]
+        self.rounds += rounds
+        self._turn -= 1
+        self._in_turn = self.steps_per_turn + 1
+
     def samples(self) -> list[list[float]]:
         return [list(arm) for arm in self._seconds]
 
@@ -134,6 +203,32 @@ def slowest_rank(samples: list[list[float]], control: Any) -> list[list[float]]:
         out.append(values[start : start + size])
         start += size
     return out
+
+
+class Comparison:
+    """The arms' turns until the verdict is resolved (`Verdict.resolved`) or `BUDGET_FACTOR` times the
+    first rounds are spent. Every rank calls `at_boundary` at every iteration start, then `conclude`
+    once `done` (a collective on the control link): None means more turns were added."""
+
+    def __init__(self, arms: int, steps_per_turn: int, rounds: int, predicted: Optional[Sequence[float]] = None,
+                 max_rounds: Optional[int] = None) -> None:
+        self.turns = Turns(arms=arms, steps_per_turn=steps_per_turn, rounds=rounds)
+        self.predicted = list(predicted) if predicted is not None else None
+        self.max_rounds = max(rounds, rounds * BUDGET_FACTOR if max_rounds is None else max_rounds)
+
+    @property
+    def done(self) -> bool:
+        return self.turns.done
+
+    def at_boundary(self, now: Optional[float] = None) -> Optional[int]:
+        return self.turns.at_boundary(now)
+
+    def conclude(self, control: Any) -> Optional[Verdict]:
+        verdict = decide(slowest_rank(self.turns.samples(), control), self.turns.steps, self.predicted)
+        if verdict.resolved or self.turns.rounds >= self.max_rounds:
+            return verdict
+        self.turns.add_rounds(min(EXTRA_ROUNDS, self.max_rounds - self.turns.rounds))
+        return None
 
 
 class DriftWatch:
@@ -160,51 +255,92 @@ class DriftWatch:
         return bool(control.broadcast_object(slower if control.rank == 0 else None, 0, "drift"))
 
 
-class Choice:
-    """The default (arm 0) or a candidate (arm 1), chosen on real steps after `warmup` iterations and
-    chosen again when the steps drift. Every rank calls `at_boundary` at every iteration start and
-    runs the arm it returns; `verdict` holds the last choice's measurements."""
+class Rechecks:
+    """When a kept choice is compared again (`RECHECK_AFTER`): `due()` is called at every iteration
+    start after a verdict and returns how many times longer the check's turns are, or 0."""
 
-    def __init__(self, confirm_steps: int, confirm_rounds: int, drift: float, drift_steps: int, warmup: int = 5) -> None:
+    def __init__(self, schedule: Sequence[tuple[int, int]] = RECHECK_AFTER) -> None:
+        self.schedule = list(schedule)
+        self.iterations = 0
+        self.done = 0
+        """Checks made so far."""
+
+    def due(self) -> int:
+        self.iterations += 1
+        if self.done < len(self.schedule) and self.iterations >= self.schedule[self.done][0]:
+            self.done += 1
+            return self.schedule[self.done - 1][1]
+        return 0
+
+
+class Choice:
+    """The default (arm 0) or a candidate (arm 1), chosen after `warmup` iterations from the model's
+    prediction (`predict`, read when the comparison starts) and real steps, checked again later in
+    the run (`RECHECK_AFTER`) and when the steps drift. Every rank calls `at_boundary` at every
+    iteration start and runs the arm it returns; `verdict` holds the last choice's measurements."""
+
+    def __init__(self, confirm_steps: int, confirm_rounds: int, drift: float, drift_steps: int, warmup: int = 5,
+                 predict: Optional[Callable[[], Optional[Sequence[float]]]] = None,
+                 rechecks: Sequence[tuple[int, int]] = RECHECK_AFTER, max_rounds: Optional[int] = None) -> None:
         self.confirm_steps, self.confirm_rounds, self.drift, self.drift_steps, self.warmup = (
             confirm_steps, confirm_rounds, drift, drift_steps, warmup)
+        self.max_rounds = max_rounds
+        self.predict = predict
         self.arm = 1  # the candidate runs until it is measured
         self.verdict: Optional[Verdict] = None
         self.reopened = 0
         """Choices made again after a drift."""
+        self.rechecks = Rechecks(rechecks)
         self._warming = 0
-        self._turns: Optional[Turns] = None
+        self._turn_factor = 1
+        self._comparison: Optional[Comparison] = None
         self._drift: Optional[DriftWatch] = None
 
     @property
     def deciding(self) -> bool:
         return self.verdict is None
 
+    @property
+    def checking_again(self) -> bool:
+        """A later check of a kept verdict is running (the run is settled: the verdict holds meanwhile)."""
+        return self._comparison is not None and self.verdict is not None
+
     def at_boundary(self, control: Any) -> Optional[int]:
         """The arm to run from this iteration on (None: the one running). Reads `reopened` to tell a
         drift's new comparison from the first."""
-        if self.verdict is not None:
-            if self._drift is None or not self._drift.at_boundary(control):
+        if self.verdict is not None and self._comparison is None:
+            factor = self.rechecks.due()
+            if factor:
+                self._start(factor)
+            elif self._drift is not None and self._drift.at_boundary(control):
+                self.verdict, self._drift, self._warming = None, None, self.warmup
+                self.reopened += 1
+            else:
                 return None
-            self.verdict, self._drift, self._warming = None, None, self.warmup
-            self.reopened += 1
-        if self._warming < self.warmup:
+        if self.verdict is None and self._warming < self.warmup:
             self._warming += 1
             return None
-        if self._turns is None:
-            self._turns = Turns(arms=2, steps_per_turn=self.confirm_steps, rounds=self.confirm_rounds)
-        arm = self._turns.at_boundary()
+        if self._comparison is None:
+            self._start(1)
+        assert self._comparison is not None
+        arm = self._comparison.at_boundary()
         if arm is not None:
             return self._run(arm)
-        if not self._turns.done:
+        if not self._comparison.done:
             return None
-        self.verdict = decide(slowest_rank(self._turns.samples(), control), self._turns.steps)
-        self._turns = None
-        self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.drift, self.drift_steps)
-        return self._run(self.verdict.keep)
+        verdict = self._comparison.conclude(control)
+        if verdict is None:  # more turns: the first of them starts now
+            return self._run(self._comparison.at_boundary())
+        self.verdict, self._comparison = verdict, None
+        self._drift = DriftWatch(verdict.medians_s[verdict.keep], self.drift, self.drift_steps)
+        return self._run(verdict.keep)
 
-    def _run(self, arm: int) -> Optional[int]:
-        if arm == self.arm:
+    def _start(self, factor: int) -> None:
+        predicted = self.predict() if self.predict is not None else None
+        self._comparison = Comparison(2, self.confirm_steps * factor, self.confirm_rounds, predicted, self.max_rounds)
+
+    def _run(self, arm: Optional[int]) -> Optional[int]:
+        if arm is None or arm == self.arm:
             return None
         self.arm = arm
         return arm

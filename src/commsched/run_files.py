@@ -2,8 +2,10 @@
 
 A run's plan, profile and stream trials belong beside its logs: in the folder of the Trainer's
 first logger (``lightning_logs/version_N`` by default, the Hydra run directory under
-``commsched-train``), or ``default_root_dir`` when the Trainer has no logger. Written into the
-working directory instead, the next run would overwrite them. Only rank 0 writes, and every file
+``commsched-train``), or ``default_root_dir`` when the Trainer has no logger but saves checkpoints
+there or was given that folder. A run with none of them (``logger=False, enable_checkpointing=False``
+in the working directory) has no folder, and Lightning writes nothing: then neither does commsched, unless a file was asked for by name (a
+profile's ``out_dir``); the closing summary still says what was decided. Only rank 0 writes, and every file
 appears whole (written beside its final name, then renamed), so a reader never sees half a file
 and ranks on a shared filesystem never interleave. JSON is strict: a non-finite number (a step
 that was never timed) is written as ``null``, since ``NaN`` is not JSON and strict parsers reject it.
@@ -18,17 +20,28 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 
-def resolve(trainer: Any) -> Path:
-    """The run's folder. Collective: `Trainer.log_dir` broadcasts rank 0's answer, so every rank
-    must call this at the same point (the strategy does, in `setup`)."""
-    folder = trainer.log_dir if trainer.loggers else None
-    return Path(folder if folder else trainer.default_root_dir).expanduser()
+def resolve(trainer: Any) -> Optional[Path]:
+    """The run's folder (None: it has none). Collective: `Trainer.log_dir` broadcasts rank 0's
+    answer, so every rank must call this at the same point (the strategy does, in `setup`)."""
+    if trainer.loggers:
+        folder = trainer.log_dir
+        return Path(folder if folder else trainer.default_root_dir).expanduser()
+    return _checkpoint_folder(trainer)
 
 
-def folder_of(trainer: Any) -> Path:
-    """The folder the strategy resolved for this fit, else `default_root_dir` (not collective)."""
-    resolved: Optional[Path] = getattr(trainer.strategy, "run_dir", None)
-    return resolved if resolved is not None else Path(trainer.default_root_dir)
+def _checkpoint_folder(trainer: Any) -> Optional[Path]:
+    """`default_root_dir` when checkpoints go there or the user named it (it is the working directory otherwise)."""
+    root = Path(trainer.default_root_dir).expanduser()
+    named = root.resolve() != Path.cwd().resolve()
+    return root if trainer.checkpoint_callbacks or named else None
+
+
+def folder_of(trainer: Any) -> Optional[Path]:
+    """The folder the strategy resolved for this fit (None: the run has no folder); not collective."""
+    strategy = trainer.strategy
+    if getattr(strategy, "run_dir_resolved", False):
+        return strategy.run_dir
+    return Path(trainer.log_dir or trainer.default_root_dir) if trainer.loggers else _checkpoint_folder(trainer)
 
 
 def finite(value: Any) -> Any:

@@ -41,9 +41,14 @@ class MyClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
 
+QUIET = ("dear-quiet",)
+"""Fits with no logger and no checkpoints: Lightning writes nothing, and neither may commsched."""
+
+
 def strategy_for(name: str):
-    """A registered name, or "dear-planned": DeAR with buckets planned from the run's first steps (it writes a plan and a profile)."""
-    if name == "dear-planned":
+    """A registered name, or "dear-planned": DeAR with buckets planned from the run's first steps (it
+    writes a plan and a profile), or "dear-quiet": the same in a quiet fit (`QUIET`)."""
+    if name in ("dear-planned", "dear-quiet"):
         return commsched.DeARStrategy(fusion=commsched.FusionOptions(policy="dear-model", profile_steps=2, profile_warmup_steps=1))
     return name
 
@@ -55,7 +60,9 @@ def main() -> None:
     for strategy in strategies:
         pl.seed_everything(7, verbose=False)
         model = MyClassifier()
-        trainer = pl.Trainer(strategy=strategy_for(strategy), accelerator="cpu", devices=devices, max_epochs=2, enable_progress_bar=False)
+        quiet = {"logger": False, "enable_checkpointing": False} if strategy in QUIET else {}
+        trainer = pl.Trainer(strategy=strategy_for(strategy), accelerator="cpu", devices=devices, max_epochs=2, enable_progress_bar=False,
+                             **quiet)
         trainer.fit(model, DataLoader(data, batch_size=8))
         if trainer.is_global_zero:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"final-{strategy}.pt")

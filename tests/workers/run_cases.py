@@ -110,7 +110,7 @@ BAYES = {"fusion": "bayes", "tuning": TuningOptions(trials=3, trial_steps=2, war
                                                      max_mb=2000 / 2**20, first_mb=600 / 2**20)}
 
 # fusion="auto" within one 12-step epoch: 1 + 2 profiled steps, then 2 turns each of 1 + 1 steps
-AUTO = FusionOptions(policy="auto", profile_warmup_steps=1, profile_steps=2, confirm_steps=1, confirm_rounds=2)
+AUTO = FusionOptions(policy="auto", profile_warmup_steps=1, profile_steps=2, confirm_steps=1, confirm_rounds=2, confirm_max_rounds=2)
 
 # The plan itself every step (no hand-over to WFBP or DeAR): exactness of DeFT's own replay.
 NO_DELAY = DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1, fallback="never")

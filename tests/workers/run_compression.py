@@ -41,7 +41,7 @@ CASES = {
     "topk-every-element": (plain(method="topk", density=0.1, whole_vectors=False), 12, None),
     # strategy="topk"'s default: the faster selection, sparse and dense taking turns after 5 steps (2 rounds
     # of 1 + 1 steps each), then the faster kept
-    "topk-auto": (plain(method="auto", density=0.1, confirm_steps=1, confirm_rounds=2), 16, None),
+    "topk-auto": (plain(method="auto", density=0.1, confirm_steps=1, confirm_rounds=2, confirm_max_rounds=2), 16, None),
     "dense": (None, 12, None),
     "dense-from-topk": (None, 12, "topk-part"),  # a dense run takes the residuals into its first step
     # run by three processes: resumes the 2-process checkpoint (no step taken), its residuals re-sharded

@@ -29,6 +29,7 @@ SELECTION_PROBE_MAX = 2**22
 WARMUP_STEPS = 5
 """Steps before the comparison starts (a run's first steps are slow and would favour whichever runs later)."""
 DENSE, SPARSE = 0, 1
+ARMS = ("dense", "sparse")
 
 
 def _seconds(select: Callable[..., Any], x: torch.Tensor, k: int, repeats: int = 3) -> float:
@@ -63,7 +64,8 @@ class SparseOrDense:
 
     def __init__(self, options: CompressionOptions) -> None:
         self.options = options
-        self.choice = Choice(options.confirm_steps, options.confirm_rounds, options.drift, options.drift_steps, WARMUP_STEPS)
+        self.choice = Choice(options.confirm_steps, options.confirm_rounds, options.drift, options.drift_steps, WARMUP_STEPS,
+                             max_rounds=options.confirm_max_rounds)
 
     @property
     def dense(self) -> bool:
@@ -87,14 +89,9 @@ class SparseOrDense:
         if verdict is None or verdict is self._said:
             return
         self._said = verdict
-        dense_ms, sparse_ms = (s * 1e3 for s in verdict.medians_s)
-        if verdict.keep == SPARSE:
-            say(f"commsched topk: sparse exchanges measured {sparse_ms:.1f} ms/step against {dense_ms:.1f} dense "
-                f"({verdict.gain:.2f}x, noise margin {verdict.margin:.0%}): kept")
-        else:
-            say(f"commsched topk: sparse exchanges measured {sparse_ms:.1f} ms/step against {dense_ms:.1f} dense "
-                f"(noise margin {verdict.margin:.0%}): they do not pay here, the dense all-reduce runs "
-                "(compared again if the steps drift)")
+        outcome = "kept" if verdict.keep == SPARSE else "they do not pay here, the dense all-reduce runs"
+        say(f"commsched topk: {verdict.describe(ARMS)}: {outcome} (compared again later in the run "
+            "and if the steps drift)")
 
     _said: Optional[Any] = None
 
@@ -102,6 +99,4 @@ class SparseOrDense:
         verdict = self.choice.verdict
         if verdict is None:
             return "sparse or dense: still comparing"
-        dense_ms, sparse_ms = (s * 1e3 for s in verdict.medians_s)
-        kept = "sparse" if verdict.keep == SPARSE else "dense (sparse did not pay)"
-        return f"{kept}: sparse {sparse_ms:.1f} ms/step, dense {dense_ms:.1f}"
+        return f"sparse or dense: {verdict.describe(ARMS)}"

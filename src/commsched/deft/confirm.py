@@ -3,9 +3,10 @@
 `predict.choose_schedule` compares models of one steady iteration built from stage and collective
 times measured in isolation. A real step also holds what the models leave out: data loading, the
 user's callbacks, the optimizer, contention between compute and communication threads. So the
-predicted choice and its runner-up take turns on real steps, and the simpler of the two (WFBP, then
-DeAR, then the plan) is kept unless the other was measured faster by more than the noise of those
-very steps (a fixed 2% margin let noise decide on a busy machine).
+predicted choice and its runner-up take turns on real steps, and the one the model predicts faster
+(the simpler of the two, WFBP, then DeAR, then the plan, when the predictions are within 3%) is
+kept unless the other was measured faster by more than the noise of those very steps; steps that
+lean the other way within the noise get more turns (`commsched.interleaved.Comparison`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from commsched.deft.predict import Choice
 from commsched.comm.device_time import synchronize
-from commsched.interleaved import Turns, decide, slowest_rank
+from commsched.interleaved import Comparison
 from commsched.comm.links import Link
 from commsched.say import say
 
@@ -38,7 +39,7 @@ class Confirmation:
         self.candidates = sorted([predicted.runner_up(), predicted], key=lambda c: SIMPLER[c.runs])
         self._control = control
         self._device = device
-        self._turns = Turns(arms=2, steps_per_turn=steps, rounds=ROUNDS)
+        self._turns = Comparison(2, steps, ROUNDS, predicted_ms(predicted, [c.runs for c in self.candidates]))
         self._index = 0
 
     @property
@@ -56,15 +57,28 @@ class Confirmation:
             return None
         return self._agree()
 
-    def _agree(self) -> Choice:
-        verdict = decide(slowest_rank(self._turns.samples(), self._control), self._turns.steps)
+    def _agree(self) -> Optional[Choice]:
+        verdict = self._turns.conclude(self._control)
+        if verdict is None:  # more turns: the first starts now
+            arm = self._turns.at_boundary()
+            if arm is not None:
+                self._index = arm
+            return None
         default, candidate = self.candidates
         measured = {default.runs: verdict.medians_s[0] * 1e3, candidate.runs: verdict.medians_s[1] * 1e3}
         keep, other = (candidate, default) if verdict.keep else (default, candidate)
         self._index = verdict.keep
         chosen = Choice(keep.runs, keep.dear_links, self.predicted.predicted, (other.runs, other.dear_links), measured)
         verdict_said = "confirmed" if keep.runs == self.predicted.runs else f"overruled: {keep.runs} runs the iterations"
-        say(f"commsched deft: measured {measured[default.runs]:.1f} ms/step for {default.runs} and "
-            f"{measured[candidate.runs]:.1f} ms/step for {candidate.runs} on alternating steps (noise margin "
-            f"{verdict.margin:.0%}; {self.predicted.runs} was the prediction): {verdict_said}")
+        say(f"commsched deft: {verdict.describe([default.runs, candidate.runs])}; {self.predicted.runs} was chosen "
+            f"when solving: {verdict_said}")
         return chosen
+
+
+def predicted_ms(predicted: Choice, runs: list[str]) -> Optional[list[float]]:
+    """The model's step for each of `runs` (DeAR's, or the plan's for the plan and for WFBP, which is
+    the plan when it delays nothing), None when DeAR was not predicted."""
+    steps = predicted.predicted
+    if "dear_ms" not in steps or "plan_ms" not in steps:
+        return None
+    return [steps["dear_ms"] / 1e3 if run == "dear" else steps["plan_ms"] / 1e3 for run in runs]

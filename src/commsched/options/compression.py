@@ -51,6 +51,9 @@ class CompressionOptions:
     """auto: timed steps per turn when sparse and dense exchanges take turns (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
     """auto: turns each exchange takes before the measured steps decide."""
+    confirm_max_rounds: int = option(9, positive_int)
+    """auto: turns each exchange may take in all when the steps lean against the model's choice within their
+    noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
     drift: float = option(0.2, non_negative_number)
     """auto: a median step this much slower than the kept exchange measured compares them again. 0: never."""
     drift_steps: int = option(50, positive_int)

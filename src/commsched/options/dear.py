@@ -44,6 +44,9 @@ class DeAROptions:
     """Timed steps per turn (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
     """Turns each schedule takes before the measured steps decide."""
+    confirm_max_rounds: int = option(9, positive_int)
+    """Turns each schedule may take in all when the steps lean against the model's choice within their
+    noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
     drift: float = option(0.2, non_negative_number)
     """A median step this much slower than the kept schedule measured compares them again. 0: never."""
     drift_steps: int = option(50, positive_int)

@@ -59,6 +59,9 @@ class FusionOptions:
     """auto: timed steps per turn when fixed and planned buckets take turns (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
     """auto: turns each layout takes before the measured steps decide."""
+    confirm_max_rounds: int = option(9, positive_int)
+    """auto: turns each layout may take in all when the steps lean against the model's choice within their
+    noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
     drift: float = option(0.2, non_negative_number)
     """auto: a median step this much slower than the kept layout measured (0.2: 20%) decides again. 0: never."""
     drift_steps: int = option(50, positive_int)

@@ -7,9 +7,11 @@ from its own steps, every one of them a normal training step:
 1. profile: `profile_warmup_steps` steps, then `profile_steps` profiled ones, on fixed buckets;
 2. plan: rank 0 plans with the schedule's own planner (`Schedule.planner`: MG-WFBP's programme for
    all-reduce schedules, the DeAR model for DeAR and DeFT) and every rank receives the plan;
-3. confirm: fixed and planned buckets take turns on real steps (`commsched.interleaved`); the plan
-   is kept only if it beats the fixed layout by more than the measured noise, else fixed stays;
-4. watch: a median step more than `drift` slower than the kept layout measured re-opens the decision.
+3. confirm: the same model predicts the fixed layout too; fixed and planned buckets take turns on
+   real steps (`commsched.interleaved`), and the layout the model favours is kept unless the steps
+   contradict it beyond their noise (fixed, the default, when the model predicts no clear gain);
+4. check again: after 500 and 5,000 more steps the two take longer turns and the verdict may change;
+   a median step more than `drift` slower than the kept layout measured re-opens the decision.
 
 One process, or a plan that is the fixed layout anyway, decides at once with no confirmation.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Optional
 
-from commsched.interleaved import DriftWatch, Turns, Verdict, decide, slowest_rank
+from commsched.interleaved import Comparison, DriftWatch, Rechecks, Verdict
 from commsched.options import FusionOptions
 from commsched.planning.plan_file import SavedPlan
 
@@ -43,7 +45,8 @@ class AutoFusion:
         self.phase = Phase.PROFILE
         self.candidate: Optional[SavedPlan] = None
         self.arm = FIXED
-        self.turns: Optional[Turns] = None
+        self.turns: Optional[Comparison] = None
+        self.rechecks = Rechecks()
         self.verdict: Optional[Verdict] = None
         self.steps_deciding = 0
         self._stale_profile: Any = None
@@ -57,11 +60,24 @@ class AutoFusion:
         """The profile to plan from: one taken since this decision (re-)opened, else None."""
         return profile if profile is not None and profile is not self._stale_profile else None
 
-    def start_confirming(self, candidate: SavedPlan) -> None:
-        """Fixed and `candidate` buckets take turns from the next iteration start on."""
+    def start_confirming(self, candidate: SavedPlan, turn_factor: int = 1) -> None:
+        """Fixed and `candidate` buckets take turns from the next iteration start on (each turn
+        `turn_factor` times `confirm_steps`: longer for a later check)."""
         self.candidate = candidate
         self.phase = Phase.CONFIRM
-        self.turns = Turns(arms=2, steps_per_turn=self.fusion.confirm_steps, rounds=self.fusion.confirm_rounds)
+        fixed_s, planned_s = candidate.details.get("fixed_predicted_s"), candidate.predicted_s
+        predicted = [fixed_s, planned_s] if fixed_s and planned_s else None
+        self.turns = Comparison(2, self.fusion.confirm_steps * turn_factor, self.fusion.confirm_rounds, predicted,
+                                self.fusion.confirm_max_rounds)
+
+    def recheck_due(self) -> bool:
+        """After a measured verdict, at every iteration start: True when a later check starts now."""
+        if self.verdict is None or self.candidate is None:
+            return False
+        factor = self.rechecks.due()
+        if factor:
+            self.start_confirming(self.candidate, factor)
+        return bool(factor)
 
     def next_arm(self) -> Optional[int]:
         """While confirming: the arm to switch to at this iteration start (None: stay)."""
@@ -72,11 +88,15 @@ class AutoFusion:
         self.arm = arm
         return arm
 
-    def conclude(self, control: Any) -> Verdict:
-        """Every rank: the verdict on the slowest rank's step times (a collective on `control`)."""
+    def conclude(self, control: Any) -> Optional[Verdict]:
+        """Every rank: the verdict on the slowest rank's step times (a collective on `control`); None:
+        the steps lean against the model within their noise, and more turns were added."""
         assert self.turns is not None
-        self.verdict = decide(slowest_rank(self.turns.samples(), control), self.turns.steps)
-        self.steps_deciding += self.turns.steps
+        verdict = self.turns.conclude(control)
+        if verdict is None:
+            return None
+        self.verdict = verdict
+        self.steps_deciding += verdict.steps
         self.phase, self.turns = Phase.DECIDED, None
         self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.fusion.drift, self.fusion.drift_steps)
         return self.verdict
@@ -90,16 +110,14 @@ class AutoFusion:
 
     def reopen(self, profile: Any) -> None:
         self.phase, self.arm, self.candidate, self.verdict, self._drift = Phase.PROFILE, FIXED, None, None, None
+        self.rechecks = Rechecks()
         self._stale_profile = profile
 
     def describe(self) -> str:
         """How the kept layout was chosen, for the log and the closing summary."""
         if self.verdict is None:
             return f"{self.planner}'s plan is the fixed layout" if self.phase is Phase.DECIDED else "deciding"
-        v = self.verdict
-        fixed_ms, planned_ms = v.medians_s[FIXED] * 1e3, v.medians_s[PLANNED] * 1e3
-        measured = (f"{self.planner}'s plan measured {planned_ms:.1f} ms/step against {fixed_ms:.1f} for fixed "
-                    f"{self.fusion.bucket_cap_mb:.3g} MB buckets")
-        if v.keep == PLANNED:
-            return f"{measured} ({v.gain:.2f}x, noise margin {v.margin:.0%}): planned buckets kept after {self.steps_deciding} steps"
-        return f"{measured} (noise margin {v.margin:.0%}): fixed buckets kept after {self.steps_deciding} steps"
+        kept = "planned buckets kept" if self.verdict.keep == PLANNED else "fixed buckets kept"
+        names = (f"fixed {self.fusion.bucket_cap_mb:.3g} MB buckets", f"{self.planner}'s plan")
+        checked = f", checked again {self.rechecks.done} time(s)" if self.rechecks.done else ""
+        return f"{self.verdict.describe(names)} ({kept} after {self.steps_deciding} steps{checked})"

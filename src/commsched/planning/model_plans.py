@@ -3,6 +3,8 @@ per-layer forward/backward times, and collective costs measured on the run's own
 
 from __future__ import annotations
 
+from typing import Optional
+
 from commsched.errors import bad_value
 from commsched.fusion import MODEL_POLICIES
 from commsched.planning.plan_file import SavedPlan
@@ -24,7 +26,9 @@ def network_from_profile(profile: dict) -> Measured:
     return Measured(int(profile["world_size"]), {c: tuple(p) for c, p in points.items()})
 
 
-def plan_from_profile(profile: dict, policy: str) -> SavedPlan:
+def plan_from_profile(profile: dict, policy: str, fixed_cap_bytes: Optional[float] = None) -> SavedPlan:
+    """The plan `policy` chooses for the profiled workload. `fixed_cap_bytes`: also predict fixed
+    buckets of that size with the same model (`details["fixed_predicted_s"]`), for the choice between them."""
     if policy not in MODEL_POLICIES:
         raise bad_value("fusion", policy, MODEL_POLICIES)
     workload = Workload.from_dict(profile["workload"])
@@ -41,8 +45,11 @@ def plan_from_profile(profile: dict, policy: str) -> SavedPlan:
     buckets = [[name for i in bucket for name in reversed(layer_params[workload.layers[i].name])]
                for bucket in layer_buckets]
     other = float(profile["summary"].get("t_other", 0.0))
+    details = {"t_other_s": other, "profiled_schedule": profile.get("schedule")}
+    if fixed_cap_bytes is not None:
+        replay = timelines.dear if policy == "dear-model" else timelines.wfbp
+        details["fixed_predicted_s"] = replay(workload, network, workers, timelines.fixed_size(workload, fixed_cap_bytes)).iteration_s + other
     return SavedPlan(
         policy, workers, [b for b in buckets if b],
-        predicted_s=predicted + other, lower_bound_s=bound + other if bound is not None else None,
-        details={"t_other_s": other, "profiled_schedule": profile.get("schedule")},
+        predicted_s=predicted + other, lower_bound_s=bound + other if bound is not None else None, details=details,
     )

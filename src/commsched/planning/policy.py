@@ -128,9 +128,10 @@ class PlanPolicy:
         link: Link = strategy.control_link
         if not iteration_start and auto.phase is not Phase.PROFILE:
             return False
-        if self.decided is not None:
-            if auto.verdict is None or not auto.watch(link):
+        if self.decided is not None and auto.turns is None:
+            if auto.verdict is None or (not auto.recheck_due() and not auto.watch(link)):
                 return False
+        if self.decided is not None and auto.turns is None:  # drifted (a later check has started its turns otherwise)
             say(f"commsched fusion: steps have become more than {self.fusion.drift:.0%} slower than the kept layout "
                 "measured: deciding the buckets again")
             auto.reopen(strategy.profile)
@@ -150,7 +151,8 @@ class PlanPolicy:
             profile = auto.fresh_profile(strategy.profile)
             if profile is None:
                 return False  # still profiling
-            mine = vars(plan_from_profile(profile, auto.planner)) if link.rank == 0 else None
+            cap = self.fusion.bucket_cap_mb * 2**20
+            mine = vars(plan_from_profile(profile, auto.planner, fixed_cap_bytes=cap)) if link.rank == 0 else None
             candidate = SavedPlan(**link.broadcast_object(mine, 0, "auto-plan"))
             fixed = self._current(strategy, "fixed")
             auto.steps_deciding += self.fusion.profile_warmup_steps + self.fusion.profile_steps
@@ -169,6 +171,8 @@ class PlanPolicy:
         if not auto.turns.done:
             return False
         verdict = auto.conclude(link)
+        if verdict is None:  # the steps lean against the model within their noise: more turns
+            return auto.next_arm() is not None
         kept = auto.candidate if verdict.keep == PLANNED else self._fixed_plan
         assert kept is not None
         kept.details = {**kept.details, "auto": {"planner": auto.planner, "kept": "planned" if verdict.keep == PLANNED else "fixed",
@@ -236,8 +240,11 @@ class PlanPolicy:
         assert self.decided is not None
         plan = self.decided
         if strategy.global_rank == 0:
-            path = folder_of(strategy.lightning_module.trainer) / PLAN_FILE_NAME
-            plan.save(path)
+            folder = folder_of(strategy.lightning_module.trainer)
+            path = folder / PLAN_FILE_NAME if folder is not None else None
+            if path is not None:
+                plan.save(path)
+            saved = f"saved to {path}" if path is not None else "not saved: the run has no folder (no logger, no checkpoints)"
             sizes = sum(p.nbytes for p in param_infos(strategy.lightning_module)) / 2**20 / max(len(plan.buckets), 1)
             predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""
             if self.auto is not None:
@@ -245,7 +252,7 @@ class PlanPolicy:
                     f"saved to {path}")
             else:
                 say(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
-                    f"{sizes:.2f} MB on average{predicted}; saved to {path}")
+                    f"{sizes:.2f} MB on average{predicted}; {saved}")
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:

@@ -213,7 +213,11 @@ class RunProfiler:
         }
 
     def _write(self, strategy: Any, result: dict, spans: list[Span]) -> None:
-        out_dir = self.out_dir or folder_of(strategy.lightning_module.trainer) / "commsched_profile"
+        trainer = strategy.lightning_module.trainer
+        folder = folder_of(trainer)
+        if folder is None and self.out_dir is None and not self.announce:
+            return  # a planner's own profile, in a run with no folder: kept in memory only
+        out_dir = self.out_dir or (folder or Path(trainer.default_root_dir)) / "commsched_profile"  # asked for: written
         origin = min((s.start for s in spans), default=0.0)
         shifted = [Span(s.lane, s.name, s.start - origin, s.end - origin, s.rank) for s in spans]
         write_json(out_dir / "profile.json", result)

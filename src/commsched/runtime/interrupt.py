@@ -125,7 +125,7 @@ class StopAndSave(pl.Callback):
             return Path("checkpoints")  # not set up yet: only a signal before fit asks
         chosen = trainer.checkpoint_callback
         found = getattr(chosen, "dirpath", None)
-        return Path(found) if found else run_files.folder_of(trainer) / "checkpoints"
+        return Path(found) if found else (run_files.folder_of(trainer) or Path(trainer.default_root_dir)) / "checkpoints"
 
     @property
     def path(self) -> Path:

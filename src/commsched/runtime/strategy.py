@@ -143,7 +143,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._clock = run_summary.StepClock()
         self._files_before = 0
         self.run_dir: Optional[Path] = None
-        """This fit's folder for the files commsched writes (the logger's, else default_root_dir)."""
+        """This fit's folder for the files commsched writes (`commsched.run_files.resolve`; None: the run has none)."""
+        self.run_dir_resolved = False
 
     def request_replan(self) -> None:
         """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask together)."""
@@ -174,10 +175,10 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self.run_dir = run_files.resolve(trainer)  # collective: every rank, before anything writes
+        self.run_dir, self.run_dir_resolved = run_files.resolve(trainer), True  # collective: every rank, before anything writes
         peers.learn()  # collective: a failed collective can then name the rank that is gone
         self._clock, self._files_before = run_summary.StepClock(), len(run_files.WRITTEN)
-        log.debug(f"{self.__class__.__name__}: files of this run go to {self.run_dir}")
+        log.debug(f"{self.__class__.__name__}: files of this run go to {self.run_dir or 'no folder (no logger, no checkpoints)'}")
         self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -42,6 +42,7 @@ from commsched.comm.links import Links, Pending
 from commsched.schedules.watch import Kind, Watch
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import Choice
+from commsched.schedules.dear_fallback import WFBP, describe, fallback_choice
 from commsched.say import say, size_text
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
@@ -56,10 +57,6 @@ from commsched.sim.workload import Workload
 from commsched.options import BUILTIN, DeAROptions, StrategyOptions, StreamOptions
 from commsched.streams.control import StreamControl
 from commsched.reducers.units import Striping, Unit, plan_units
-
-
-WFBP = 0
-"""The fallback's default arm: WFBP runs the iterations."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +157,7 @@ class DeARSchedule(Schedule[DeARSettings]):
     @override
     def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> DeARSettings:
         o = options.dear
-        fallback = (Choice(o.confirm_steps, o.confirm_rounds, o.drift, o.drift_steps)
+        fallback = (fallback_choice(o, lambda: getattr(trainer.strategy, "profile", None))
                     if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1 else None)
         return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
                             fallback=fallback, rollback=o.rollback, per_parameter=tuple(resolve(o.per_parameter)))
@@ -187,14 +184,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         return Handover("wfbp")
 
     def _describe_fallback(self) -> str:
-        verdict = self.settings.fallback.verdict if self.settings.fallback is not None else None
-        if verdict is None:
-            return "DeAR or WFBP: still measuring"
-        wfbp_ms, dear_ms = (s * 1e3 for s in verdict.medians_s)
-        measured = f"DeAR measured {dear_ms:.1f} ms/step against {wfbp_ms:.1f} for WFBP (noise margin {verdict.margin:.0%})"
-        if verdict.keep == WFBP:
-            return f"{measured}: WFBP runs the iterations (the same math: DeAR has nothing to hide here)"
-        return f"{measured}: DeAR kept ({verdict.gain:.2f}x)"
+        return describe(self.settings.fallback) if self.settings.fallback is not None else ""
 
     @property
     @override
