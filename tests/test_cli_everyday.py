@@ -236,3 +236,19 @@ def test_more_cpu_workers_than_cores_warns_once(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if "CPU workers on" in line]
     assert len(warnings) == 1 and f"trainer.devices={cores + 1}" in warnings[0], proc.stderr[-2000:]
+
+
+def test_import_commsched_loads_neither_torch_nor_lightning_and_the_names_still_resolve():
+    """The strategies are registered when Lightning loads, whichever comes first."""
+    code = ("import sys, commsched\n"
+            "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy imports on import commsched'\n"
+            "import lightning.pytorch as pl\n"
+            "trainer = pl.Trainer(strategy='dear', accelerator='cpu', devices=1, logger=False)\n"
+            "assert type(trainer.strategy).__name__ == 'DeARStrategy', type(trainer.strategy)\n"
+            "assert not [f for f in sys.meta_path if 'commsched' in type(f).__module__ and 'registration' in type(f).__module__]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    late = subprocess.run([sys.executable, "-c", "import lightning.pytorch as pl, commsched\n"
+                           "from lightning.pytorch.strategies import StrategyRegistry\nassert 'topk' in StrategyRegistry"],
+                          capture_output=True, text=True, timeout=120)
+    assert late.returncode == 0, late.stderr[-2000:]

@@ -5,17 +5,18 @@
 e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``. A new schedule is a subclass of
 `commsched.Schedule` passed to `commsched.register_schedule`.
 
-The command lines (`commsched_cli`) import the package without torch and Lightning, so that
-``--help`` and bad input answer at once; the strategies load when first used.
+``import commsched`` itself imports neither torch nor Lightning: the strategies are registered when
+Lightning loads (`commsched.registration`), and the classes load when first used, so the command
+lines (`commsched_cli`) answer ``--help`` and bad input at once.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
 
 from commsched import moved
+from commsched.registration import when_lightning_loads
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
 from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
@@ -46,8 +47,7 @@ def __getattr__(name: str) -> Any:
 
 moved.install()  # 0.2.0's module paths (commsched.strategy, commsched.links, ...) still import, with a warning
 
-if "commsched_cli" not in sys.modules:
-    _register()
+when_lightning_loads(_register)
 
 __all__ = [
     "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeAROptions", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",

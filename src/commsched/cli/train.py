@@ -257,11 +257,12 @@ def main() -> Any:
         schedules = schedule_names(bool(plugins))
         schema = train_schema(bool(plugins))
         register_configs(schedules, schema)
-        overrides.check(sys.argv[1:], schema, {**overrides.group_choices(CONF), "schedule": schedules})
+        groups = {**overrides.group_choices(CONF), "schedule": schedules}
+        overrides.check(sys.argv[1:], schema, groups)
     except CommSchedConfigError as error:
         refuse(error)
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        return overrides.print_help_without_schemas(run_training, about=ABOUT, program="commsched-train")
+        return overrides.print_help(ABOUT, "commsched-train", CONF, "train", groups, sys.argv[1:])
     _before = Before(sys.argv[1:], Path.cwd())
     return run_training()
 

@@ -1,0 +1,65 @@
+"""Registering commsched's strategies with Lightning when Lightning loads, not when commsched does.
+
+``Trainer(strategy="dear")`` looks the name up in Lightning's `StrategyRegistry`, so the strategies
+must be registered before a Trainer is made; but importing Lightning takes seconds, and a script
+that imports commsched first (or a command line answering ``--help``) should not pay for it there.
+So ``import commsched`` registers at once only where `lightning.pytorch` is already loaded;
+otherwise a one-shot import hook registers right after `lightning.pytorch` finishes loading, which
+every Trainer needs first. The hook removes itself when it fires.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Callable, Optional, Sequence
+
+LIGHTNING = "lightning.pytorch"
+
+
+def when_lightning_loads(register: Callable[[], None]) -> None:
+    """`register()` now if Lightning is loaded, else right after `lightning.pytorch` is."""
+    module = sys.modules.get(LIGHTNING)
+    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is False:
+        register()
+        return
+    if not any(isinstance(finder, _AfterLoading) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterLoading(LIGHTNING, register))
+
+
+class _AfterLoading(importlib.abc.MetaPathFinder):
+    """Finds `name` with the other finders, and runs `then()` once its module has executed."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+                  ) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _ThenRun(spec.loader, self.then)
+                return spec
+        return None
+
+
+class _ThenRun(importlib.abc.Loader):
+    """The module's own loader, then `then()`."""
+
+    def __init__(self, loader: importlib.abc.Loader, then: Callable[[], None]) -> None:
+        self.loader, self.then = loader, then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.then()
+
+    def __getattr__(self, name: str):  # get_resource_reader, is_package, get_code, ...: the real loader's
+        return getattr(self.loader, name)
