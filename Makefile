@@ -11,31 +11,39 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.commsched-installed
+DEV_STAMP := $(VENV)/.commsched-dev-installed
 
-.PHONY: install demo test test-quick test-gpu bench docs clean
+.PHONY: install install-dev demo test test-quick test-gpu bench docs clean
 
+# what the package needs to run (the demo, the bench, training); install-dev adds the test and docs tools
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 $(STAMP): pyproject.toml src/commsched/__init__.py  # the version lives in __init__
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e .
 	touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[dev]"
+	touch $(DEV_STAMP)
 
 # e.g. make demo DEMO_ARGS="--steps 20 --rounds 3"  (python -m commsched.bench.demo --help lists them)
 DEMO_ARGS ?=
 demo: install
 	$(PY) -m commsched.bench.demo $(DEMO_ARGS)
 
-test: install
+test: install-dev
 	$(PY) -m pytest
 
 # the tests that start no worker process (1-3 minutes; `make test` runs everything, as CI does)
-test-quick: install
+test-quick: install-dev
 	$(PY) -m pytest -m quick
 
 # the GPU suite alone (CUDA + NCCL; install a CUDA build of torch into .venv first, see above)
-test-gpu: install
+test-gpu: install-dev
 	$(PY) -m pytest -m gpu tests/gpu
 
 # e.g. make bench BENCH_ARGS="link.rate=1gbit models=[small_cnn,resnet18]"  (a slow link needs root)
@@ -44,7 +52,7 @@ bench: install
 	$(VENV)/bin/commsched-bench $(BENCH_ARGS)
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a missing page fails
-docs: install
+docs: install-dev
 	$(PY) -m mkdocs build --strict --site-dir site
 
 clean:
