@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,13 @@ def test_links_keep_one_order_whatever_completes_first(tmp_path):
     assert {"primary", "secondary", "secondary.1", "intra", "inter"} <= set(traces[0])
     for rank, trace in enumerate(traces[1:], start=1):
         assert trace == traces[0], f"rank {rank} issued its collectives in another order"
+
+
+def test_ranks_whose_models_disagree_reach_one_verdict(tmp_path):
+    """workers/run_comparison.py (2 processes): each rank predicts from its own profile; the verdict
+    judges the slowest rank's prediction of each arm, as it does the steps, so both ranks keep one arm."""
+    proc = run_worker("run_comparison.py", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdicts = [json.loads((tmp_path / f"verdict.rank{r}.json").read_text()) for r in range(2)]
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0]["predicted"] == [1.0, 1.2] and verdicts[0]["keep"] == 0

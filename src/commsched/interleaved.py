@@ -16,8 +16,9 @@ configuration runs faster than the simple default. Two sources speak to it:
 So the arm the model favours (the default, the simpler arm, when the model predicts no clear
 gain or has nothing to say) is kept unless the measurement contradicts it beyond the noise of
 those very steps: two standard errors of the difference of the medians, from the steps' own
-spread. Where the two agree the choice is quick; where the measurement leans the other way
-within the noise, more turns are taken until the difference is resolved or a budget is spent.
+spread. Where the two agree the choice is quick (two rounds of turns); a measurement that overrules
+the model needs all the rounds asked for; where it leans the other way within the noise, more
+turns are taken until the difference is resolved or a budget is spent.
 A choice is checked again later on many more steps (`RECHECK_AFTER`), so that an early verdict
 on a noisy moment is corrected at a cost far below 1% of the run.
 """
@@ -37,8 +38,8 @@ MODEL_MARGIN = 0.03
 less is inside what the model leaves out, and the default (the simpler arm) is kept."""
 MEDIAN_EFFICIENCY = 1.2533
 """Standard error of a median over that of a mean, for normal noise (sqrt(pi / 2))."""
-EXTRA_ROUNDS = 2
-"""Turns each arm takes again when the measurement leans against the model within the noise."""
+QUICK_ROUNDS = 2
+"""Rounds after which steps that agree with the model end a comparison (one round more each time, after)."""
 BUDGET_FACTOR = 3
 """The rounds a comparison may grow to, as a multiple of its first rounds (unless told otherwise)."""
 RECHECK_AFTER = ((500, 3), (5000, 6))
@@ -206,13 +207,17 @@ def slowest_rank(samples: list[list[float]], control: Any) -> list[list[float]]:
 
 
 class Comparison:
-    """The arms' turns until the verdict is resolved (`Verdict.resolved`) or `BUDGET_FACTOR` times the
-    first rounds are spent. Every rank calls `at_boundary` at every iteration start, then `conclude`
-    once `done` (a collective on the control link): None means more turns were added."""
+    """The arms' turns, judged after each round from `QUICK_ROUNDS` on (a collective on the control
+    link, every rank at the same iteration): steps that agree with the model end it there; a
+    measurement that would overrule the model needs `rounds` rounds; steps that lean against the
+    model within their noise get more rounds, up to `max_rounds` (`BUDGET_FACTOR` x `rounds` unless
+    given). Every rank calls `at_boundary` at every iteration start, then `conclude` once `done`:
+    None means another round was added."""
 
     def __init__(self, arms: int, steps_per_turn: int, rounds: int, predicted: Optional[Sequence[float]] = None,
                  max_rounds: Optional[int] = None) -> None:
-        self.turns = Turns(arms=arms, steps_per_turn=steps_per_turn, rounds=rounds)
+        self.rounds = rounds
+        self.turns = Turns(arms=arms, steps_per_turn=steps_per_turn, rounds=min(rounds, QUICK_ROUNDS))
         self.predicted = list(predicted) if predicted is not None else None
         self.max_rounds = max(rounds, rounds * BUDGET_FACTOR if max_rounds is None else max_rounds)
 
@@ -224,10 +229,17 @@ class Comparison:
         return self.turns.at_boundary(now)
 
     def conclude(self, control: Any) -> Optional[Verdict]:
-        verdict = decide(slowest_rank(self.turns.samples(), control), self.turns.steps, self.predicted)
-        if verdict.resolved or self.turns.rounds >= self.max_rounds:
+        arms = self.turns.arms
+        predicted = self.predicted if self.predicted is not None else [-1.0] * arms  # -1: no prediction on this rank
+        # each rank's prediction comes from its own profile: every rank judges the slowest rank's, as it does the steps
+        combined = slowest_rank([*self.turns.samples(), predicted], control)
+        samples, agreed = combined[:arms], combined[arms]
+        verdict = decide(samples, self.turns.steps, agreed if min(agreed) > 0 else None)
+        done = self.turns.rounds
+        agrees = verdict.resolved and verdict.keep == verdict.favoured
+        if done >= self.max_rounds or agrees or (verdict.resolved and done >= self.rounds):
             return verdict
-        self.turns.add_rounds(min(EXTRA_ROUNDS, self.max_rounds - self.turns.rounds))
+        self.turns.add_rounds(1)
         return None
 
 

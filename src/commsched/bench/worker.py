@@ -89,11 +89,12 @@ def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
     return DataLoader(make_data(spec["batch_size"] * world * (steps + 2)), batch_size=spec["batch_size"])
 
 
-def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[StepTimer, int, dict, dict, dict]:
+def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[StepTimer, int, dict, dict, dict, Optional[dict]]:
     """One run of `entry` (a schedule, `+callback` for a user's callback in the Trainer): its step
     timer (after its choices and a warm-up), this process's rank, the final weights (every schedule
     starts from the same seed and sees the same batches), for deft or a stream search what it
-    decided, and what the strategy chose by itself with the steps that took."""
+    decided, what the strategy chose by itself with the steps that took, and the profile a plain
+    wfbp run took of its first steps on fixed buckets to plan from (None otherwise)."""
     schedule, _, user = entry.partition("+")
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
@@ -108,7 +109,8 @@ def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[S
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
     choices = {**_choices(strategy, timer), "steps_run": trainer.global_step}
-    return timer, trainer.global_rank, state, _deft_report(strategy) or _streams_report(entry, strategy), choices
+    profile = getattr(strategy, "profile", None) if entry == "wfbp" and spec.get("bucket_cap_mb") is None else None
+    return timer, trainer.global_rank, state, _deft_report(strategy) or _streams_report(entry, strategy), choices, profile
 
 
 class Snapshots(pl.Callback):
@@ -173,6 +175,7 @@ def _deft_report(strategy: Any) -> dict:
 
 
 def profile_components(model_name: str, spec: dict, out: Path) -> dict:
+    """A wfbp run on fixed buckets (the size ddp uses), profiled: the components of one step."""
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     steps = spec["warmup"] + spec["steps"] + 1
@@ -226,9 +229,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         final: dict[str, tuple[dict, int]] = {}  # the first round's weights and the steps it ran
         deft: dict[str, Any] = {}
         chose: dict[str, dict] = {}
+        profiled: Optional[dict] = None  # a plain wfbp run's own profile: the components, without a run of their own
         for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
-                timer, rank, state, decided, chose[schedule] = time_schedule(model_name, schedule, spec, out / model_name)
+                timer, rank, state, decided, chose[schedule], profile = time_schedule(model_name, schedule, spec, out / model_name)
+                profiled = profiled or profile
                 rounds[schedule].append((timer.median, timer.median_cpu, timer.median_wire_bytes, timer.median_local_bytes))
                 final.setdefault(schedule, (state, chose[schedule]["steps_run"]))
                 if decided:
@@ -237,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         reference = ddp_weights(model_name, spec, {final[s][1] for s in exact}, out / model_name) if exact else {}
         measured = {s: min(step for step, *_ in r) for s, r in rounds.items()}
         best = {s: min(r) for s, r in rounds.items()}  # CPU time and bytes of the best round
-        profile = profile_components(model_name, spec, out / model_name)
+        profile = profiled or profile_components(model_name, spec, out / model_name)
         summary = profile["summary"]
         theory = {k: v + summary["t_other"] for k, v in summary["theoretical_best_s"].items()}
         predicted = predict(profile)

@@ -35,15 +35,16 @@ class DeAROptions:
     in the next forward."""
 
     fallback: str = option("when_faster", one_of("when_faster", "never"))
-    """"when_faster": once the buckets are decided, DeAR and WFBP (DDP's schedule: the same math, one
-    all-reduce per bucket in backward) take turns on real steps, and WFBP runs the iterations when it
-    measured faster beyond the noise (a fast link leaves DeAR nothing to hide, and its two collectives
-    per bucket cost more CPU than one); compared again when the steps drift. "never": DeAR always.
-    With several streams (`streams`), DeAR always."""
+    """"when_faster": once the buckets are decided, the bounds of DeAR and WFBP (DDP's schedule: the
+    same math, one all-reduce per bucket in backward) for the profiled components predict which is
+    faster, the two take turns on real steps, and WFBP runs the iterations where the model favours it
+    or it measured faster beyond the noise (a fast link leaves DeAR nothing to hide, and its two
+    collectives per bucket cost more CPU than one); compared again after 500 and 5,000 steps and when
+    the steps drift. "never": DeAR always. With several streams (`streams`), DeAR always."""
     confirm_steps: int = option(3, positive_int)
     """Timed steps per turn (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
-    """Turns each schedule takes before the measured steps decide."""
+    """Turns each schedule takes before the measured steps may overrule the model (steps that agree with it decide after two)."""
     confirm_max_rounds: int = option(9, positive_int)
     """Turns each schedule may take in all when the steps lean against the model's choice within their
     noise (more turns until the difference is resolved; at least `confirm_rounds`)."""

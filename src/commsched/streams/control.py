@@ -54,7 +54,7 @@ class StreamControl:
         self.chosen_s = 0.0
         self.trials: list[dict[str, Any]] = []
         self.searching = self.auto
-        self._confirming: Optional[tuple[list[Striping], Turns]] = None
+        self._confirming: Optional[tuple[list[Striping], Turns, Optional[list[float]]]] = None
         """The search's best and one stream taking turns before the choice."""
         self._search: Optional[StreamSearch] = None
         self._first: list[Striping] = []  # what the search under way measures first (rebuilt from it on resume)
@@ -153,7 +153,7 @@ class StreamControl:
             best, best_s = self._search.best()  # type: ignore[misc]
             plain = self._plain()
             return {"trial": trial.to_json(), "chosen": best.to_json(), "chosen_s": best_s,
-                    "baseline": plain.to_json() if plain != best else None}
+                    "baseline": plain.to_json() if plain != best else None, "baseline_s": self._search.measured.get(plain)}
         return {"trial": trial.to_json(), "next": proposed.to_json(), "technique": technique}
 
     def _plain(self) -> Striping:
@@ -168,20 +168,18 @@ class StreamControl:
         when it beats one stream by more than the noise measured in those steps (a trial of a few
         steps each, one after the other, found 3-9% 'gains' on an uncapped link that were not there)."""
         assert self._confirming is not None
-        arms, turns = self._confirming
+        arms, turns, searched = self._confirming
         arm = turns.at_boundary()
         if arm is not None:
             return self._switch(arms[arm])
         if not turns.done:
             return None
         # rank 0's clock decides, as it does every trial of the search
-        verdict = control.broadcast_object(decide(turns.samples(), turns.steps) if control.rank == 0 else None, 0,
+        verdict = control.broadcast_object(decide(turns.samples(), turns.steps, searched) if control.rank == 0 else None, 0,
                                            "streams-confirm")
         self._confirming = None
         self.chosen, self.chosen_s, self.searching = arms[verdict.keep], verdict.medians_s[verdict.keep], False
-        one_ms, best_ms = (s * 1e3 for s in verdict.medians_s)
-        say(f"commsched streams: on alternating steps {arms[1].describe()} ran {best_ms:.1f} ms/step against {one_ms:.1f} "
-            f"for {arms[0].describe()} (noise margin {verdict.margin:.0%}): "
+        say(f"commsched streams: on alternating steps, {verdict.describe(['one stream', 'the search' + chr(39) + 's best'])}: "
             + (f"{self.chosen.describe()} kept ({verdict.gain:.2f}x)" if verdict.keep else "one stream kept"))
         self._save()
         self._durations = []
@@ -223,8 +221,9 @@ class StreamControl:
             arms = [Striping.from_json(decision["baseline"]), Striping.from_json(decision["chosen"])]
             say(f"commsched streams: the search's best, {arms[1].describe()}, now takes turns with {arms[0].describe()} "
                 "before it is kept")
+            searched = [decision.get("baseline_s"), decision["chosen_s"]]  # what the search's trials measured: the prior
             self._confirming = (arms, Turns(arms=2, steps_per_turn=max(1, self.options.trial_steps - 1),
-                                            rounds=self.options.confirm_rounds))
+                                            rounds=self.options.confirm_rounds), searched if None not in searched else None)
             return None
         self.chosen, self.chosen_s, self.searching = Striping.from_json(decision["chosen"]), decision["chosen_s"], False
         one = self._one_stream_s()
