@@ -40,7 +40,7 @@ MEDIAN_EFFICIENCY = 1.2533
 """Standard error of a median over that of a mean, for normal noise (sqrt(pi / 2))."""
 QUICK_ROUNDS = 2
 """Rounds after which steps that agree with the model end a comparison (one round more each time, after)."""
-BUDGET_FACTOR = 3
+BUDGET_FACTOR = 2
 """The rounds a comparison may grow to, as a multiple of its first rounds (unless told otherwise)."""
 RECHECK_AFTER = ((500, 3), (5000, 6))
 """(iterations after the first verdict, how many times longer each turn is) of the later checks:

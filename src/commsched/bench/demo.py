@@ -8,7 +8,7 @@ It prints each schedule's step time, its speed-up over ddp, the best step its sc
 the measured compute and communication ([DeAR] Eq. 7-8), and how far its final weights are from
 ddp's: the schedules change when bytes move, not what is computed.
 
-    python -m commsched.bench.demo [--rate 600mbit] [--steps 10] [--rounds 2]
+    python -m commsched.bench.demo [--rate 600mbit] [--steps 10] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default=DEMO_RATE, help="emulated link rate, e.g. 1gbit, 600mbit; none: unlimited")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the best median counts")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the best median counts")
     parser.add_argument("--out", type=Path, default=None,
                         help="where results.json, bench.csv, bench.png and the profile go (default: outputs/demo/<time>)")
     args = parser.parse_args()

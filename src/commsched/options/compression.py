@@ -51,7 +51,7 @@ class CompressionOptions:
     """auto: timed steps per turn when sparse and dense exchanges take turns (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
     """auto: turns each exchange takes before the measured steps may overrule the default (steps that agree with it decide after two)."""
-    confirm_max_rounds: int = option(9, positive_int)
+    confirm_max_rounds: int = option(6, positive_int)
     """auto: turns each exchange may take in all when the steps lean against the model's choice within their
     noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
     drift: float = option(0.2, non_negative_number)

@@ -45,7 +45,7 @@ class DeAROptions:
     """Timed steps per turn (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
     """Turns each schedule takes before the measured steps may overrule the model (steps that agree with it decide after two)."""
-    confirm_max_rounds: int = option(9, positive_int)
+    confirm_max_rounds: int = option(6, positive_int)
     """Turns each schedule may take in all when the steps lean against the model's choice within their
     noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
     drift: float = option(0.2, non_negative_number)

@@ -59,7 +59,7 @@ class FusionOptions:
     """auto: timed steps per turn when fixed and planned buckets take turns (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
     """auto: turns each layout takes before the measured steps may overrule the model (steps that agree with it decide after two)."""
-    confirm_max_rounds: int = option(9, positive_int)
+    confirm_max_rounds: int = option(6, positive_int)
     """auto: turns each layout may take in all when the steps lean against the model's choice within their
     noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
     drift: float = option(0.2, non_negative_number)
