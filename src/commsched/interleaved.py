@@ -82,7 +82,8 @@ class Verdict:
         measured = "measured " + " and ".join(
             f"{names[a]} {self.medians_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}" for i, a in enumerate(order))
         if self.keep != self.favoured:
-            why = f"the measurement overruled the model's {names[self.favoured]}"
+            why = (f"the measurement overruled the model's {names[self.favoured]}" if self.predicted_s is not None
+                   else f"measured faster than {names[self.favoured]} beyond the noise")
         elif not self.resolved:
             why = "within the noise after the budget of turns: the model's choice"
         elif self.predicted_s is not None and self.favoured != 0:
@@ -304,7 +305,6 @@ class Choice:
         """Choices made again after a drift."""
         self.rechecks = Rechecks(rechecks)
         self._warming = 0
-        self._turn_factor = 1
         self._comparison: Optional[Comparison] = None
         self._drift: Optional[DriftWatch] = None
 

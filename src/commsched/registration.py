@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from types import ModuleType
 from typing import Callable, Optional, Sequence
 
@@ -22,9 +23,10 @@ LIGHTNING = "lightning.pytorch"
 def when_lightning_loads(register: Callable[[], None]) -> None:
     """`register()` now if Lightning is loaded, else right after `lightning.pytorch` is."""
     module = sys.modules.get(LIGHTNING)
-    if module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is False:
-        register()
-        return
+    if module is not None:
+        if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+            register()
+        return  # half loaded (commsched imported from within Lightning's import): registered on first use
     if not any(isinstance(finder, _AfterLoading) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterLoading(LIGHTNING, register))
 
@@ -59,7 +61,11 @@ class _ThenRun(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.then()
+        try:
+            self.then()
+        except Exception as error:  # Lightning itself must still import; the names are registered on first use
+            warnings.warn(f"commsched: registering the strategies with Lightning failed ({error!r}); "
+                          "they are registered when a commsched name is first used", RuntimeWarning, stacklevel=2)
 
     def __getattr__(self, name: str):  # get_resource_reader, is_package, get_code, ...: the real loader's
         return getattr(self.loader, name)

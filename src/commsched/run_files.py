@@ -41,7 +41,10 @@ def folder_of(trainer: Any) -> Optional[Path]:
     strategy = trainer.strategy
     if getattr(strategy, "run_dir_resolved", False):
         return strategy.run_dir
-    return Path(trainer.log_dir or trainer.default_root_dir) if trainer.loggers else _checkpoint_folder(trainer)
+    if trainer.loggers:  # as `Trainer.log_dir` finds it, without its broadcast: callers may run on one rank
+        logger = trainer.loggers[0]
+        return Path(getattr(logger, "log_dir", None) or logger.save_dir or trainer.default_root_dir).expanduser()
+    return _checkpoint_folder(trainer)
 
 
 def finite(value: Any) -> Any:

@@ -115,7 +115,7 @@ def print_help(about: str, program: str, conf_dir: Path, config_name: str, group
     from omegaconf import OmegaConf
 
     with initialize_config_dir(version_base=None, config_dir=str(conf_dir)):
-        cfg = compose(config_name, overrides=[a for a in argv if not a.startswith("-")])
+        cfg = compose(config_name, overrides=[a for a in argv if "=" in a and not a.startswith("-")])
     listed = "".join(f"{group}: {', '.join(sorted(options))}\n" for group, options in sorted(groups.items()))
     print(f"{about.rstrip()}\n\n{program} is powered by Hydra.\n\n== Configuration groups ==\n"
           f"Compose your configuration from those groups (group=option)\n\n{listed}\n\n== Config ==\n"

@@ -33,6 +33,9 @@ class Phase(enum.Enum):
 
 
 FIXED, PLANNED = 0, 1
+FUSION_RECHECKS = ((400, 3), (4000, 6))
+"""The layout is checked again a hundred steps before the schedule's own choices are (500 and 5,000
+steps after theirs, which come later): two checks never time the same steps."""
 
 
 class AutoFusion:
@@ -46,7 +49,7 @@ class AutoFusion:
         self.candidate: Optional[SavedPlan] = None
         self.arm = FIXED
         self.turns: Optional[Comparison] = None
-        self.rechecks = Rechecks()
+        self.rechecks = Rechecks(FUSION_RECHECKS)
         self.verdict: Optional[Verdict] = None
         self.steps_deciding = 0
         self._stale_profile: Any = None
@@ -110,7 +113,7 @@ class AutoFusion:
 
     def reopen(self, profile: Any) -> None:
         self.phase, self.arm, self.candidate, self.verdict, self._drift = Phase.PROFILE, FIXED, None, None, None
-        self.rechecks = Rechecks()
+        self.rechecks, self.turns = Rechecks(FUSION_RECHECKS), None
         self._stale_profile = profile
 
     def describe(self) -> str:

@@ -76,11 +76,19 @@ class PlanPolicy:
             return self.deciding and self.auto.wants_profile and not self.compiled and not self.sparse
         return self.deciding and self.fusion.policy in MODEL_POLICIES
 
+    @property
+    def comparing(self) -> bool:
+        """Fixed and planned buckets take turns (the first comparison, or a later check of the kept layout)."""
+        return self.auto is not None and self.auto.turns is not None
+
     def planner(self) -> Planner:
+        auto = self.auto
+        if auto is not None and auto.candidate is not None and (self.comparing or self.decided is None):
+            if auto.arm == PLANNED:
+                return auto.candidate.planner()
+            return partial(plan_fixed, cap_bytes=int(self._cap_mb * 2**20))
         if self.decided is not None:
             return self.decided.planner()
-        if self.auto is not None and self.auto.arm == PLANNED and self.auto.candidate is not None:
-            return self.auto.candidate.planner()
         if self.fusion.policy == "layers":
             return partial(plan_layers, layers_per_bucket=self.fusion.bucket_layers)
         return partial(plan_fixed, cap_bytes=int(self._cap_mb * 2**20))
@@ -249,7 +257,7 @@ class PlanPolicy:
             predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""
             if self.auto is not None:
                 say(f"commsched fusion: {self.auto.describe()}: {len(plan.buckets)} bucket(s) of {sizes:.2f} MB on average; "
-                    f"saved to {path}")
+                    f"{saved}")
             else:
                 say(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
                     f"{sizes:.2f} MB on average{predicted}; {saved}")

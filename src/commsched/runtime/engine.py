@@ -123,7 +123,7 @@ class Engine:
         carried = self.owner.state_dict()
         self.owner.detach()
         self.build(module, world_size)
-        self.owner.settling = self.policy.deciding  # a layout tried while deciding, or the one kept
+        self.owner.settling = self.policy.deciding or self.policy.comparing  # a layout tried while deciding or checked, or the one kept
         self._load(merged(carried.get("shared", {}), carried.get("per_rank", {})))
         self.owner.sync_enabled = sync_enabled
 
@@ -145,7 +145,7 @@ class Engine:
             self.rebuild(module, strategy.world_size)
         if self._iteration_starts and self.owner is not None:
             self._iteration_starts = False
-            self.owner.settling = self.policy.deciding
+            self.owner.settling = self.policy.deciding or self.policy.comparing
             self._hand_over(self.owner.at_boundary(), module)
         self.maybe_start_profiler(module)
 
