@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from commsched import moved
-from commsched.registration import when_lightning_loads
+from commsched.registration import register_entries, when_lightning_loads
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
 from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
                                StreamOptions, TuningOptions)
@@ -47,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
 moved.install()  # 0.2.0's module paths (commsched.strategy, commsched.links, ...) still import, with a warning
 
-when_lightning_loads(_register)
+when_lightning_loads(register_entries)
 
 __all__ = [
     "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeAROptions", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",

@@ -6,6 +6,11 @@ that imports commsched first (or a command line answering ``--help``) should not
 So ``import commsched`` registers at once only where `lightning.pytorch` is already loaded;
 otherwise a one-shot import hook registers right after `lightning.pytorch` finishes loading, which
 every Trainer needs first. The hook removes itself when it fires.
+
+What it registers is one entry per built-in name whose factory loads the real strategy class when
+Lightning first asks for it (`commsched.runtime.registry`, which then registers the classes
+themselves): loading them from inside Lightning's import, possibly from inside the import of a
+commsched module that imports Lightning, would import commsched modules that are half loaded.
 """
 
 from __future__ import annotations
@@ -14,10 +19,31 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
+from functools import partial
 from types import ModuleType
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 LIGHTNING = "lightning.pytorch"
+TOPK = {"compression": "auto"}
+"""``strategy="topk"``: WFBP with `compression="auto"`."""
+
+
+def register_entries() -> None:
+    """Lightning's registry gets each built-in name (the real classes replace these entries when they load)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from commsched.options.catalogue import BUILTIN_SCHEDULES
+
+    for name, params in [*((n, {}) for n in BUILTIN_SCHEDULES), ("topk", TOPK)]:
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, partial(_strategy, "wfbp" if name == "topk" else name), override=True,
+                                      description=f"commsched's {name} strategy (loaded when first used)", **params)
+
+
+def _strategy(schedule: str, **options: Any) -> Any:
+    import commsched.runtime.registry as registry
+
+    return registry.STRATEGIES[schedule](**options)
 
 
 def when_lightning_loads(register: Callable[[], None]) -> None:

@@ -124,7 +124,7 @@ CASES = {
     "handed-wfbp": ("sgd", 12, None, None, None),
     # the same prediction, but WFBP's real steps are slow (a callback sleeps in them): timing both overrules it
     "confirmed-dear": ("sgd", 20, None, None, None),  # 3 steps, then WFBP and DeAR twice each for 1 + 2 steps
-    "confirmed-delayed": ("sgd", 20, None, None, 1.0),  # a delayed plan and DeAR take turns twice each: the plan comes back
+    "confirmed-delayed": ("sgd", 32, None, None, 1.0),  # a delayed plan and DeAR take turns (twice each, more within the noise): the plan comes back
     # a one-step-stale plan (compensation "auto") watched for WATCH iterations: its loss fell, or did not
     # (then it is stopped, rolled back or not, and DeFT measures and solves again without staleness);
     # 13 steps: float rounding grows by about 1.5x a step at the hot learning rate
