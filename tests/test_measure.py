@@ -14,6 +14,7 @@ import time
 import pytest
 
 from commsched.cluster import netns
+from commsched.options import FusionOptions
 from commsched.profile.probe import fit_line
 from conftest import ended_with_an_error
 
@@ -46,9 +47,12 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     if CAN_EMULATE:
         assert netns.namespaces() == []
 
-    # the profiler's output for the components run, as the simulator and planners read it
+    # the profiler's output for the components (the plain wfbp run's own, on fixed buckets, which its
+    # planner planned from), as the simulator and planners read it
     profile = json.loads((tmp_path / "small_cnn" / "profile.json").read_text())
-    assert profile["schedule"] == "wfbp" and profile["world_size"] == 2 and profile["profiled_steps"] == 4
+    fusion = FusionOptions()
+    assert profile["schedule"] == "wfbp" and profile["world_size"] == 2
+    assert profile["profiled_steps"] == fusion.profile_warmup_steps + fusion.profile_steps
     layers = profile["workload"]["layers"]
     owners = [f"net.features.{i}.{j}" for i in (0, 2, 4, 5) for j in (0, 1)] + ["net.classifier.1", "net.classifier.3"]
     assert [l["name"] for l in layers] == owners  # forward order

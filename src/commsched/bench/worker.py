@@ -104,12 +104,13 @@ def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[S
     if schedule == "deft" and spec["preserver"]:
         # stale plans at once (stale_after_steps=0): the bench times them within its few steps
         callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"], stale_after_steps=0))
-    strategy = _strategy(schedule, spec)
+    plain_wfbp = entry == "wfbp" and spec.get("bucket_cap_mb") is None  # its planner profiles fixed buckets: the components
+    strategy = _strategy(schedule, spec, **({"profile": ProfileOptions(dir=str(out))} if plain_wfbp else {}))  # where they go
     trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
     choices = {**_choices(strategy, timer), "steps_run": trainer.global_step}
-    profile = getattr(strategy, "profile", None) if entry == "wfbp" and spec.get("bucket_cap_mb") is None else None
+    profile = getattr(strategy, "profile", None) if plain_wfbp else None
     return timer, trainer.global_rank, state, _deft_report(strategy) or _streams_report(entry, strategy), choices, profile
 
 
