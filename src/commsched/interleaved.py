@@ -81,12 +81,16 @@ class Verdict:
             predicted = "no model; "
         measured = "measured " + " and ".join(
             f"{names[a]} {self.medians_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}" for i, a in enumerate(order))
+        model = self.predicted_s
+        clear = model is not None and any(model[self.favoured] < model[a] * (1.0 - MODEL_MARGIN)
+                                          for a in range(len(model)) if a != self.favoured)
         if self.keep != self.favoured:
-            why = (f"the measurement overruled the model's {names[self.favoured]}" if self.predicted_s is not None
-                   else f"measured faster than {names[self.favoured]} beyond the noise")
+            why = (f"the measurement overruled the model's {names[self.favoured]}" if clear else
+                   f"measured faster than {names[self.favoured]} beyond the noise"
+                   + (" (the model saw no clear difference)" if model is not None else ""))
         elif not self.resolved:
-            why = "within the noise after the budget of turns: the model's choice"
-        elif self.predicted_s is not None and self.favoured != 0:
+            why = "within the noise after the budget of turns: " + ("the model's choice" if clear else "the default")
+        elif clear:
             why = "the model's choice, confirmed"
         else:
             why = "the default, confirmed" if self.keep == 0 else "confirmed"

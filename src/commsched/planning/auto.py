@@ -120,7 +120,6 @@ class AutoFusion:
         """How the kept layout was chosen, for the log and the closing summary."""
         if self.verdict is None:
             return f"{self.planner}'s plan is the fixed layout" if self.phase is Phase.DECIDED else "deciding"
-        kept = "planned buckets kept" if self.verdict.keep == PLANNED else "fixed buckets kept"
         names = (f"fixed {self.fusion.bucket_cap_mb:.3g} MB buckets", f"{self.planner}'s plan")
         checked = f", checked again {self.rechecks.done} time(s)" if self.rechecks.done else ""
-        return f"{self.verdict.describe(names)} ({kept} after {self.steps_deciding} steps{checked})"
+        return f"{self.verdict.describe(names)} (decided after {self.steps_deciding} steps{checked})"
