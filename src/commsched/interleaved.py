@@ -316,11 +316,6 @@ class Choice:
     def deciding(self) -> bool:
         return self.verdict is None
 
-    @property
-    def checking_again(self) -> bool:
-        """A later check of a kept verdict is running (the run is settled: the verdict holds meanwhile)."""
-        return self._comparison is not None and self.verdict is not None
-
     def at_boundary(self, control: Any) -> Optional[int]:
         """The arm to run from this iteration on (None: the one running). Reads `reopened` to tell a
         drift's new comparison from the first."""
