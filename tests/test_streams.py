@@ -244,6 +244,18 @@ def test_the_search_ends_with_one_choice_on_every_rank_and_keeps_it_on_resume(ru
         assert diff <= 1e-5, f"rank {rank}: {key} differs from ddp resumed by {diff:.3g}"
 
 
+@pytest.mark.parametrize("case", ["wfbp-auto", "dear-auto", "wfbp-auto-drift"])
+def test_the_search_makes_groups_as_it_tries_them_and_releases_the_unused_once_settled(runs, case):
+    """Counted in torch's registry of process groups: the default group and one per stream alive."""
+    for rank in (0, 1):
+        run = runs(case, rank)
+        alive = run["groups_alive"]
+        assert alive[0] == 2  # the default group and the primary's first stream, nothing made ahead
+        assert max(alive) <= 1 + 4  # at most max_streams of the primary while searching
+        assert max(alive) > 2 or all(t["streams"] == 1 for t in run["trials"])  # a trial with streams made them
+        assert alive[-1] == 1 + Striping.from_json(run["chosen"]).streams  # settled: the rest released
+
+
 def test_a_search_cut_short_goes_on_from_its_trials_on_resume(runs):
     """dear-auto-cut checkpointed at step 6 with 2 of its 4 trials measured (it ran on to step 8, a
     third); resumed from there, the search measures the third again, then a fourth, and chooses."""

@@ -78,6 +78,18 @@ def delay_every_request(rank: int) -> None:
     commsched.comm.links.Link._request = delayed
 
 
+class CountGroups(pl.Callback):
+    """The process groups alive at every step start (torch's own registry, not commsched's)."""
+
+    def __init__(self) -> None:
+        self.alive: list[int] = []
+
+    def on_train_batch_start(self, *args) -> None:
+        from torch.distributed.distributed_c10d import _world
+
+        self.alive.append(len(_world.pg_map))
+
+
 class Said(logging.Handler):
     """What commsched tells the user during one fit (rank 0 says it all)."""
 
@@ -101,11 +113,12 @@ def fit(out: Path, case: str) -> None:
     pl.seed_everything(1234, verbose=False)
     steps = DRIFT_STEPS if case.endswith("-drift") else STEPS - 4 if case.endswith("-part") else CUT_STEPS if case.endswith("-cut") else STEPS
     model = ToyNet(optimizer="sgd", batch_size=4, train_size=max(steps, STEPS) * 4 * 2)
+    groups = CountGroups()
     strategy = case_strategy(case)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                          gradient_clip_val=0.5, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out / case,
-                         callbacks=[ModelCheckpoint(dirpath=out / case / "ckpt", save_last=True, save_top_k=0),
+                         callbacks=[groups, ModelCheckpoint(dirpath=out / case / "ckpt", save_last=True, save_top_k=0),
                                     *([SlowerLater()] if case.endswith("-drift") else []),
                                     *([ModelCheckpoint(dirpath=out / case / "mid", filename="mid", every_n_train_steps=CUT_AT,
                                                        save_top_k=-1)] if case.endswith("-cut") else [])])
@@ -119,7 +132,8 @@ def fit(out: Path, case: str) -> None:
     finally:
         logging.getLogger("commsched").removeHandler(said)
     result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-              "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])]}
+              "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
+              "groups_alive": groups.alive}
     schedule = getattr(trainer.strategy, "last_schedule", None)
     if schedule is not None and schedule.streams is not None:
         control = schedule.streams

@@ -263,29 +263,48 @@ def _interface(backend: str, ifname: Optional[str]) -> Iterator[None]:
 class Links:
     """A run's links by name: `control` (the default group: setup checks, buffer broadcasts, plan
     decisions) and the groups of each spec, created on every rank in the order given. A spec with
-    S streams makes links `name`, `name.1`, ..., `name.{S-1}` (`streams(name)` lists them)."""
+    S streams makes links `name`, `name.1`, ..., `name.{S-1}` (`streams(name)` lists them).
+
+    More streams are made when a schedule first asks for them (`streams(name, count)`), and the ones
+    no longer used are released (`release_streams`): a gloo group keeps its connections and a thread
+    that wakes every few milliseconds, so a run that searched 16 streams and settled on one must not
+    keep the other 15 of each link. Both are collective: every rank calls them at the same iteration
+    boundary (the stream search's decisions are broadcast)."""
 
     def __init__(self, specs: list[LinkSpec], timeout: Optional[timedelta], trace: Optional[list[CollectiveRecord]],
                  device: Optional[torch.device] = None) -> None:
         """`device`: the rank's own accelerator (the model's device), where NCCL links keep their tensors."""
-        timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
-        self.control = Link("control", None, trace, device, timeout_s)
+        self._timeout = timeout
+        self._timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
+        self._trace = trace
+        self._device = device
+        self.control = Link("control", None, trace, device, self._timeout_s)
+        self._specs = {spec.name: spec for spec in specs}
         self._links: dict[str, Link] = {}
         self._streams: dict[str, list[Link]] = {}
+        self._made: list[Callable[[Link], None]] = []
+        self.retired: list[Link] = []
+        """Links released during the run (stopped, groups destroyed): their bytes and waits still count."""
         self._sent_when_destroyed: Optional[dict[str, float]] = None
         for spec in specs:
-            backend = spec.backend or str(dist.get_backend())
-            for stream in range(spec.streams):
-                name = spec.name if stream == 0 else f"{spec.name}.{stream}"
-                with _interface(backend, spec.ifname):
-                    group = self._new_group(spec, backend, timeout, device)
-                    link = Link(name, group, trace, device, timeout_s)
-                    if backend == "nccl":  # NCCL makes its communicator at the first collective: while the interface is set
-                        dist.all_reduce(torch.zeros(1, device=link.device), group=group)
-                log.debug(f"commsched: link '{name}': {backend}" + (f" on {spec.ifname}" if spec.ifname else "")
-                          + (f", groups {spec.groups}" if spec.groups else ""))
-                self._links[name] = link
-                self._streams.setdefault(spec.name, []).append(link)
+            self._streams[spec.name] = []
+            self._grow(spec, spec.streams)
+
+    def _grow(self, spec: LinkSpec, count: int) -> None:
+        backend = spec.backend or str(dist.get_backend())
+        for stream in range(len(self._streams[spec.name]), count):
+            name = spec.name if stream == 0 else f"{spec.name}.{stream}"
+            with _interface(backend, spec.ifname):
+                group = self._new_group(spec, backend, self._timeout, self._device)
+                link = Link(name, group, self._trace, self._device, self._timeout_s)
+                if backend == "nccl":  # NCCL makes its communicator at the first collective: while the interface is set
+                    dist.all_reduce(torch.zeros(1, device=link.device), group=group)
+            log.debug(f"commsched: link '{name}': {backend}" + (f" on {spec.ifname}" if spec.ifname else "")
+                      + (f", groups {spec.groups}" if spec.groups else ""))
+            self._links[name] = link
+            self._streams[spec.name].append(link)
+            for configure in self._made:
+                configure(link)
 
     @staticmethod
     def _new_group(spec: LinkSpec, backend: str, timeout: Optional[timedelta], device: Optional[torch.device]) -> Any:
@@ -305,21 +324,58 @@ class Links:
     def __iter__(self) -> Iterator[Link]:
         return iter([*self._links.values(), self.control])
 
-    def streams(self, name: str) -> list[Link]:
-        """The parallel groups of one link spec, in stream order (one for a spec without streams)."""
+    def streams(self, name: str, count: Optional[int] = None) -> list[Link]:
+        """The parallel groups of one link spec, in stream order (one for a spec without streams);
+        with `count`, at least that many, the missing ones made now (collective: see the class)."""
+        if count is not None and count > len(self._streams[name]):
+            self._grow(self._specs[name], count)
         return list(self._streams[name])
+
+    def release_streams(self, keep: dict[str, int]) -> int:
+        """Destroy each spec's streams from `keep[name]` on (1 for a name not given: the first stream of
+        every link stays); collective, see the class. How many groups went. Nothing may be in flight
+        on them (they are released between iterations, once unused)."""
+        released = 0
+        for name, streams in self._streams.items():
+            kept = max(1, keep.get(name, 1))
+            for link in streams[kept:]:
+                link.stop()
+                self._destroy_group(link)
+                del self._links[link.name]
+                self.retired.append(link)
+                released += 1
+            del streams[kept:]
+        if released:
+            log.debug(f"commsched: released {released} idle stream groups (kept {keep})")
+        return released
+
+    def when_made(self, configure: Callable[[Link], None]) -> None:
+        """Apply `configure` to every link, now and as more are made (the profiler's recorders)."""
+        self._made.append(configure)
+        for link in [*self._links.values(), self.control]:
+            configure(link)
+
+    @staticmethod
+    def _destroy_group(link: Link) -> None:
+        if link.group is not None:
+            point_to_point.release(link.group)
+            dist.destroy_process_group(link.group)
+            link.group = None
 
     @property
     def exposed_seconds(self) -> float:
         """Time the training loop waited on any link."""
-        return sum(link.clock.seconds for link in self)
+        return sum(link.clock.seconds for link in [*self, *self.retired])
 
     @property
     def wire_bytes(self) -> dict[str, float]:
         """Bytes this rank has sent, per link (each stream is a link); after `destroy`, the final figures."""
         if self._sent_when_destroyed is not None:
             return dict(self._sent_when_destroyed)
-        return {link.name: link.wire_bytes for link in self}
+        sent = {link.name: link.wire_bytes for link in self.retired}
+        for link in self:
+            sent[link.name] = sent.get(link.name, 0.0) + link.wire_bytes
+        return sent
 
     def stop_issuers(self) -> None:
         """After a failure: end the issuer threads (a request behind a failed collective fails at once;
@@ -333,9 +389,6 @@ class Links:
         for link in self:
             link.stop()
         for link in self._links.values():
-            if link.group is not None:
-                point_to_point.release(link.group)
-                dist.destroy_process_group(link.group)
-                link.group = None
+            self._destroy_group(link)
         self._links.clear()
         self._streams.clear()

@@ -36,7 +36,8 @@ class StreamOptions:
     """Steps run with each configuration the search tries; the first after a switch is left out, the
     median of the others counts."""
     max_streams: int = option(16, positive_int)
-    """streams="auto": the most streams searched (links for that many are made at setup)."""
+    """streams="auto": the most streams searched (each link's groups are made as the search first tries
+    them, and those the kept configuration does not use are released once it settles)."""
     min_unit_mb: float = option(0.5, positive_number)
     """streams="auto": the smallest unit searched (MB)."""
     max_unit_mb: float = option(32.0, positive_number)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.device_time import SpanRecorder, synchronize
-from commsched.comm.links import Link
+from commsched.comm.links import Link, Links
 from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layers import LayerTimer
 from commsched.profile.probe import probe_link
@@ -72,13 +72,20 @@ class RunProfiler:
     def active(self) -> bool:
         return self._timer is not None
 
-    def start(self, module: Any, links: list[Link]) -> None:
+    def start(self, module: Any, links: Optional[Links]) -> None:
+        """Time the steps from here; every link is measured, those a stream search makes later too."""
         self._device = next(module.parameters()).device
         self._timer = LayerTimer(module, self._device).attach()
-        self._links = links
-        for link in links:
-            link.recorder = SpanRecorder(link.device)
-            link.measuring = True
+        self._links = []
+        if links is not None:
+            links.when_made(self._measure)
+
+    def _measure(self, link: Link) -> None:
+        if self._timer is None:  # made after this profile finished
+            return
+        link.recorder = SpanRecorder(link.device)
+        link.measuring = True
+        self._links.append(link)
 
     def phase_started(self, strategy: Any) -> None:
         """Start of training_step's forward or of backward (the strategy calls it at both)."""

@@ -200,7 +200,7 @@ class Engine:
         steps = max(self._profile.steps, self._fusion.profile_steps + warmup if planning else 0)
         self.profiler = RunProfiler(steps, self._profile.dir, self._profile.probe or planning, warmup=warmup,
                                     announce=bool(self._profile.steps))
-        self.profiler.start(module, list(self.links or []))
+        self.profiler.start(module, self.links)
         self._profile = dataclasses.replace(self._profile, steps=0)  # the asked-for profile runs once
 
     def finish_profile(self, strategy: Any) -> None:

@@ -215,13 +215,25 @@ class Schedule(Generic[SettingsT]):
 
     @classmethod
     def streams_for(cls, settings: Any) -> int:
-        """Streams (process groups) of each of this schedule's links (primary, intra, inter) to make at setup."""
+        """Streams (process groups) of each of this schedule's links (primary, intra, inter) to make at setup
+        (a stream search makes more as it tries them)."""
         control = getattr(settings, "streams", None)
-        return control.links_needed if control is not None else 1
+        return control.streams_at_setup if control is not None else 1
 
     def _restripe(self, striping: "Striping") -> None:
         """Build the reducers for another stream configuration (between iterations)."""
         raise NotImplementedError
+
+    def _follow_streams(self) -> None:
+        """At an iteration start: the stream search's switch, if any; once it has settled, the groups
+        the kept configuration does not use are released (a search may have made 16 of each link)."""
+        assert self.streams is not None
+        chosen = self.streams.at_boundary(self.links.control, hold=self.settling)
+        if chosen is not None:
+            self._restripe(chosen)
+        if self.streams.auto and not self.streams.searching:
+            s = self.streams.striping
+            self.links.release_streams({"intra": s.streams, "inter": s.streams} if s.hierarchical else {"primary": s.streams})
 
     @classmethod
     def refuse_optimizers(cls, options: StrategyOptions, optimizers: list[Optimizer]) -> None:

@@ -150,7 +150,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         if self.settings.bucket_links is not None:
             return [StripedShards(b, [Unit(b.index, 0, b.buffer.numel(), 0)], [self.links[name]])
                     for b, name in zip(self.plan.buckets, self.settings.bucket_links)]
-        streams = self.links.streams("primary")
+        streams = self.links.streams("primary", striping.streams)
         return [StripedShards(b, units, streams) for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
 
     @classmethod
@@ -168,9 +168,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         flight on the old streams) before the buckets' units move. Once the buckets are decided, DeAR
         and WFBP take turns until the faster is known (`DeAROptions.fallback`): WFBP's turns are
         handed over to it (the engine applies DeAR's pending update first)."""
-        chosen = self.streams.at_boundary(self.links.control, hold=self.settling)
-        if chosen is not None:
-            self._restripe(chosen)
+        self._follow_streams()
         fallback = self.settings.fallback
         if fallback is None or self.settling:
             return None

@@ -137,8 +137,9 @@ class WFBPSchedule(Schedule[WFBPSettings]):
 
     def _dense_reducers(self, striping: Striping) -> list[StripedAllReduce]:
         """Each bucket's units on their streams, flat or node first (one unit per bucket with one stream)."""
-        two_level = (self.links.streams("intra"), self.links.streams("inter")) if striping.hierarchical else None
-        return [StripedAllReduce(b, units, self.links.streams("primary"), two_level)
+        s = striping.streams
+        two_level = (self.links.streams("intra", s), self.links.streams("inter", s)) if striping.hierarchical else None
+        return [StripedAllReduce(b, units, self.links.streams("primary", 1 if striping.hierarchical else s), two_level)
                 for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
 
     @override
@@ -190,9 +191,8 @@ class WFBPSchedule(Schedule[WFBPSettings]):
     def at_boundary(self) -> None:
         """The stream search's switches, and a sparse exchange's dense phases, at iteration starts
         (every rank at the same step; nothing is in flight)."""
-        chosen = self.streams.at_boundary(self.links.control, hold=self.settling) if self.streams is not None else None
-        if chosen is not None:
-            self._restripe(chosen)
+        if self.streams is not None:
+            self._follow_streams()
         compression = self.settings.compression
         if compression.method == "none":
             return None

@@ -44,7 +44,8 @@ class StreamControl:
         `out_dir`: where this rank writes the trials (None from it: this rank writes nothing)."""
         self.options = options
         self.auto = streams == "auto"
-        self.links_needed = options.max_streams if self.auto else int(streams)
+        self.streams_at_setup = 1 if self.auto else int(streams)
+        """Groups of each link made at setup: a search makes more as it tries them (`Links.streams`)."""
         self._two_level = two_level
         self._out_dir = out_dir
         self._log_metrics = log_metrics
