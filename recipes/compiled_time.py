@@ -1,9 +1,12 @@
-"""Step times of a small CNN (0.3 M parameters), eager and under torch.compile (as Lightning's docs show it:
+"""Step times of a CNN, eager and under torch.compile (as Lightning's docs show it:
 `trainer.fit(torch.compile(model))`), for Lightning's ddp and each exact schedule at its defaults,
 on 2 CPU processes over the unlimited loopback; with the graph breaks and recompiles dynamo
 counted after the warm-up. Timed steps start once the strategy has settled (its own choices made).
 
-    .venv/bin/python recipes/compiled_time.py [STEPS] [ROUNDS]
+    .venv/bin/python recipes/compiled_time.py [STEPS] [ROUNDS] [MODEL]
+
+MODEL: "tiny" (a 0.3 M-parameter CNN, the default) or "bench" (the benchmark's small CNN, 3.06 M
+parameters, whose communication is about its compute on this loopback).
 
 Rank 0 prints one Markdown row per schedule: eager ms, compiled ms, compiled against eager, against
 compiled ddp, graph breaks, graphs compiled after the warm-up.
@@ -22,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import commsched  # noqa: F401  (registers the strategies)
 import lightning.pytorch as pl
+from commsched.models import SmallCNNBackbone
 from commsched.timing import StepTimer
 
 warnings.filterwarnings("ignore")
@@ -29,18 +33,21 @@ SCHEDULES = ("ddp", "wfbp", "dear")
 BATCH = 32
 
 
-class SmallCNN(pl.LightningModule):
-    """0.3 M parameters. No `self.log` in `training_step`: with torch 2.13 and Lightning 2.6 dynamo
+class CNN(pl.LightningModule):
+    """0.3 M parameters ("tiny") or 3.06 M ("bench"). No `self.log` in `training_step`: with torch 2.13 and Lightning 2.6 dynamo
     fails on it under every strategy, ddp included (it inspects the hook's signature)."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: str = "tiny") -> None:
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(4))
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
+        if size == "bench":
+            self.net: nn.Module = SmallCNNBackbone(width=64)
+        else:
+            self.net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+                                     nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                                     nn.Flatten(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
+        return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -55,11 +62,11 @@ def data(samples: int) -> TensorDataset:
     return TensorDataset(torch.randn(samples, 3, 32, 32, generator=g), torch.randint(0, 10, (samples,), generator=g))
 
 
-def timed(schedule: str, compiled: bool, steps: int) -> tuple[float, int, int]:
+def timed(schedule: str, compiled: bool, steps: int, size: str) -> tuple[float, int, int]:
     torch._dynamo.reset()
     counters.clear()
     pl.seed_everything(0, verbose=False)
-    model = SmallCNN()
+    model = CNN(size)
     timer = StepTimer(warmup=3, stop_after=steps)
     trainer = pl.Trainer(strategy=schedule, accelerator="cpu", devices=2, max_steps=steps + 200, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
@@ -71,12 +78,13 @@ def timed(schedule: str, compiled: bool, steps: int) -> tuple[float, int, int]:
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    size = sys.argv[3] if len(sys.argv) > 3 else "tiny"
     best: dict[tuple[str, bool], float] = {}
     dynamo: dict[str, tuple[int, int]] = {}
     for _ in range(rounds):
         for schedule in SCHEDULES:
             for compiled in (False, True):
-                seconds, breaks, graphs = timed(schedule, compiled, steps)
+                seconds, breaks, graphs = timed(schedule, compiled, steps, size)
                 best[(schedule, compiled)] = min(seconds, best.get((schedule, compiled), float("inf")))
                 if compiled:
                     dynamo[schedule] = (breaks, graphs)

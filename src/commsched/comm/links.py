@@ -332,12 +332,12 @@ class Links:
         return list(self._streams[name])
 
     def release_streams(self, keep: dict[str, int]) -> int:
-        """Destroy each spec's streams from `keep[name]` on (1 for a name not given: the first stream of
-        every link stays); collective, see the class. How many groups went. Nothing may be in flight
-        on them (they are released between iterations, once unused)."""
+        """Destroy each spec's streams from `keep[name]` on (a name not given keeps 1; 0 releases the
+        link whole until a schedule asks for it again); collective, see the class. How many groups
+        went. Nothing may be in flight on them (they are released between iterations, once unused)."""
         released = 0
         for name, streams in self._streams.items():
-            kept = max(1, keep.get(name, 1))
+            kept = max(0, keep.get(name, 1))
             for link in streams[kept:]:
                 link.stop()
                 self._destroy_group(link)

@@ -226,14 +226,16 @@ class Schedule(Generic[SettingsT]):
 
     def _follow_streams(self) -> None:
         """At an iteration start: the stream search's switch, if any; once it has settled, the groups
-        the kept configuration does not use are released (a search may have made 16 of each link)."""
+        the kept configuration does not use are released (a search may have made 16 of each link, and
+        an idle gloo group costs its process about 1 ms of CPU a second, polling its connections)."""
         assert self.streams is not None
         chosen = self.streams.at_boundary(self.links.control, hold=self.settling)
         if chosen is not None:
             self._restripe(chosen)
         if self.streams.auto and not self.streams.searching:
             s = self.streams.striping
-            self.links.release_streams({"intra": s.streams, "inter": s.streams} if s.hierarchical else {"primary": s.streams})
+            two_level = s.streams if s.hierarchical else 0  # the node-first links, made again if a search re-opens
+            self.links.release_streams({"primary": 1 if s.hierarchical else s.streams, "intra": two_level, "inter": two_level})
 
     @classmethod
     def refuse_optimizers(cls, options: StrategyOptions, optimizers: list[Optimizer]) -> None:
