@@ -137,3 +137,19 @@ def test_dear_handing_its_iterations_to_wfbp_changes_no_math(cases):
     ops = [op for link, op, tag, *_ in runs[0]["trace"] if tag == "bucket0"]
     assert "all_reduce" in ops and "reduce_scatter" in ops  # both schedules ran
     assert all(per_link(r["trace"]) == per_link(runs[0]["trace"]) for r in runs)
+
+
+def test_dears_choice_between_itself_and_wfbp_is_kept_across_a_resume(cases):
+    """The checkpoint holds the verdict and where its later checks stand: the resumed epoch runs the
+    kept schedule from its first step (no turns again) and counts on toward the next check."""
+    results = cases(3)
+    saved = [torch.load(results.directory / f"{case}-ckpt" / "last.ckpt", weights_only=False)["commsched"]["shared"]["choices"]["fallback"]
+             for case in ("dear-fallback-1ep", "dear-fallback-resume")]
+    first, resumed = saved
+    assert first["verdict"] is not None and resumed["verdict"] == first["verdict"]  # not decided again
+    assert resumed["rechecks"]["iterations"] == first["rechecks"]["iterations"] + 12  # the resumed epoch's 12 steps counted on
+    kept = "reduce_scatter" if first["verdict"]["keep"] else "all_reduce"
+    for rank, result in enumerate(results.all_ranks("dear-fallback-resume")):
+        assert {op for link, op, tag, *_ in result["trace"] if tag == "bucket0"} == {kept}, f"rank {rank}: turns taken again"
+        diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"

@@ -5,11 +5,12 @@ with known noise, against closed forms)."""
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import pytest
 
-from commsched.interleaved import (BUDGET_FACTOR, MIN_MARGIN, MODEL_MARGIN, QUICK_ROUNDS, Comparison, Rechecks, Turns, Verdict, decide, favoured,
-                                  relative_spread)
+from commsched.interleaved import (BUDGET_FACTOR, MIN_MARGIN, MODEL_MARGIN, QUICK_ROUNDS, Choice, Comparison, Rechecks, Turns, Verdict, decide,
+                                  favoured, relative_spread)
 
 
 def run_turns(turns: Turns, step_s: list[float]) -> list[int]:
@@ -163,3 +164,33 @@ def test_overruling_the_model_takes_every_round_asked_for(one_process_link):
     verdict, steps = drive(Comparison(2, 3, 4, predicted=[1.0, 0.8]), lambda arm, i: [1.0, 1.3][arm], one_process_link)
     assert verdict.keep == 0 and verdict.favoured == 1 and steps == 4 * 2 * 4
 
+
+
+def test_a_resumed_choice_keeps_its_verdict_and_counts_on_to_its_next_check(one_process_link):
+    """The state a checkpoint holds: the verdict (its arm runs at once, nothing is measured again) and
+    the iterations toward the next check; a check the checkpoint caught half-way starts again at once."""
+    import time
+
+    def make() -> Choice:
+        return Choice(confirm_steps=1, confirm_rounds=2, drift=10.0, drift_steps=100, warmup=1, rechecks=((6, 1),))
+
+    def step(choice: Choice) -> Optional[int]:
+        switched = choice.at_boundary(one_process_link)
+        time.sleep(0.002 if choice.arm == 1 else 0.008)  # the candidate clearly faster
+        return switched
+
+    first = make()
+    while first.deciding:
+        step(first)
+    assert first.verdict is not None and first.verdict.keep == 1
+    step(first), step(first)  # two iterations toward the check, then the checkpoint
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.verdict == first.verdict and resumed.arm == 1 and not resumed.deciding
+    assert [step(resumed) for _ in range(4)] == [None, None, None, 0]  # the check at 6 iterations after the verdict, not sooner
+    caught = make()
+    caught.load_state_dict(resumed.state_dict())  # mid-check: the check is made again, at once
+    assert step(caught) == 0 and caught.verdict == first.verdict
+    fresh = make()
+    fresh.load_state_dict(None)
+    assert [step(fresh) for _ in range(2)] == [None, 0] and fresh.deciding  # without state: warm-up, then turns

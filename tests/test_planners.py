@@ -9,6 +9,7 @@ import math
 import random
 
 import pytest
+import torch
 from conftest import max_abs_diff, per_link
 
 from commsched.fusion.dear_model import DearInstance, min_backward, min_forward, plan_dear_model
@@ -214,6 +215,22 @@ def test_plan_cli_compares_saves_and_shows(cases, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x.json")])
     assert "--profile" in capsys.readouterr().err
+
+
+def test_the_default_fusions_measured_choice_is_kept_across_a_resume(cases):
+    """The checkpoint holds the verdict, both layouts and where the later checks stand: the resumed
+    run keeps the layout without profiling or taking turns again, and counts on toward its next check."""
+    results = cases(3)
+    first, resumed = (torch.load(results.directory / f"{case}-ckpt" / "last.ckpt", weights_only=False)["commsched"]["plan"]
+                      for case in ("wfbp-auto", "wfbp-auto-resume"))
+    assert first["auto"] is not None and resumed["auto"]["verdict"] == first["auto"]["verdict"]
+    assert resumed["auto"]["candidate"] == first["auto"]["candidate"] and resumed["auto"]["fixed"] == first["auto"]["fixed"]
+    assert resumed["auto"]["rechecks"]["iterations"] == first["auto"]["rechecks"]["iterations"] + 12
+    assert resumed["decided"] == first["decided"]
+    for rank, result in enumerate(results.all_ranks("wfbp-auto-resume")):
+        assert len(set(result["layouts"])) == 1, f"rank {rank}: the layout changed after the resume: {result['layouts']}"
+        diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"
 
 
 @pytest.mark.parametrize("case, planner", [("dear-auto", "dear-model"), ("wfbp-auto", "mgwfbp")])

@@ -25,6 +25,7 @@ on a noisy moment is corrected at a cost far below 1% of the run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -64,6 +65,13 @@ class Verdict:
     """The arm the model favours (0 when it predicts no clear gain, or has nothing to say)."""
     resolved: bool = True
     """False when the measured fastest arm is not the favoured one but not beyond the noise: more turns would tell."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any]) -> "Verdict":
+        return cls(**saved)
 
     @property
     def gain(self) -> float:
@@ -282,6 +290,13 @@ class Rechecks:
         self.done = 0
         """Checks made so far."""
 
+    def state_dict(self, checking: bool = False) -> dict[str, int]:
+        """`checking`: a check is under way, and is made again after a resume (its turns are not saved)."""
+        return {"iterations": self.iterations, "done": self.done - (1 if checking and self.done else 0)}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        self.iterations, self.done = int(saved.get("iterations", 0)), int(saved.get("done", 0))
+
     def due(self) -> int:
         self.iterations += 1
         if self.done < len(self.schedule) and self.iterations >= self.schedule[self.done][0]:
@@ -345,6 +360,26 @@ class Choice:
         self.verdict, self._comparison = verdict, None
         self._drift = DriftWatch(verdict.medians_s[verdict.keep], self.drift, self.drift_steps)
         return self._run(verdict.keep)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Communication state, equal on every rank (verdicts are reached together): the verdict, the
+        iterations its later checks count, the drifts that re-opened it. Turns under way are not kept:
+        a resumed run takes them again (a first choice from its warm-up, a later check at once)."""
+        return {"verdict": self.verdict.to_json() if self.verdict is not None else None, "reopened": self.reopened,
+                "rechecks": self.rechecks.state_dict(checking=self._comparison is not None and self.verdict is not None)}
+
+    def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
+        """A checkpoint's choice, kept as it was decided (its arm runs from the first step, its later
+        checks come when they were due). Only a choice that has not run yet takes it: a bucket
+        rebuild hands a running choice back what it just gave."""
+        if not saved or self.verdict is not None or self._comparison is not None or self._warming or self.reopened:
+            return
+        self.reopened = int(saved.get("reopened", 0))
+        self.rechecks.load_state_dict(saved.get("rechecks", {}))
+        if saved.get("verdict") is not None:
+            self.verdict = Verdict.from_json(saved["verdict"])
+            self.arm = self.verdict.keep
+            self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.drift, self.drift_steps)
 
     def _start(self, factor: int) -> None:
         predicted = self.predict() if self.predict is not None else None

@@ -112,6 +112,8 @@ BAYES = {"fusion": "bayes", "tuning": TuningOptions(trials=3, trial_steps=2, war
 # fusion="auto" within one 12-step epoch: 1 + 2 profiled steps, then 2 turns each of 1 + 1 steps
 AUTO = FusionOptions(policy="auto", profile_warmup_steps=1, profile_steps=2, confirm_steps=1, confirm_rounds=2, confirm_max_rounds=2)
 
+QUICK_FALLBACK = DeAROptions(confirm_steps=1, confirm_rounds=1, confirm_max_rounds=1)
+
 # The plan itself every step (no hand-over to WFBP or DeAR): exactness of DeFT's own replay.
 NO_DELAY = DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1, fallback="never")
 
@@ -142,6 +144,11 @@ CASES = {
     # the default fallback, quick: after 5 steps DeAR and WFBP take turns (2 rounds of 1 + 1 steps), then the
     # faster runs the rest; the iterations change hands four times or more, the math never
     "dear-fallback-2ep": ("dear", {"epochs": 2, "dear": DeAROptions(confirm_steps=1, confirm_rounds=2)}),
+    # the same choice made in the first epoch, checkpointed, resumed: kept, not measured again
+    # (fixed buckets and one round of turns: the choice is made by step 9 of the 12)
+    "dear-fallback-1ep": ("dear", {"epochs": 1, "fusion": "fixed", "dear": QUICK_FALLBACK}),
+    "dear-fallback-resume": ("dear", {"epochs": 2, "resume_from": "dear-fallback-1ep", "fusion": "fixed", "dear": QUICK_FALLBACK}),
+    "wfbp-auto-resume": ("wfbp", {"epochs": 2, "resume_from": "wfbp-auto", "fusion": AUTO}),
     "wfbp-2ep": ("wfbp", {"epochs": 2}),
     "dear-1ep": ("dear", {"epochs": 1}),
     "ddp-1ep": ("ddp", {"epochs": 1}),

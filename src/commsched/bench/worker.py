@@ -144,17 +144,28 @@ def _choices(strategy: Any, timer: StepTimer) -> dict:
     plan = strategy.fusion_plan
     auto = plan.details.get("auto") if plan is not None else None
     fusion = (f"{auto['planner']} plan" if auto["kept"] == "planned" else "fixed") if auto else (plan.policy if plan else "fixed")
+    if auto:
+        fusion += f"; planned {_gains(auto.get('predicted_ms'), auto['step_ms'])}"
     chose = [f"{len(schedule.plan.buckets)} buckets ({fusion})"]
     settings = getattr(schedule, "settings", None)
     judge = getattr(settings, "sparse_or_dense", None)
     if judge is not None and judge.verdict is not None:
-        chose.append("sparse" if judge.verdict.keep else "dense")
+        v = judge.verdict
+        chose.append(f"{'sparse' if v.keep else 'dense'} (sparse {_gains(v.predicted_s, v.medians_s)})")
     fallback = getattr(settings, "fallback", None)
     if fallback is not None and fallback.verdict is not None:
-        chose.append("DeAR" if fallback.verdict.keep else "WFBP ran")
+        v = fallback.verdict
+        chose.append(f"{'DeAR' if v.keep else 'WFBP ran'} (DeAR {_gains(v.predicted_s, v.medians_s)})")
     if getattr(schedule, "choice", None) is not None and getattr(schedule, "decided", False):
         chose.append(f"ran {schedule.choice.runs}")
     return {"chose": ", ".join(chose), "deciding_steps": timer.deciding_steps}
+
+
+def _gains(predicted: Optional[list[float]], measured: list[float]) -> str:
+    """A choice's candidate (arm 1) against its default (arm 0): how much faster the model predicted
+    it and the turns measured it (above 1: faster)."""
+    said = f"{predicted[0] / predicted[1]:.2f}x predicted, " if predicted else "no model, "
+    return said + f"{measured[0] / measured[1]:.2f}x measured"
 
 
 def _streams_report(entry: str, strategy: Any) -> dict:

@@ -372,8 +372,8 @@ class Links:
         """Bytes this rank has sent, per link (each stream is a link); after `destroy`, the final figures."""
         if self._sent_when_destroyed is not None:
             return dict(self._sent_when_destroyed)
-        sent = {link.name: link.wire_bytes for link in self.retired}
-        for link in self:
+        sent: dict[str, float] = {}
+        for link in [*self.retired, *self]:  # a stream released and made again sums both
             sent[link.name] = sent.get(link.name, 0.0) + link.wire_bytes
         return sent
 

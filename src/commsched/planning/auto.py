@@ -116,6 +116,25 @@ class AutoFusion:
         self.rechecks, self.turns = Rechecks(FUSION_RECHECKS), None
         self._stale_profile = profile
 
+    def state_dict(self, fixed: Optional[SavedPlan]) -> Optional[dict[str, Any]]:
+        """A measured decision as a checkpoint keeps it (None before one): the verdict, both layouts
+        (a later check compares them again), and where the later checks stand. Turns under way are
+        not kept: a check the checkpoint caught is made again after the resume."""
+        if self.verdict is None or self.candidate is None or fixed is None:
+            return None
+        return {"verdict": self.verdict.to_json(), "rechecks": self.rechecks.state_dict(checking=self.turns is not None),
+                "steps_deciding": self.steps_deciding, "candidate": vars(self.candidate), "fixed": vars(fixed)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> SavedPlan:
+        """Take a checkpoint's measured decision; returns the fixed layout it was measured against."""
+        self.verdict = Verdict.from_json(saved["verdict"])
+        self.candidate = SavedPlan.from_dict(saved["candidate"])
+        self.phase, self.arm, self.turns = Phase.DECIDED, self.verdict.keep, None
+        self.rechecks.load_state_dict(saved.get("rechecks", {}))
+        self.steps_deciding = int(saved.get("steps_deciding", 0))
+        self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.fusion.drift, self.fusion.drift_steps)
+        return SavedPlan.from_dict(saved["fixed"])
+
     def describe(self) -> str:
         """How the kept layout was chosen, for the log and the closing summary."""
         if self.verdict is None:

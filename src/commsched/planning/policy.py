@@ -185,6 +185,7 @@ class PlanPolicy:
         assert kept is not None
         kept.details = {**kept.details, "auto": {"planner": auto.planner, "kept": "planned" if verdict.keep == PLANNED else "fixed",
                                                    "step_ms": [s * 1e3 for s in verdict.medians_s], "margin": verdict.margin,
+                                                   "predicted_ms": [s * 1e3 for s in verdict.predicted_s] if verdict.predicted_s else None,
                                                    "steps_deciding": auto.steps_deciding}}
         self.decided = kept
         if auto.arm == verdict.keep:
@@ -264,7 +265,8 @@ class PlanPolicy:
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
-        return {"decided": vars(self.decided) if self.decided is not None else None, "trials": list(self.trials)}
+        return {"decided": vars(self.decided) if self.decided is not None else None, "trials": list(self.trials),
+                "auto": self.auto.state_dict(self._fixed_plan) if self.auto is not None else None}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         """A plan decided before the checkpoint is kept (no tuning again); a plan file or a fixed policy given now wins."""
@@ -273,6 +275,8 @@ class PlanPolicy:
         self.trials = list(state.get("trials", []))
         if state.get("decided") is not None:
             self.decided = SavedPlan.from_dict(state["decided"])
+            if self.auto is not None and state.get("auto") is not None:  # its later checks and drift watch go on
+                self._fixed_plan = self.auto.load_state_dict(state["auto"])
 
 
 def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:

@@ -31,6 +31,7 @@ from commsched.schedules.capture import GradientCapture
 from commsched.state import refuse_unknown
 
 if TYPE_CHECKING:
+    from commsched.interleaved import Choice
     from commsched.options import StrategyOptions
     from commsched.streams.control import StreamControl
     from commsched.reducers.units import Striping
@@ -290,19 +291,33 @@ class Schedule(Generic[SettingsT]):
             for kind, entries in reducer.state_dict().items():
                 kept.setdefault(kind, {}).update(entries)
         saved: dict[str, Any] = {"per_rank": {"reducers": kept}} if kept else {}
+        shared: dict[str, Any] = {}
         streams = self.streams.state_dict() if self.streams is not None else {}
         if streams:
-            saved["shared"] = {"streams": streams}
+            shared["streams"] = streams
+        choices = {name: choice.state_dict() for name, choice in self.choices().items()}
+        if choices:
+            shared["choices"] = choices
+        if shared:
+            saved["shared"] = shared
         return saved
+
+    def choices(self) -> dict[str, "Choice"]:
+        """The choices this schedule makes on timed steps (`commsched.interleaved.Choice`), by name: their
+        verdicts and later checks are communication state, so a resumed run keeps what it decided."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into freshly built buckets (a resume, a rebuild, a re-plan): `state` is the shared
         and this rank's parts of an earlier `state_dict()` merged into one dict. A schedule must
         refuse (`CommSchedConfigError`) state it cannot take rather than drop it: here, reducer state
         of a kind no reducer of this run keeps (residuals of a compression this run does not use)."""
-        refuse_unknown(self.name, state, ("reducers", "streams"))
+        refuse_unknown(self.name, state, ("reducers", "streams", "choices"))
         if self.streams is not None and self.streams.load_state_dict(state.get("streams")):
             self._restripe(self.streams.striping)
+        saved_choices = state.get("choices", {})
+        for name, choice in self.choices().items():
+            choice.load_state_dict(saved_choices.get(name))
         saved = state.get("reducers", {})
         kept = {kind for reducer in self.reducers for kind in reducer.kinds}
         refuse_unknown(self.name, saved, kept)

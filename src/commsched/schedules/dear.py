@@ -184,6 +184,10 @@ class DeARSchedule(Schedule[DeARSettings]):
     def _describe_fallback(self) -> str:
         return describe(self.settings.fallback) if self.settings.fallback is not None else ""
 
+    @override
+    def choices(self) -> dict[str, Choice]:
+        return {"fallback": self.settings.fallback} if self.settings.fallback is not None else {}
+
     @property
     @override
     def settled(self) -> bool:

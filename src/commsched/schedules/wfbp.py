@@ -25,6 +25,7 @@ from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
 from commsched.compression.auto import SparseOrDense, fastest_selection
+from commsched.interleaved import Choice
 from commsched.compression.selections import SELECTIONS, selector
 from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections, export_momentum
 from commsched.compression.warmup import SparsityWarmup
@@ -230,6 +231,11 @@ class WFBPSchedule(Schedule[WFBPSettings]):
 
     def _warming(self, step: int) -> bool:
         return self.settings.warmup is not None and step < self.settings.warmup.end
+
+    @override
+    def choices(self) -> dict[str, Choice]:
+        judge = self.settings.sparse_or_dense
+        return {"sparse_or_dense": judge.choice} if judge is not None else {}
 
     @property
     @override
