@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,10 @@ def _run_in_cluster(spec: dict, spec_file: Path, argv: list[str], out: Path, con
 
 
 def _check(code: int) -> None:
+    """A worker ended by Ctrl-C or SIGTERM is the user's interrupt, even when this process did not see
+    the signal itself (it reaches the group's processes one by one): said as every command says it."""
+    if code in (130, -signal.SIGINT, -signal.SIGTERM):
+        raise KeyboardInterrupt
     if code != 0:
         raise SystemExit(f"commsched: the benchmark workers failed (exit code {code}); output above")
 
