@@ -15,7 +15,6 @@ warm-up, and what `dear` ran in each round after measuring DeAR against WFBP.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import warnings
 
