@@ -163,3 +163,23 @@ def test_a_blocking_collective_waits_for_the_requests_before_it(one_process_grou
     assert queued._issued.is_set(), "the broadcast overtook a collective requested before it"
     assert [r.tag for r in trace] == ["queued", "plan"]
     link.stop()
+
+
+def test_only_the_training_loops_own_waits_count_as_exposed_communication(one_process_group):
+    """A second stage waits in the link's queue for its first (DeAR's all-gather for its reduce-scatter):
+    the issuer thread's wait is not the loop's, and counting it made the profiler's forward time
+    negative (the loop's forward minus waits that ran beside it)."""
+    from commsched.comm.links import Link
+    from commsched.comm.works import WaitClock
+
+    link = Link("primary", None, [])
+    first_clock = WaitClock()
+    first = Pending("a first stage still on the network", first_clock)
+    second = link.all_reduce(torch.ones(4), "second stage", after=first)
+    threading.Timer(0.3, lambda: first.issued(dist.all_reduce(torch.ones(1), async_op=True))).start()
+    time.sleep(0.6)  # the loop computes while the first stage finishes and the second goes out
+    second.wait()
+    first.wait()
+    assert first_clock.seconds < 0.1, "the issuer thread's wait for the first stage was counted as the loop's"
+    assert link.clock.seconds < 0.1
+    link.stop()

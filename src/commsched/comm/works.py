@@ -110,7 +110,9 @@ class Pending:
 
         self._future = base.then(run)
 
-    def wait(self) -> None:
+    def wait(self, exposed: bool = True) -> None:
+        """`exposed`: the training loop is the one waiting, and its wait counts on the link's clock; the
+        issuer thread waiting for a predecessor passes False (the loop went on computing meanwhile)."""
         started = time.perf_counter()
         try:
             if not self._issued.wait(self._timeout_s):
@@ -138,7 +140,7 @@ class Pending:
                 f"Original error: {exc}"
             ) from exc
         finally:
-            if self._clock is not None:
+            if self._clock is not None and exposed:
                 self._clock.seconds += time.perf_counter() - started
 
     def failure(self) -> Optional[BaseException]:
@@ -266,7 +268,7 @@ class Issuer:
 
     def _wait_for(self, request: _Request) -> None:
         for predecessor in request.after:
-            predecessor.wait()
+            predecessor.wait(exposed=False)
         if request.ready is not None:
             request.ready.synchronize()
 

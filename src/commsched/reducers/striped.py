@@ -27,9 +27,9 @@ class Together:
     def __init__(self, pending: Sequence[Pending]) -> None:
         self.pending = list(pending)
 
-    def wait(self) -> None:
+    def wait(self, exposed: bool = True) -> None:
         for p in self.pending:
-            p.wait()
+            p.wait(exposed)
 
     def is_completed(self) -> bool:
         return all(p.is_completed() for p in self.pending)
