@@ -36,7 +36,7 @@ CASES_BY_WORLD = {
     ],
     3: [
         "ddp-sgd", "wfbp-sgd", "dear-sgd", "ddp-adamw", "wfbp-adamw", "dear-adamw",
-        "ddp-1ep", "dear-1ep", "ddp-2ep", "wfbp-2ep", "dear-2ep", "dear-fallback-2ep", "dear-fallback-1ep", "dear-fallback-resume",
+        "ddp-1ep", "dear-1ep", "ddp-2ep", "wfbp-2ep", "dear-2ep", "dear-fallback-2ep", "dear-fallback-1ep", "dear-fallback-resume", "dear-auto-fallback",
         "dear-resume", "ddp-from-dear", "dear-from-ddp", "wfbp-from-ddp", "dear-unfreeze", "wfbp-unfreeze",
         "dear-mgwfbp", "dear-greedy", "wfbp-dear-model", "dear-planfile", "dear-bayes-1ep", "dear-bayes-resume",
         "dear-replan", "dear-auto", "wfbp-auto", "wfbp-auto-resume", "wfbp-1ep", "wfbp-resume", "localsum-1ep", "localsum-2ep", "localsum-resume", "localsum-bayes-2ep", "deft-unfreeze", "hier-sgd",

@@ -153,3 +153,31 @@ def test_dears_choice_between_itself_and_wfbp_is_kept_across_a_resume(cases):
         assert {op for link, op, tag, *_ in result["trace"] if tag == "bucket0"} == kept, f"rank {rank}: turns taken again"
         diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"
+
+
+def test_wfbps_turns_run_on_the_layout_wfbps_own_planner_makes(cases):
+    """Under the default fusion DeAR's buckets are planned for DeAR's two halves; when DeAR hands its
+    iterations to WFBP, WFBP runs on the layout MG-WFBP's programme makes from the same profile (fixed
+    buckets where that model predicts no gain), not on DeAR's; the math is ddp's either way."""
+    from commsched.planning.model_plans import plan_from_profile
+
+    results = cases(3)
+    runs = results.all_ranks("dear-auto-fallback")
+    first = runs[0]
+    planned = plan_from_profile(first["profile"], "mgwfbp", fixed_cap_bytes=600)
+    wfbp_layouts = [buckets for name, buckets in first["ran"] if name == "wfbp"]
+    dear_layouts = [buckets for name, buckets in first["ran"] if name == "dear"]
+    assert wfbp_layouts, f"WFBP never ran: {first['ran']}"
+    if planned.predicted_s < planned.details["fixed_predicted_s"]:
+        expected = planned.buckets
+    else:
+        expected = dear_layouts[0]  # fixed buckets: the layout every run starts on
+    bucket_of = {name: b for b, names in enumerate(expected) for name in names}
+    for layout in wfbp_layouts:  # the layout cut into runs of the order gradients become ready in, as every plan is
+        assert sorted(n for bucket in layout for n in bucket) == sorted(bucket_of), f"WFBP's buckets {layout} miss parameters"
+        assert all(len({bucket_of[n] for n in bucket}) == 1 for bucket in layout), f"WFBP ran on {layout}, not {expected}"
+        assert layout != dear_layouts[-1], "WFBP ran on DeAR's buckets (or the toy gives both one layout: nothing tested)"
+    for rank, result in enumerate(runs):
+        assert result["ran"] == first["ran"], f"rank {rank} ran other schedules or buckets"
+        diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])
+        assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"

@@ -49,6 +49,7 @@ class PlanWatcher(pl.Callback):
 
     def __init__(self, replan_at: int | None = None) -> None:
         self.layouts: list[str] = []
+        self.ran: list[tuple[str, list[list[str]]]] = []  # (running schedule, its buckets by name), as they change
         self.comm_state: dict = {}
         self.replan_at = replan_at
 
@@ -58,6 +59,13 @@ class PlanWatcher(pl.Callback):
         plan = getattr(trainer.strategy, "bucket_plan", None)
         if plan is not None and (not self.layouts or self.layouts[-1] != plan.describe()):
             self.layouts.append(plan.describe())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        plan = getattr(trainer.strategy, "bucket_plan", None)
+        if plan is not None:  # the schedule that ran this batch (a hand-over happens after the callbacks' batch start)
+            running = (trainer.strategy.schedule.name, [list(b.names) for b in plan.buckets])
+            if not self.ran or self.ran[-1] != running:
+                self.ran.append(running)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if getattr(trainer.strategy, "schedule", None) is not None:
@@ -97,6 +105,7 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
         result["fusion_plan"] = vars(trainer.strategy.fusion_plan)
         result["trials"] = trainer.strategy.tuning_trials
     result["layouts"] = watcher.layouts
+    result["ran"] = watcher.ran
     result["comm_state"] = watcher.comm_state
     if name.endswith("-eval"):
         result["validate_before_fit"] = validate_before
@@ -148,6 +157,8 @@ CASES = {
     # (fixed buckets and one round of turns: the choice is made by step 9 of the 12)
     "dear-fallback-1ep": ("dear", {"epochs": 1, "fusion": "fixed", "dear": QUICK_FALLBACK}),
     "dear-fallback-resume": ("dear", {"epochs": 2, "resume_from": "dear-fallback-1ep", "fusion": "fixed", "dear": QUICK_FALLBACK}),
+    # DeAR's buckets planned for DeAR, WFBP's turns on the layout WFBP's own planner makes
+    "dear-auto-fallback": ("dear", {"epochs": 2, "fusion": AUTO, "dear": DeAROptions(confirm_steps=1, confirm_rounds=2)}),
     "wfbp-auto-resume": ("wfbp", {"epochs": 2, "resume_from": "wfbp-auto", "fusion": AUTO}),
     "wfbp-2ep": ("wfbp", {"epochs": 2}),
     "dear-1ep": ("dear", {"epochs": 1}),

@@ -34,8 +34,10 @@ PLAN_FILE_NAME = "commsched_plan.json"
 
 
 class PlanPolicy:
-    def __init__(self, fusion: FusionOptions, tuning: TuningOptions, seed: int = 0, planner: str = "mgwfbp") -> None:
-        """`planner`: the model policy `fusion="auto"` plans with (the schedule's own, `Schedule.planner`)."""
+    def __init__(self, fusion: FusionOptions, tuning: TuningOptions, seed: int = 0, planner: str = "mgwfbp",
+                 hand_over_planners: Sequence[str] = ()) -> None:
+        """`planner`: the model policy `fusion="auto"` plans with (the schedule's own, `Schedule.planner`);
+        `hand_over_planners`: those of the schedules it may hand its iterations to, planned from the same profile."""
         self.fusion = fusion
         self.tuning_options = tuning
         self.decided: Optional[SavedPlan] = SavedPlan.load(fusion.plan_file) if fusion.plan_file else None
@@ -46,6 +48,9 @@ class PlanPolicy:
         self._replan = False
         self._announce_pending = False
         self._fixed_plan: Optional[SavedPlan] = None
+        self._hand_over_planners = tuple(p for p in dict.fromkeys(hand_over_planners) if p != planner)
+        self.hand_over_layouts: dict[str, SavedPlan] = {}
+        """Per planner: the layout a schedule the run hands its iterations to runs on (`layout_for`)."""
         self.compiled = False
         """The module runs under torch.compile (set by the engine): its backward is one compiled graph that
         hands every gradient over at its end, so no bucket plan can overlap it, and timing layers would
@@ -92,6 +97,13 @@ class PlanPolicy:
         if self.fusion.policy == "layers":
             return partial(plan_layers, layers_per_bucket=self.fusion.bucket_layers)
         return partial(plan_fixed, cap_bytes=int(self._cap_mb * 2**20))
+
+    def layout_for(self, planner: str) -> Optional[SavedPlan]:
+        """The buckets a schedule planned by `planner` runs on when the run hands it the iterations: the
+        layout that planner makes from the profile the run's own was planned from (DeAR sizes buckets for
+        two halves, each hidden behind a different pass; WFBP for one all-reduce hidden behind backward),
+        or fixed buckets where its model predicts no gain. None: the run's own buckets."""
+        return self.hand_over_layouts.get(planner)
 
     def request_replan(self) -> None:
         """Decide again from the next boundary on (a plan file or checkpoint plan is given up too)."""
@@ -160,9 +172,11 @@ class PlanPolicy:
             if profile is None:
                 return False  # still profiling
             cap = self.fusion.bucket_cap_mb * 2**20
-            mine = vars(plan_from_profile(profile, auto.planner, fixed_cap_bytes=cap)) if link.rank == 0 else None
-            candidate = SavedPlan(**link.broadcast_object(mine, 0, "auto-plan"))
             fixed = self._current(strategy, "fixed")
+            mine = self._plans_from(profile, cap, fixed) if link.rank == 0 else None
+            plans = link.broadcast_object(mine, 0, "auto-plan")
+            candidate = SavedPlan(**plans[auto.planner])
+            self.hand_over_layouts = {p: SavedPlan(**plans[p]) for p in self._hand_over_planners}
             auto.steps_deciding += self.fusion.profile_warmup_steps + self.fusion.profile_steps
             if candidate.buckets == fixed.buckets:
                 self.decided = fixed
@@ -193,6 +207,17 @@ class PlanPolicy:
             return False
         self._announce_pending = True
         return True
+
+    def _plans_from(self, profile: dict, cap_bytes: float, fixed: SavedPlan) -> dict[str, dict[str, Any]]:
+        """Rank 0: the candidate, and the layout of each schedule the run may hand over to (theirs where
+        their model predicts it faster than fixed buckets, else fixed)."""
+        plans = {self.auto.planner: vars(plan_from_profile(profile, self.auto.planner, fixed_cap_bytes=cap_bytes))}
+        for planner in self._hand_over_planners:
+            planned = plan_from_profile(profile, planner, fixed_cap_bytes=cap_bytes)
+            fixed_s = planned.details.get("fixed_predicted_s")
+            faster = planned.predicted_s is not None and fixed_s is not None and planned.predicted_s < fixed_s
+            plans[planner] = vars(planned if faster else fixed)
+        return plans
 
     @staticmethod
     def _current(strategy: Any, policy: str) -> SavedPlan:
@@ -266,7 +291,8 @@ class PlanPolicy:
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
         return {"decided": vars(self.decided) if self.decided is not None else None, "trials": list(self.trials),
-                "auto": self.auto.state_dict(self._fixed_plan) if self.auto is not None else None}
+                "auto": self.auto.state_dict(self._fixed_plan) if self.auto is not None else None,
+                "hand_over_layouts": {p: vars(plan) for p, plan in self.hand_over_layouts.items()}}
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         """A plan decided before the checkpoint is kept (no tuning again); a plan file or a fixed policy given now wins."""
@@ -277,6 +303,8 @@ class PlanPolicy:
             self.decided = SavedPlan.from_dict(state["decided"])
             if self.auto is not None and state.get("auto") is not None:  # its later checks and drift watch go on
                 self._fixed_plan = self.auto.load_state_dict(state["auto"])
+            self.hand_over_layouts = {p: SavedPlan.from_dict(plan) for p, plan in state.get("hand_over_layouts", {}).items()
+                                      if p in self._hand_over_planners}
 
 
 def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:

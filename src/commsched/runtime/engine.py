@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from commsched import state
-from commsched.comm.buckets import build_plan, verify_same_on_all_ranks
+from commsched.comm.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
 from commsched.comm.links import CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
 from commsched.options import StrategyOptions
+from commsched.planning.plan_file import SavedPlan
 from commsched.planning.policy import PlanPolicy
 from commsched.profile.run_profiler import RunProfiler
 from commsched.say import say
@@ -43,7 +44,8 @@ class Engine:
         fusion = options.fusion
         if fusion.policy == "auto" and schedule_class.keeps_its_buckets(options):
             fusion = dataclasses.replace(fusion, policy="fixed")
-        self.policy = PlanPolicy(fusion, options.tuning, planner=schedule_class.planner)
+        self.policy = PlanPolicy(fusion, options.tuning, planner=schedule_class.planner,
+                                 hand_over_planners=[SCHEDULES[name].planner for name in schedule_class.hands_over_to])
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.owner: Optional[Schedule] = None
         """The configured schedule: it decides hand-overs and keeps the communication state."""
@@ -58,6 +60,7 @@ class Engine:
         self._link_options = options.links
         self._module: Optional[nn.Module] = None
         self._trainable: tuple[int, ...] = ()
+        self._hand_over_plan: Optional[tuple[SavedPlan, BucketPlan]] = None  # (layout, its buckets) for `_plan_for`
         self._iteration_starts = True
 
     def start(self, module: nn.Module, world_size: int, timeout: Optional[timedelta], default_backend: Optional[str],
@@ -122,6 +125,7 @@ class Engine:
         self.owner.drain()
         carried = self.owner.state_dict()
         self.owner.detach()
+        self._hand_over_plan = None  # the trainable parameters may have changed
         self.build(module, world_size)
         self.owner.settling = self.policy.deciding or self.policy.comparing  # a layout tried while deciding or checked, or the one kept
         self._load(merged(carried.get("shared", {}), carried.get("per_rank", {})))
@@ -170,9 +174,20 @@ class Engine:
             return
         self._take_back(module)
         self.owner.detach()
-        self.schedule = SCHEDULES[handover.schedule](self.owner.plan, self.owner.links, handover.settings)
+        self.schedule = SCHEDULES[handover.schedule](self._plan_for(handover.schedule, module), self.owner.links, handover.settings)
         self.schedule.attach(module)
         log.debug(f"commsched: '{self.owner.name}' hands its iterations to '{handover.schedule}'")
+
+    def _plan_for(self, schedule: str, module: nn.Module) -> BucketPlan:
+        """The buckets a hand-over runs on: the owner's, or the layout the schedule's own planner made
+        (`PlanPolicy.layout_for`), built once and kept while the owner's buckets are (turns switch often)."""
+        assert self.owner is not None
+        layout = self.policy.layout_for(SCHEDULES[schedule].planner)
+        if layout is None or layout.buckets == [list(b.names) for b in self.owner.plan.buckets]:
+            return self.owner.plan
+        if self._hand_over_plan is None or self._hand_over_plan[0] is not layout:
+            self._hand_over_plan = (layout, build_plan(module, self.owner.plan.world_size, layout.planner()))
+        return self._hand_over_plan[1]
 
     def _take_back(self, module: nn.Module) -> None:
         """The owner's hooks again (a delegate's pending update is applied first)."""

@@ -78,6 +78,9 @@ class Schedule(Generic[SettingsT]):
     carries traffic that must not be waited for at the end of backward)."""
     planner: ClassVar[str] = "mgwfbp"
     """The model policy that plans this schedule's buckets under ``fusion="auto"`` (a `commsched.fusion.MODEL_POLICIES` name)."""
+    hands_over_to: ClassVar[tuple[str, ...]] = ()
+    """The schedules `at_boundary` may hand the iterations to (`Handover`): under ``fusion="auto"`` each
+    runs on the layout its own planner makes from the same profile, where that differs."""
     compresses: ClassVar[bool] = False
     """True: the schedule builds sparse reducers when the strategy's `compression` asks for them."""
     stripes: ClassVar[bool] = False

@@ -77,6 +77,7 @@ class DeARSchedule(Schedule[DeARSettings]):
     name = "dear"
     options_class = DeAROptions
     planner = "dear-model"
+    hands_over_to = ("wfbp",)  # `DeAROptions.fallback`
     description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
     step_collectives = ("reduce_scatter", "all_gather")
     steps_whole = False  # each bucket's update is applied when its all-gather lands, in the next forward

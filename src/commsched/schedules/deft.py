@@ -55,6 +55,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     name = "deft"
     options_class = DeFTOptions  # the Preserver's are apart: a callback of their own can replace it
     planner = "dear-model"  # its exact candidates (DeAR most often) run on the planned buckets
+    hands_over_to = ("dear", "wfbp")
     description = "commsched DeFT: delayed updates solved by knapsacks over a primary and a secondary link"
     links_used = ("primary", "secondary")
     steps_whole = False  # generations step while other generations are in flight on the links
