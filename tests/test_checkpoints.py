@@ -261,18 +261,6 @@ def test_an_epoch_end_saves_last_even_with_a_step_cadence(tmp_path):
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 30
 
 
-def test_a_data_module_resumes_from_a_checkpoint_of_an_earlier_version():
-    """commsched 0.2.0 kept the training data's position in the data module's state."""
-    from commsched.data import SyntheticImageData
-
-    data = SyntheticImageData(batch_size=4, train_size=40, val_size=8)
-    data.load_state_dict({"pass": 0, "batches": 3, "length": 10})
-    loader = data.train_dataloader()
-    assert isinstance(loader, ResumableDataLoader) and loader.state_dict()["batches"] == 3
-    assert len(list(loader)) == 7 and loader.state_dict() == {**loader.state_dict(), "pass": 0, "batches": 10}
-    assert isinstance(data.train_dataloader(), ResumableDataLoader) and data.train_dataloader().state_dict()["pass"] is None
-
-
 class Reloaded(Net):
     def train_dataloader(self):
         return ResumableDataLoader(Counted(48), batch_size=4, shuffle=True)

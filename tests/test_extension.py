@@ -86,12 +86,6 @@ def test_registering_refuses_what_cannot_work():
         name = "unknown_link"
         links_used = ("primary", "rdma")
 
-    class Legacy(commsched.Schedule):
-        name = "legacy_hooks"
-
-        def _bucket_ready(self, b):
-            pass
-
     class Hookless(commsched.Schedule):
         name = "hookless"
 
@@ -103,8 +97,6 @@ def test_registering_refuses_what_cannot_work():
         commsched.register_schedule(Unknown)
     with pytest.raises(CommSchedConfigError, match=r"links_used has \['rdma'\]; allowed: primary, secondary, intra, inter"):
         commsched.register_schedule(Unlinked)
-    with pytest.raises(CommSchedConfigError, match=r"Legacy._bucket_ready is never called: the hook is named on_bucket_ready\(b\)"):
-        commsched.register_schedule(Legacy)
     with pytest.raises(CommSchedConfigError, match="Hookless does not implement on_bucket_ready and on_backward_end"):
         commsched.register_schedule(Hookless)
     assert set(commsched.SCHEDULES) >= {"wfbp", "dear", "deft"}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from commsched import moved
 from commsched.registration import register_entries, when_lightning_loads
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
 from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
@@ -24,10 +23,9 @@ from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, Fus
 __version__ = "0.2.0"
 
 _NEEDS_LIGHTNING = {
-    "CommSchedStrategy": "commsched.runtime.strategy", "DeARStrategy": "commsched.runtime.registry",
-    "WFBPStrategy": "commsched.runtime.registry", "DeFTStrategy": "commsched.runtime.registry",
+    "CommSchedStrategy": "commsched.runtime.strategy", "DeARStrategy": "commsched.runtime.strategies",
+    "WFBPStrategy": "commsched.runtime.strategies", "DeFTStrategy": "commsched.runtime.strategies",
     "register_schedule": "commsched.runtime.registry", "STRATEGIES": "commsched.runtime.registry",
-    "reads_no_weights": "commsched.runtime.observers",
     "StopAndSave": "commsched.runtime.interrupt", "StoppedBySignal": "commsched.runtime.interrupt",
     "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules", "Handover": "commsched.schedules",
     "Preserver": "commsched.deft.preserver", "ResumableDataLoader": "commsched.data.resumable",
@@ -45,12 +43,10 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(_NEEDS_LIGHTNING[name]), name)
 
 
-moved.install()  # 0.2.0's module paths (commsched.strategy, commsched.links, ...) still import, with a warning
-
 when_lightning_loads(register_entries)
 
 __all__ = [
     "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeAROptions", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
     "LinkOptions", "PeerFailureError", "Preserver", "PreserverOptions", "ProfileOptions", "ResumableDataLoader", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
-    "StopAndSave", "StoppedBySignal", "StreamOptions", "TuningOptions", "WFBPStrategy", "reads_no_weights", "register_schedule",
+    "StopAndSave", "StoppedBySignal", "StreamOptions", "TuningOptions", "WFBPStrategy", "register_schedule",
 ]

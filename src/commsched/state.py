@@ -29,7 +29,6 @@ from commsched.say import say
 
 KEY = "commsched"
 VERSION = 2
-LEGACY_PLAN_KEY = "commsched_fusion_plan"  # version 1 checkpoints held only the fusion plan
 AFTER_FAILURE_KEY = "commsched_after_failure"
 """In a checkpoint saved after a failed run whose weights do not hold the step its counters count:
 what they hold, in a sentence (a resume from it is warned)."""
@@ -81,9 +80,6 @@ class Restored:
 
     def __init__(self, checkpoint: dict[str, Any], schedule: str, rank: int, world_size: int) -> None:
         saved = checkpoint.get(KEY)
-        if saved is None and LEGACY_PLAN_KEY in checkpoint:
-            saved = {"schedule": schedule, "world_size": checkpoint[LEGACY_PLAN_KEY].get("world_size"),
-                     "plan": {"decided": checkpoint[LEGACY_PLAN_KEY]}, "shared": {}, "per_rank": None}
         saved = saved or {}
         per_rank = saved.get("per_rank")
         saved_world = saved.get("world_size")

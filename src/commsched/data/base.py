@@ -63,22 +63,13 @@ class SplitDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
-        self._legacy: Optional[dict[str, Any]] = None
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() has not run"
-        loader = ResumableDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
-                                     drop_last=True, persistent_workers=self.num_workers > 0)
-        if self._legacy is not None:  # a checkpoint of an earlier version kept the position here
-            loader.load_state_dict({**self._legacy, "seed": None})
-            self._legacy = None
-        return loader
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
+                                   drop_last=True, persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "setup() has not run"
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Checkpoints of commsched 0.2.0 and earlier kept the training data's position here."""
-        self._legacy = dict(state_dict) if state_dict and "batches" in state_dict else None

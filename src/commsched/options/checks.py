@@ -21,34 +21,36 @@ Check = Callable[[str, Any], Any]
 OptionsT = TypeVar("OptionsT")
 
 
-def _real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
+    """A finite int or float, and not a bool (True is an int to Python, never a setting's number)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _integer(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
+    """An int, and not a bool."""
     return not isinstance(value, bool) and isinstance(value, int)
 
 
 def positive_number(name: str, value: Any) -> float:
-    if not (_real(value) and value > 0):
+    if not (is_real(value) and value > 0):
         raise bad_value(name, value, "a number > 0")
     return float(value)
 
 
 def positive_int(name: str, value: Any) -> int:
-    if not (_integer(value) and value >= 1):
+    if not (is_integer(value) and value >= 1):
         raise bad_value(name, value, "an integer >= 1")
     return value
 
 
 def non_negative_int(name: str, value: Any) -> int:
-    if not (_integer(value) and value >= 0):
+    if not (is_integer(value) and value >= 0):
         raise bad_value(name, value, "an integer >= 0")
     return value
 
 
 def non_negative_number(name: str, value: Any) -> float:
-    if not (_real(value) and value >= 0):
+    if not (is_real(value) and value >= 0):
         raise bad_value(name, value, "a number >= 0")
     return float(value)
 
@@ -97,7 +99,7 @@ def timeout(value: Any) -> Optional[timedelta]:
 def warmup_value(name: str, value: Any) -> int | str:
     if value == "auto":
         return "auto"
-    if not (_integer(value) and value >= 0):
+    if not (is_integer(value) and value >= 0):
         raise bad_value(name, value, 'an integer >= 0 or "auto"')
     return value
 

@@ -9,11 +9,11 @@ from typing import Any, Optional
 
 from commsched.errors import Either, bad_value
 from commsched.options.catalogue import COMPRESSION_METHODS
-from commsched.options.checks import _real, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, warmup_value, option, validated, typed
+from commsched.options.checks import is_real, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, warmup_value, option, validated, typed
 
 
 def density_value(name: str, value: Any) -> float:
-    if not (_real(value) and 0 < value <= 1):
+    if not (is_real(value) and 0 < value <= 1):
         raise bad_value(name, value, "a number in (0, 1]")
     return float(value)
 

@@ -7,13 +7,13 @@ from typing import Any, Optional
 
 from commsched.errors import bad_value
 from commsched.options.catalogue import FALLBACKS
-from commsched.options.checks import _real, positive_int, non_negative_int, non_negative_number, flag, one_of, optional, text, option
+from commsched.options.checks import is_real, positive_int, non_negative_int, non_negative_number, flag, one_of, optional, text, option
 
 
 def capacity_value(name: str, value: Any) -> Optional[float]:
     if value is None:
         return None
-    if not (_real(value) and value > 0):
+    if not (is_real(value) and value > 0):
         raise bad_value(name, value, "a number > 0 (a multiple of the stage times), or unset (None, null) for no delay")
     return float(value)
 
@@ -60,13 +60,13 @@ class DeFTOptions:
 
 
 def eps_value(name: str, value: Any) -> float:
-    if not (_real(value) and 0 < value < 1):
+    if not (is_real(value) and 0 < value < 1):
         raise bad_value(name, value, "a number in (0, 1)")
     return float(value)
 
 
 def growth_value(name: str, value: Any) -> float:
-    if not (_real(value) and value > 1):
+    if not (is_real(value) and value > 1):
         raise bad_value(name, value, "a number > 1")
     return float(value)
 

@@ -12,19 +12,9 @@ usually runs (pruning, weight averaging, evaluation).
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
-
-Hookable = TypeVar("Hookable")
-
-
-def reads_no_weights(target: Hookable) -> Hookable:
-    """Deprecated and without effect: a hook that touches no pending tensor keeps the overlap by itself."""
-    warnings.warn("commsched.reads_no_weights is no longer needed: hooks that touch no weight cost nothing "
-                  "(commsched.schedules.watch); it will be removed", DeprecationWarning, stacklevel=2)
-    return target
 
 
 class FlushPoints(pl.Callback):

@@ -18,6 +18,7 @@ from commsched.fusion import MODEL_POLICIES
 from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.schedules import SCHEDULES, Schedule
 from commsched.sim.simulate import register as register_simulation
+from commsched.runtime.strategies import BUILTIN_STRATEGIES, DeARStrategy, DeFTStrategy, WFBPStrategy
 from commsched.runtime.strategy import CommSchedStrategy
 
 STRATEGIES: dict[str, type[CommSchedStrategy]] = {}
@@ -41,16 +42,15 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
         if unknown:
             raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{field} has {unknown}; "
                                        f"allowed: {', '.join(known)}")
-    for legacy, hook in (("_bucket_ready", "on_bucket_ready(b)"), ("_backward_end", "on_backward_end()")):
-        if hasattr(cls, legacy):
-            raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{legacy} is never called: the hook is "
-                                       f"named {hook} (rename it, with @override)")
     refuse_options_class(cls)
     missing = [hook for hook in ("on_bucket_ready", "on_backward_end") if getattr(cls, hook) is getattr(Schedule, hook)]
     if missing:
         raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__} does not implement {' and '.join(missing)}: "
                                    "every schedule says what happens when a bucket is full and when backward ends")
-    if SCHEDULES.get(name) is not cls or name not in STRATEGIES:
+    builtin = BUILTIN_STRATEGIES.get(name)
+    if builtin is not None and _BUILTIN_SCHEDULES.get(name) is cls:
+        STRATEGIES[name] = builtin
+    elif SCHEDULES.get(name) is not cls or name not in STRATEGIES:
         STRATEGIES[name] = type(f"{cls.__name__.removesuffix('Schedule')}Strategy", (CommSchedStrategy,),
                                 {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__})
     SCHEDULES[name] = cls
@@ -81,13 +81,12 @@ def refuse_options_class(cls: type[Schedule]) -> None:
                                    f"has fields without a default ({', '.join(required)}): give each one")
 
 
+_BUILTIN_SCHEDULES = dict(SCHEDULES)
 for _builtin in list(SCHEDULES.values()):
     STRATEGIES.pop(_builtin.name, None)
     register_schedule(_builtin)
 
-WFBPStrategy = STRATEGIES["wfbp"]
-DeARStrategy = STRATEGIES["dear"]
-DeFTStrategy = STRATEGIES["deft"]
+__all__ = ["DeARStrategy", "DeFTStrategy", "STRATEGIES", "WFBPStrategy", "register_schedule"]
 
 StrategyRegistry.register("topk", WFBPStrategy, description="commsched WFBP with top-k sparse exchanges (density 0.01, "
                           "error feedback; the faster selection, and dense where sparse does not pay)", override=True, compression="auto")
