@@ -15,7 +15,7 @@ DEV_STAMP := $(VENV)/.commsched-dev-installed
 
 .PHONY: install install-dev demo test test-quick test-gpu bench docs clean
 
-# what the package needs to run (the demo, the bench, training); install-dev adds the test and docs tools
+# what the demo needs: the library and the lab (the bench it runs); install-dev adds the test and docs tools
 install: $(STAMP)
 
 install-dev: $(DEV_STAMP)
@@ -23,7 +23,7 @@ install-dev: $(DEV_STAMP)
 $(STAMP): pyproject.toml src/commsched/__init__.py  # the version lives in __init__
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH_SPEC)
-	$(PY) -m pip install -e .
+	$(PY) -m pip install -e ".[lab]"
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)

@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from commsched.lab import require_lab
 from commsched.cli import overrides
 from commsched.bench import report
 from commsched.bench.config import BenchConfig, register_bench_config, validate_bench
@@ -35,6 +36,7 @@ def main() -> None:
     except CommSchedConfigError as error:
         print(error, file=sys.stderr)
         sys.exit(2)
+    require_lab("commsched-bench")
     run_bench()
 
 

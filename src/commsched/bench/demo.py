@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from commsched.lab import require_lab
 from commsched.bench import report
 from commsched.bench.config import BenchConfig
 from commsched.rates import parse_rate
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="where results.json, bench.csv, bench.png and the profile go (default: outputs/demo/<time>)")
     args = parser.parse_args()
+    require_lab("the demo (a benchmark)")
     if args.rate != "none":
         parse_rate(args.rate)
     console = Console()

@@ -17,6 +17,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from commsched.lab import has_lab, plot_skipped
+
 COLUMNS = ("run", "schedule", "model", "data", "bucket_cap_mb", "world_size", "samples_per_s", "step_ms",
            "exposed_comm_ms", "train_loss", "val_acc", "val_ppl", "overrides")
 TABLE_COLUMNS = ("run", "samples_per_s", "step_ms", "exposed_comm_ms", "train_loss", "val_acc", "val_ppl")
@@ -80,8 +82,12 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
         print(f"commsched: no finished runs (*/summary.json) in {sweep_dir}", file=sys.stderr)
         return rows
     write_csv(rows, sweep_dir / "sweep.csv")
-    plot(rows, sweep_dir / "sweep.png")
-    print_table(rows, f"{sweep_dir}: sweep.csv, sweep.png")
+    if has_lab():
+        plot(rows, sweep_dir / "sweep.png")
+        print_table(rows, f"{sweep_dir}: sweep.csv, sweep.png")
+    else:
+        print(plot_skipped(str(sweep_dir / "sweep.png")), file=sys.stderr)
+        print_table(rows, f"{sweep_dir}: sweep.csv")
     return rows
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from commsched.lab import require_lab
 from commsched.errors import CommSchedConfigError, bad_value
 from commsched.options import density_value, positive_int
 from commsched.rates import parse_rate
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="directory for simulate.csv, speedup.png, traces")
     parser.add_argument("--plugins", default="", help="modules to import first: the schedules they register can be simulated")
     args = parser.parse_args(argv)
+    require_lab("commsched-simulate")
     console = Console(width=160)
     try:
         workload = load_workload(args)

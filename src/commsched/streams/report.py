@@ -6,16 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from commsched.lab import has_lab, plot_skipped
 from commsched.run_files import write_json, write_text, write_whole
+from commsched.say import say
 from commsched.reducers.units import Striping
 
 
 def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[Striping], name: str) -> list[Path]:
     """The files written (for the run's closing summary); `chosen` None: the search did not finish."""
     path = out_dir / name
-    return [write_json(path, {"chosen": chosen.to_json() if chosen else None, "trials": trials}),
-            write_text(path.with_suffix(".md"), table(trials) + "\n"),
-            write_whole(path.with_suffix(".png"), lambda partial: plot_trials(trials, partial))]
+    written = [write_json(path, {"chosen": chosen.to_json() if chosen else None, "trials": trials}),
+               write_text(path.with_suffix(".md"), table(trials) + "\n")]
+    if not has_lab():
+        say(plot_skipped(f"{path.with_suffix('.png')} (the trials are in {path.with_suffix('.md')})"))
+        return written
+    return [*written, write_whole(path.with_suffix(".png"), lambda partial: plot_trials(trials, partial))]
 
 
 def table(trials: list[dict[str, Any]]) -> str:
