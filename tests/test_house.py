@@ -1,6 +1,6 @@
 """The house stays walkable: small test files (one over 500 lines has grown a second concern: split
 it by what it does; source files are split by concern, not by a count), no import loop between the package's folders and
-the modules at its root, and a map (docs/architecture.md, "Find it in 30 seconds") whose files and
+the modules at its root, nor between two of its files, and a map (docs/architecture.md, "Find it in 30 seconds") whose files and
 functions exist."""
 
 from __future__ import annotations
@@ -121,6 +121,44 @@ def test_no_loop_between_the_package_folders():
     everyone), and a loop through several of them fails as one between two."""
     edges = package_imports()
     assert {"runtime", "comm", "cli", "schedules", "say", "errors"} <= set(edges), sorted(edges)
+    assert loops(edges) == []
+
+
+def module_name(source: Path) -> str:
+    """``src/commsched/cli/config.py`` -> ``commsched.cli.config``; a package's ``__init__`` is the package."""
+    parts = list(source.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules_imported(source: Path, modules: set[str]) -> set[str]:
+    """The package's modules a file imports, at the top or inside functions: ``from commsched.sim import
+    timelines`` is the module ``commsched.sim.timelines``, ``from commsched.sim import Measured`` the
+    package's facade ``commsched.sim``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"commsched(\.\w+)+", node.value):
+            names = [node.value]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def test_no_loop_between_the_package_modules():
+    """Nor between two files: a module that imports another (even inside a function) is never imported
+    back by it, directly or around a circle (a package's `__init__` re-exporting its modules counts)."""
+    sources = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {name: {other: {str(source.relative_to(ROOT))} for other in modules_imported(source, set(sources)) if other != name}
+             for name, source in sources.items()}
     assert loops(edges) == []
 
 

@@ -58,3 +58,16 @@ def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
         compression=cfg.compression, streams=cfg.streams, stream_options=cfg.stream_options, profile=profile, timeout=timeout,
         schedule_options=getattr(cfg, name) if name in own_nodes(bool(cfg.plugins)) else None,
     )
+
+
+def check_plan_file(cfg: TrainConfig) -> None:
+    """A plan file must be a plan, and one for this model: its parameter names are checked against the
+    model built on the meta device (no memory, no weights), before any worker starts."""
+    import torch
+
+    from commsched.planning.plan_file import SavedPlan
+
+    plan = SavedPlan.load(cfg.fusion.plan_file)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    plan.check_matches([name for name, _ in model.named_parameters()])

@@ -211,8 +211,6 @@ def validate(cfg: TrainConfig) -> None:
     elif cfg.compression.method != "none" or cfg.compression.hierarchical:
         raise bad_value("compression.method", cfg.compression.method, "none with schedule=ddp (Lightning's DDP all-reduces "
                         "dense gradients); schedule=wfbp runs the same schedule with sparse exchanges")
-    if cfg.fusion.plan_file is not None:
-        check_plan_file(cfg)
     if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("auto", "fixed") or cfg.fusion.plan_file is not None):
         raise bad_value("fusion", cfg.fusion.policy, "auto or fixed with schedule=ddp (Lightning's DDP takes only bucket_cap_mb)")
     options.choice("model.kind", cfg.model.kind, ("image", "language"))
@@ -263,17 +261,3 @@ def resume_path(resume: str) -> Path:
     if not path.is_file():
         raise bad_value("resume", resume, "a checkpoint file or a previous run directory (not found)")
     return path
-
-
-def check_plan_file(cfg: TrainConfig) -> None:
-    """A plan file must be a plan, and one for this model: its parameter names are checked against the
-    model built on the meta device (no memory, no weights), before any worker starts."""
-    import torch
-
-    from commsched.cli.builders import build_model
-    from commsched.planning.plan_file import SavedPlan
-
-    plan = SavedPlan.load(cfg.fusion.plan_file)
-    with torch.device("meta"):
-        model = build_model(cfg)
-    plan.check_matches([name for name, _ in model.named_parameters()])

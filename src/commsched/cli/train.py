@@ -237,10 +237,15 @@ def refuse(error: CommSchedConfigError, out: Optional[Path] = None) -> None:
 
 def check_launch_and_files(cfg: TrainConfig) -> None:
     """What `validate` leaves to the run, checked before anything is written: the launch environment
-    (a cluster node's `NODE_RANK` without `trainer.num_nodes`) and the numbers of a DeFT timings file."""
+    (a cluster node's `NODE_RANK` without `trainer.num_nodes`), a plan file (against the model, built on
+    the meta device) and the numbers of a DeFT timings file."""
     from commsched.cli.ranks import rank_environments
 
     rank_environments(cfg.trainer.devices, cfg.trainer.num_nodes)
+    if cfg.fusion.plan_file is not None:
+        from commsched.cli.builders import check_plan_file
+
+        check_plan_file(cfg)
     if cfg.deft.timings_file is not None:
         from commsched.deft.measure import check_timings_file
 
