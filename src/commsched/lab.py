@@ -4,19 +4,30 @@ command line that trains with them; the benchmark, the simulator and every plot 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 LAB_PACKAGES = ("matplotlib",)
 INSTALL_LAB = "pip install 'commsched[lab]'"
 
 
+def _missing() -> list[str]:
+    """The lab's packages that do not import (not installed, or broken)."""
+    missing = []
+    for package in LAB_PACKAGES:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
 def has_lab() -> bool:
-    return all(importlib.util.find_spec(package) is not None for package in LAB_PACKAGES)
+    return not _missing()
 
 
 def require_lab(tool: str) -> None:
     """Refuse to start `tool` (a command of the lab) without the lab's packages, naming the extra."""
-    missing = [package for package in LAB_PACKAGES if importlib.util.find_spec(package) is None]
+    missing = _missing()
     if missing:
         raise SystemExit(f"commsched: {tool} needs {', '.join(missing)}, which comes with the lab: {INSTALL_LAB}")
 
