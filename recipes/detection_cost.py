@@ -1,4 +1,4 @@
-"""What watching pending tensors (`commsched.schedules.watch`) costs dear per step, on a model of many small ops.
+"""What watching pending tensors (`commsched.schedules.pending_tensors`) costs dear per step, on a model of many small ops.
 
     .venv/bin/python recipes/detection_cost.py [MODEL] [ROUNDS] [STEPS]      # default: gpt2_tiny 4 40
 
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import commsched
 from commsched.bench.models import BENCH_MODELS
-from commsched.schedules.watch import Watch
+from commsched.schedules.pending_tensors import Watch
 from commsched.cli.quiet import quiet_lightning
 from commsched.timing import StepTimer
 

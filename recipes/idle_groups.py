@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from commsched.comm.workers import run_workers
+from commsched.comm.local_workers import run_workers
 
 IDLE_S = 5.0
 

@@ -38,7 +38,7 @@ def bench() -> Any:
 
 
 def probe() -> Any:
-    return sys.exit(_run("commsched.profile.probe_cli"))
+    return sys.exit(_run("commsched.profile.cli"))
 
 
 def simulate() -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commsched.deft.compensation import chosen_for, measured_staleness, resolve
+from commsched.deft.spike_compensation import chosen_for, measured_staleness, resolve_compensation
 from commsched.deft.plan import Timings, plan_for
 from commsched.deft.preserver import Preserver
 from commsched.deft.stability import Stepper
@@ -30,9 +30,9 @@ def _params() -> list[torch.nn.Parameter]:
 ])
 def test_auto_picks_the_compensation_measured_for_the_optimizer(make, chosen, late):
     optimizer = make(_params())
-    assert chosen_for(optimizer) == resolve("auto", optimizer) == chosen
+    assert chosen_for(optimizer) == resolve_compensation("auto", optimizer) == chosen
     assert measured_staleness(chosen, optimizer) == late
-    assert resolve("none", optimizer) == "none"
+    assert resolve_compensation("none", optimizer) == "none"
     assert measured_staleness("none", optimizer) == 0
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
-from commsched.deft.predict import balanced_links, choose_schedule, dear_is_faster, dear_seconds, plan_seconds
+from commsched.deft.iteration_model import balanced_links, choose_schedule, dear_is_faster, dear_seconds, plan_seconds
 from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
                                     recursive_knapsack)
 from commsched.deft.walk import WalkState, effective_step, expected_next, gradient_statistics, measured_step, plan_ratio
@@ -335,7 +335,7 @@ def test_when_everything_fits_both_links_share_the_work():
 
 
 def test_weight_prediction_extrapolates_the_last_update_restores_exactly_and_forgets():
-    from commsched.deft.prediction import WeightPrediction
+    from commsched.deft.weight_prediction import WeightPrediction
 
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     prediction = WeightPrediction([w], ["w"])

@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from commsched.interleaved import (BUDGET_FACTOR, MIN_MARGIN, MODEL_MARGIN, QUICK_ROUNDS, Choice, Comparison, Rechecks, Turns, Verdict, decide,
+from commsched.interleaved import (BUDGET_FACTOR, MIN_MARGIN, MODEL_MARGIN, QUICK_ROUNDS, MeasuredChoice, Comparison, Rechecks, Turns, Verdict, verdict_from_samples,
                                   favoured, relative_spread)
 
 
@@ -45,9 +45,9 @@ def test_the_spread_is_the_pooled_median_absolute_deviation():
 def test_a_clear_winner_is_kept_and_a_tie_goes_to_the_default():
     rng = random.Random(0)
     noisy = lambda mean, n: [mean * (1 + rng.gauss(0, 0.02)) for _ in range(n)]  # 2% noise
-    verdict = decide([noisy(1.0, 9), noisy(0.8, 9)])
+    verdict = verdict_from_samples([noisy(1.0, 9), noisy(0.8, 9)])
     assert verdict.keep == 1 and verdict.gain == pytest.approx(1.25, rel=0.05)
-    tie = decide([noisy(1.0, 9), noisy(1.0, 9)])
+    tie = verdict_from_samples([noisy(1.0, 9), noisy(1.0, 9)])
     assert tie.keep == 0 and tie.gain == 1.0
 
 
@@ -56,24 +56,24 @@ def test_a_gain_inside_the_noise_is_not_taken():
     rng = random.Random(1)
     default = [1.0 * (1 + rng.gauss(0, 0.1)) for _ in range(9)]
     candidate = [0.95 * (1 + rng.gauss(0, 0.1)) for _ in range(9)]
-    verdict = decide([default, candidate])
+    verdict = verdict_from_samples([default, candidate])
     assert verdict.margin > 0.08
     assert verdict.keep == 0
 
 
 def test_a_quiet_machine_still_needs_the_minimum_margin():
-    verdict = decide([[1.0] * 5, [1.0 - MIN_MARGIN / 2] * 5])
+    verdict = verdict_from_samples([[1.0] * 5, [1.0 - MIN_MARGIN / 2] * 5])
     assert verdict.margin == MIN_MARGIN and verdict.keep == 0
-    assert decide([[1.0] * 5, [0.9] * 5, [0.95] * 5]).keep == 1  # the fastest candidate, when it clears the margin
+    assert verdict_from_samples([[1.0] * 5, [0.9] * 5, [0.95] * 5]).keep == 1  # the fastest candidate, when it clears the margin
 
 
 # ------------------------------------------------------------------ the model and the measurement together
 def test_the_arm_the_model_favours_is_kept_unless_the_steps_contradict_it_beyond_their_noise():
     rng = random.Random(2)
     noisy = lambda mean, n: [mean * (1 + rng.gauss(0, 0.1)) for _ in range(n)]  # 10% noise: a margin near 12%
-    leaning = decide([noisy(1.0, 9), noisy(1.03, 9)], predicted=[1.18, 1.0])  # model: the candidate, 18% faster
+    leaning = verdict_from_samples([noisy(1.0, 9), noisy(1.03, 9)], predicted=[1.18, 1.0])  # model: the candidate, 18% faster
     assert leaning.favoured == 1 and leaning.keep == 1  # 3% the other way is inside the noise: the model's arm
-    clear = decide([[1.0] * 9, [1.3] * 9], predicted=[1.18, 1.0])
+    clear = verdict_from_samples([[1.0] * 9, [1.3] * 9], predicted=[1.18, 1.0])
     assert clear.keep == 0 and clear.resolved  # 30% slower on a quiet machine: the measurement overrules
     assert "overruled" in clear.describe(["wfbp", "dear"])
 
@@ -83,13 +83,13 @@ def test_a_prediction_within_the_models_margin_favours_the_default():
     assert favoured([1.0, 0.9]) == 1
     assert favoured(None) == 0 and favoured([1.0, float("nan")]) == 0
     # no clear prediction: the candidate needs the measurement beyond the noise, as without a model
-    assert decide([[1.0] * 9, [0.995] * 9], predicted=[1.0, 0.99]).keep == 0
+    assert verdict_from_samples([[1.0] * 9, [0.995] * 9], predicted=[1.0, 0.99]).keep == 0
 
 
 def test_steps_that_lean_against_the_model_within_the_noise_are_not_resolved():
-    verdict = decide([[1.0, 1.1, 0.9] * 3, [1.03, 1.13, 0.93] * 3], predicted=[1.0, 0.8])  # 3% slower, 10% spread
+    verdict = verdict_from_samples([[1.0, 1.1, 0.9] * 3, [1.03, 1.13, 0.93] * 3], predicted=[1.0, 0.8])  # 3% slower, 10% spread
     assert verdict.favoured == 1 and verdict.keep == 1 and not verdict.resolved
-    agree = decide([[1.0, 1.1, 0.9] * 3, [0.8, 0.88, 0.72] * 3], predicted=[1.0, 0.8])
+    agree = verdict_from_samples([[1.0, 1.1, 0.9] * 3, [0.8, 0.88, 0.72] * 3], predicted=[1.0, 0.8])
     assert agree.resolved and agree.keep == 1 and "confirmed" in agree.describe(["a", "b"])
 
 
@@ -171,10 +171,10 @@ def test_a_resumed_choice_keeps_its_verdict_and_counts_on_to_its_next_check(one_
     the iterations toward the next check; a check the checkpoint caught half-way starts again at once."""
     import time
 
-    def make() -> Choice:
-        return Choice(confirm_steps=1, confirm_rounds=2, drift=10.0, drift_steps=100, warmup=1, rechecks=((6, 1),))
+    def make() -> MeasuredChoice:
+        return MeasuredChoice(confirm_steps=1, confirm_rounds=2, drift=10.0, drift_steps=100, warmup=1, rechecks=((6, 1),))
 
-    def step(choice: Choice) -> Optional[int]:
+    def step(choice: MeasuredChoice) -> Optional[int]:
         switched = choice.at_boundary(one_process_link)
         time.sleep(0.002 if choice.arm == 1 else 0.008)  # the candidate clearly faster
         return switched

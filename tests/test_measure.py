@@ -89,7 +89,7 @@ def test_probe_measures_the_emulated_rate(tmp_path):
     """100 Mbit shared by both directions of the loopback: an all-gather on 2 workers moves the
     whole buffer through it once, so its fitted bandwidth must be close to 12.5 MB/s."""
     out = tmp_path / "probe.json"
-    proc = run("commsched.profile.probe_cli", "--rate", "100mbit", "--sizes", "64k,256k,1m", "--repeats", "2",
+    proc = run("commsched.profile.cli", "--rate", "100mbit", "--sizes", "64k,256k,1m", "--repeats", "2",
                "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     link = json.loads(out.read_text())["link"]
@@ -100,7 +100,7 @@ def test_probe_measures_the_emulated_rate(tmp_path):
 
 
 def test_probe_refuses_bad_sizes():
-    proc = run("commsched.profile.probe_cli", "--sizes", "4k", timeout=60)
+    proc = run("commsched.profile.cli", "--sizes", "4k", timeout=60)
     assert proc.returncode == 2 and "--sizes" in proc.stderr
 
 

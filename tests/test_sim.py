@@ -219,7 +219,7 @@ def test_measured_costs_never_fall_with_size() -> None:
 
 
 def test_deft_hides_a_slow_link_by_delaying_and_uses_both_links() -> None:
-    from commsched.sim.deft import deft
+    from commsched.sim.deft_timeline import deft
 
     workload = builtin("vgg16")
     slow = AlphaBeta(50e-6, 8 / 1e9)  # 1 Gbit/s

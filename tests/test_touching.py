@@ -1,5 +1,5 @@
 """dear is exact whatever user code touches, and keeps its overlap when user code touches nothing
-(`commsched.schedules.watch`): real 2-process runs against Lightning's ddp with the same code attached
+(`commsched.schedules.pending_tensors`): real 2-process runs against Lightning's ddp with the same code attached
 (workers/run_touching.py)."""
 
 from __future__ import annotations

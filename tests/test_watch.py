@@ -1,4 +1,4 @@
-"""`commsched.schedules.watch` on its own: every way Python code can read or write a pending tensor is a
+"""`commsched.schedules.pending_tensors` on its own: every way Python code can read or write a pending tensor is a
 touch that brings it up to date first; metadata and tensors that are not pending cost nothing."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from commsched.schedules.watch import Kind, Watch, watchable
+from commsched.schedules.pending_tensors import Kind, PendingTensors, watchable
 
 
 class Recorder:
@@ -19,17 +19,17 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[set[int], Kind]] = []
-        self.watch = Watch(self.bring_up_to_date)
+        self.pending = PendingTensors(self.bring_up_to_date)
         self.tensors: dict[int, list[torch.Tensor]] = {}
 
     def mark(self, key: int, tensors: list[torch.Tensor], kind: Kind = Kind.UPDATE) -> None:
         self.tensors[key] = tensors
-        self.watch.mark(key, tensors, kind)
+        self.pending.mark(key, tensors, kind)
 
     def bring_up_to_date(self, keys: set[int], kind: Kind) -> None:
         self.calls.append((set(keys), kind))
         for key in keys:
-            self.watch.unmark(key)
+            self.pending.unmark(key)
             if kind is Kind.UPDATE:
                 with torch.no_grad():
                     for t in self.tensors[key]:
@@ -89,7 +89,7 @@ def test_metadata_is_not_a_touch(layer, how):
     how(layer.weight)
     list(layer.parameters())
     assert recorder.calls == []
-    recorder.watch.unmark_all()
+    recorder.pending.unmark_all()
     assert type(layer.weight) is nn.Parameter
 
 
@@ -101,7 +101,7 @@ def test_only_the_touched_key_is_brought_up_to_date(layer):
     assert recorder.calls == [({1}, Kind.UPDATE)]
     torch.cat([layer.weight.flatten(), layer.bias])
     assert recorder.calls == [({1}, Kind.UPDATE), ({0}, Kind.UPDATE)]
-    assert recorder.watch.keys == []
+    assert recorder.pending.keys == []
 
 
 def test_pending_gradients_are_touched_by_grad_access_only(layer):
@@ -124,7 +124,7 @@ def test_a_parameter_made_of_a_pending_one_is_what_it_would_be_otherwise(layer, 
     assert made.data_ptr() == layer.weight.data_ptr() and made.requires_grad
     assert torch.equal(made * 1, before if before is not None else layer.weight.detach())
     assert type(made) is nn.Parameter
-    recorder.watch.unmark_all()
+    recorder.pending.unmark_all()
     assert type(layer.weight) is nn.Parameter
 
 

@@ -23,8 +23,8 @@ from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, Fus
 __version__ = "0.2.0"
 
 _NEEDS_LIGHTNING = {
-    "CommSchedStrategy": "commsched.runtime.strategy", "DeARStrategy": "commsched.runtime.strategies",
-    "WFBPStrategy": "commsched.runtime.strategies", "DeFTStrategy": "commsched.runtime.strategies",
+    "CommSchedStrategy": "commsched.runtime.strategy", "DeARStrategy": "commsched.runtime.builtin_strategies",
+    "WFBPStrategy": "commsched.runtime.builtin_strategies", "DeFTStrategy": "commsched.runtime.builtin_strategies",
     "register_schedule": "commsched.runtime.registry", "STRATEGIES": "commsched.runtime.registry",
     "StopAndSave": "commsched.runtime.interrupt", "StoppedBySignal": "commsched.runtime.interrupt",
     "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules", "Handover": "commsched.schedules",

@@ -120,7 +120,7 @@ def favoured(predicted: Optional[Sequence[float]], min_gain: float = MODEL_MARGI
     return best if predicted[best] < predicted[0] * (1.0 - min_gain) else 0
 
 
-def decide(samples: Sequence[Sequence[float]], steps: int = 0, predicted: Optional[Sequence[float]] = None,
+def verdict_from_samples(samples: Sequence[Sequence[float]], steps: int = 0, predicted: Optional[Sequence[float]] = None,
            min_margin: float = MIN_MARGIN) -> Verdict:
     """Arm 0 is the default. The arm the model favours (`favoured`) is kept unless another arm's median
     step is faster than its own by more than `margin`: two standard errors of the relative difference
@@ -247,7 +247,7 @@ class Comparison:
         # each rank's prediction comes from its own profile: every rank judges the slowest rank's, as it does the steps
         combined = slowest_rank([*self.turns.samples(), predicted], control)
         samples, agreed = combined[:arms], combined[arms]
-        verdict = decide(samples, self.turns.steps, agreed if min(agreed) > 0 else None)
+        verdict = verdict_from_samples(samples, self.turns.steps, agreed if min(agreed) > 0 else None)
         done = self.turns.rounds
         agrees = verdict.resolved and verdict.keep == verdict.favoured
         if done >= self.max_rounds or agrees or (verdict.resolved and done >= self.rounds):
@@ -256,7 +256,7 @@ class Comparison:
         return None
 
 
-class DriftWatch:
+class DriftCheck:
     """After a choice: True (on every rank at once) when the median step over `steps` iterations is
     more than `drift` slower than the kept configuration measured; the choice should then be made
     again. Rank 0's clock decides and one small broadcast per `steps` iterations carries it."""
@@ -305,7 +305,7 @@ class Rechecks:
         return 0
 
 
-class Choice:
+class MeasuredChoice:
     """The default (arm 0) or a candidate (arm 1), chosen after `warmup` iterations from the model's
     prediction (`predict`, read when the comparison starts) and real steps, checked again later in
     the run (`RECHECK_AFTER`) and when the steps drift. Every rank calls `at_boundary` at every
@@ -325,7 +325,7 @@ class Choice:
         self.rechecks = Rechecks(rechecks)
         self._warming = 0
         self._comparison: Optional[Comparison] = None
-        self._drift: Optional[DriftWatch] = None
+        self._drift: Optional[DriftCheck] = None
 
     @property
     def deciding(self) -> bool:
@@ -358,7 +358,7 @@ class Choice:
         if verdict is None:  # more turns: the first of them starts now
             return self._run(self._comparison.at_boundary())
         self.verdict, self._comparison = verdict, None
-        self._drift = DriftWatch(verdict.medians_s[verdict.keep], self.drift, self.drift_steps)
+        self._drift = DriftCheck(verdict.medians_s[verdict.keep], self.drift, self.drift_steps)
         return self._run(verdict.keep)
 
     def state_dict(self) -> dict[str, Any]:
@@ -379,7 +379,7 @@ class Choice:
         if saved.get("verdict") is not None:
             self.verdict = Verdict.from_json(saved["verdict"])
             self.arm = self.verdict.keep
-            self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.drift, self.drift_steps)
+            self._drift = DriftCheck(self.verdict.medians_s[self.verdict.keep], self.drift, self.drift_steps)
 
     def _start(self, factor: int) -> None:
         predicted = self.predict() if self.predict is not None else None

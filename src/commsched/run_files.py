@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 
-def resolve(trainer: Any) -> Optional[Path]:
+def run_folder(trainer: Any) -> Optional[Path]:
     """The run's folder (None: it has none). Collective: `Trainer.log_dir` broadcasts rank 0's
     answer, so every rank must call this at the same point (the strategy does, in `setup`)."""
     if trainer.loggers:

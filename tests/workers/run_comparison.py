@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from commsched.comm.links import Links, LinkSpec
-from commsched.comm.workers import run_workers
+from commsched.comm.local_workers import run_workers
 from commsched.interleaved import Comparison
 
 PREDICTED = {0: [1.0, 0.9], 1: [1.0, 1.2]}

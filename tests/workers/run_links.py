@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.comm.links import Links, LinkSpec, local_rank_groups, node_groups
-from commsched.comm.workers import run_workers
+from commsched.comm.local_workers import run_workers
 
 WORLD, PER_NODE = 4, 2
 

@@ -157,7 +157,7 @@ def run(out: Path, case: str, world: int) -> None:
         "norms": next((c.norms for c in callbacks if isinstance(c, GradNormOnRankZero)), []),
         "momentum": next((c.momentum for c in callbacks if isinstance(c, StateReaderWeightWriter)), []),
         "copies": next((c.copies for c in callbacks if isinstance(c, Snapshots)), []),
-        "touches": schedule.watch.touches if schedule is not None else None,
+        "touches": schedule.pending.touches if schedule is not None else None,
         "buckets": len(schedule.plan.buckets) if schedule is not None else None,
         "applied": dict(schedule.applied) if schedule is not None else None,
         "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],

@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from commsched.bench.models import BENCH_MODELS
 from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
-from commsched.comm.workers import end_process_group
+from commsched.comm.local_workers import end_process_group
 
 
 def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) -> pl.Trainer:

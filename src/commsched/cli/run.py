@@ -33,7 +33,7 @@ from commsched.runtime.interrupt import StopAndSave, StoppedBySignal
 from commsched.plugins import import_plugins
 from commsched.cli.quiet import quiet_lightning
 from commsched.run_files import write_json
-from commsched.comm.workers import end_process_group
+from commsched.comm.local_workers import end_process_group
 
 
 class RunProgressBar(RichProgressBar):

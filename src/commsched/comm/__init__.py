@@ -3,5 +3,5 @@
 point-to-point reduce-scatter and all-gather (`point_to_point`), timings of a collective's completion
 on its device (`device_time`), the flat gradient buckets a collective carries (`buckets`), who the
 other ranks are when one fails (`peers`), and local gloo worker processes for the probe and tests
-(`workers`). Below the schedules, reducers and measurements that use it; import the modules
+(`local_workers`). Below the schedules, reducers and measurements that use it; import the modules
 themselves (this file imports nothing, so that torch-free code can name the folder)."""

@@ -36,7 +36,7 @@ class WorkSet:
     def __init__(self, works: list[dist.Work], completer: "_Completer") -> None:
         self._works = works
         self._future: torch.futures.Future = torch.futures.Future()
-        completer.watch(self)
+        completer.track(self)
 
     def wait(self) -> bool:
         self._future.wait()  # only the completion thread waits on the works: a gloo send completes one waiter
@@ -48,7 +48,7 @@ class WorkSet:
     def get_future(self) -> torch.futures.Future:
         return self._future
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         try:
             for work in self._works:
                 work.wait()
@@ -69,7 +69,7 @@ class _Completer:
         self._thread = threading.Thread(target=self._run, name="commsched-exchange", daemon=True)
         self._thread.start()
 
-    def watch(self, works: WorkSet) -> None:
+    def track(self, works: WorkSet) -> None:
         self._queue.put(works)
 
     def stop(self) -> None:
@@ -83,7 +83,7 @@ class _Completer:
 
     def _run(self) -> None:
         while (works := self._queue.get()) is not None:
-            works._settle()
+            works.settle()
 
 
 _completers: dict[Optional[dist.ProcessGroup], _Completer] = {}

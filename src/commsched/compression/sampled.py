@@ -16,7 +16,7 @@ runs on everything. Measured on one CPU thread, fp32 normal values: 1.7x (1M ele
 The sample is strided, not random: the same input selects the same elements (a resumed run
 selects what the uninterrupted one did) and no generator state is kept. Counting candidates reads
 a number back to the host, so on a GPU the method pays only where the measurement at the start of
-a run says it does (`commsched.compression.auto.fastest_selection`).
+a run says it does (`commsched.compression.sparse_or_dense.fastest_selection`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The selections of the largest entries, by name: torch.topk, the sampled threshold and MSTopK.
-Below the reducers that call them and the choice that times them (`commsched.compression.auto`)."""
+Below the reducers that call them and the choice that times them (`commsched.compression.sparse_or_dense`)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from commsched.deft.compensation import measured_staleness, resolve, spike_step
-from commsched.deft.prediction import WeightPrediction
+from commsched.deft.spike_compensation import measured_staleness, resolve_compensation, spike_step
+from commsched.deft.weight_prediction import WeightPrediction
 
 
 class Compensator:
@@ -28,7 +28,7 @@ class Compensator:
         """"auto" becomes the compensation that recovered the most for this optimizer (`chosen_for`)."""
         if self.name != "auto":
             return
-        self.name = resolve("auto", optimizer)
+        self.name = resolve_compensation("auto", optimizer)
         if not self.name.endswith("predict"):
             self.prediction = None
         elif self.prediction is None:

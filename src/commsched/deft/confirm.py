@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from commsched.deft.predict import Choice
+from commsched.deft.iteration_model import ScheduleChoice
 from commsched.comm.device_time import synchronize
 from commsched.interleaved import Comparison
 from commsched.comm.links import Link
@@ -34,7 +34,7 @@ class Confirmation:
     the simpler of the two is the default the other must beat by more than the noise. Every rank
     calls `at_boundary` at the same iteration starts."""
 
-    def __init__(self, predicted: Choice, steps: int, control: Link, device: torch.device) -> None:
+    def __init__(self, predicted: ScheduleChoice, steps: int, control: Link, device: torch.device) -> None:
         self.predicted = predicted
         self.candidates = sorted([predicted.runner_up(), predicted], key=lambda c: SIMPLER[c.runs])
         self._control = control
@@ -43,11 +43,11 @@ class Confirmation:
         self._index = 0
 
     @property
-    def running(self) -> Choice:
+    def running(self) -> ScheduleChoice:
         """The candidate that runs the iterations now."""
         return self.candidates[self._index]
 
-    def at_boundary(self) -> Optional[Choice]:
+    def at_boundary(self) -> Optional[ScheduleChoice]:
         """The confirmed choice once both took their turns; None before."""
         synchronize(self._device)
         arm = self._turns.at_boundary()
@@ -57,7 +57,7 @@ class Confirmation:
             return None
         return self._agree()
 
-    def _agree(self) -> Optional[Choice]:
+    def _agree(self) -> Optional[ScheduleChoice]:
         verdict = self._turns.conclude(self._control)
         if verdict is None:  # more turns: the first starts now
             arm = self._turns.at_boundary()
@@ -68,14 +68,14 @@ class Confirmation:
         measured = {default.runs: verdict.medians_s[0] * 1e3, candidate.runs: verdict.medians_s[1] * 1e3}
         keep, other = (candidate, default) if verdict.keep else (default, candidate)
         self._index = verdict.keep
-        chosen = Choice(keep.runs, keep.dear_links, self.predicted.predicted, (other.runs, other.dear_links), measured)
+        chosen = ScheduleChoice(keep.runs, keep.dear_links, self.predicted.predicted, (other.runs, other.dear_links), measured)
         verdict_said = "confirmed" if keep.runs == self.predicted.runs else f"overruled: {keep.runs} runs the iterations"
         say(f"commsched deft: {verdict.describe([default.runs, candidate.runs])}; {self.predicted.runs} was chosen "
             f"when solving: {verdict_said}")
         return chosen
 
 
-def predicted_ms(predicted: Choice, runs: list[str]) -> Optional[list[float]]:
+def predicted_ms(predicted: ScheduleChoice, runs: list[str]) -> Optional[list[float]]:
     """The model's step for each of `runs` (DeAR's, or the plan's for the plan and for WFBP, which is
     the plan when it delays nothing), None when DeAR was not predicted."""
     steps = predicted.predicted

@@ -13,7 +13,7 @@ from typing import Any
 
 from commsched.deft.generations import same_layout
 from commsched.deft.plan import DeFTPlan, no_delay_plan
-from commsched.deft.predict import Choice
+from commsched.deft.iteration_model import ScheduleChoice
 from commsched.state import refuse_unknown
 
 KEYS = ("deft_plan", "decided", "iteration", "seen", "decisions", "choice", "bucket_numels", "generations", "meter",
@@ -21,17 +21,17 @@ KEYS = ("deft_plan", "decided", "iteration", "seen", "decisions", "choice", "buc
 
 
 def saved_state(deft: Any) -> dict[str, Any]:
-    measuring_again = deft._replan  # asked to solve again: what is carried over starts measuring, as `_restart_measuring` does
-    plan = no_delay_plan(deft._whole_buckets()) if measuring_again else deft.deft_plan
+    measuring_again = deft.replan_requested  # asked to solve again: what is carried over starts measuring, as `_restart_measuring` does
+    plan = no_delay_plan(deft.whole_buckets()) if measuring_again else deft.deft_plan
     return {"shared": {"deft_plan": plan.to_json(), "decided": deft.decided and not measuring_again,
                        "iteration": 0 if measuring_again else deft.iteration,
                        "seen": deft.options.warmup_steps if measuring_again else deft.seen,
-                       "decisions": deft.decisions, "choice": (Choice("plan") if measuring_again else deft.choice).to_json(),
-                       "confirmed": deft._confirmation is None, "updates": deft.updates,
+                       "decisions": deft.decisions, "choice": (ScheduleChoice("plan") if measuring_again else deft.choice).to_json(),
+                       "confirmed": deft.confirmation is None, "updates": deft.updates,
                        "watch": deft.watch.shared_state(restarting=measuring_again), "replan_at": None if measuring_again else deft.replan_at,
                        "bucket_numels": [b.buffer.numel() for b in deft.plan.buckets]},
-            "per_rank": {"generations": deft._in_flight.state(),
-                         "meter": deft._meter.state(), "projections": [list(p) for p in deft._probes.projections],
+            "per_rank": {"generations": deft.in_flight.state(),
+                         "meter": deft.meter.state(), "projections": [list(p) for p in deft.probes.projections],
                          "prediction": deft.compensator.state(), "watch_rank": deft.watch.rank_state(restarting=measuring_again)}}
 
 
@@ -46,11 +46,11 @@ def load_saved_state(deft: Any, state: dict[str, Any]) -> None:
     deft.updates = state.get("updates", 0)
     deft.replan_at = state.get("replan_at")
     deft.decisions = list(state.get("decisions", []))
-    deft.choice = Choice.from_json(state.get("choice", {"runs": "plan"}))
+    deft.choice = ScheduleChoice.from_json(state.get("choice", {"runs": "plan"}))
     if deft.decided and not state.get("confirmed", True):
-        deft._confirm_later()  # saved while timing the candidates: time them again
-    deft._in_flight.restore(state.get("generations", []))
-    deft._meter.load(state["meter"])
-    deft._probes.projections = [list(p) for p in state.get("projections", [])]
+        deft.confirm_later()  # saved while timing the candidates: time them again
+    deft.in_flight.restore(state.get("generations", []))
+    deft.meter.load(state["meter"])
+    deft.probes.projections = [list(p) for p in state.get("projections", [])]
     deft.compensator.load(state.get("prediction", {}))
     deft.watch.load({**state.get("watch", {}), **state.get("watch_rank", {})})

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from torch.optim import Optimizer
 
-from commsched.deft.compensation import COMPENSATIONS, spike_applies
+from commsched.deft.spike_compensation import COMPENSATIONS, spike_applies
 from commsched.errors import CommSchedConfigError
 from commsched.options import DeFTOptions, StrategyOptions
 
@@ -77,7 +77,7 @@ def steps_trained(module: Any) -> int:
     return trainer.global_step if trainer is not None else 0
 
 
-def refuse_optimizers(compensation: str, optimizers: list[Optimizer]) -> None:
+def refuse_uncompensable_optimizers(compensation: str, optimizers: list[Optimizer]) -> None:
     """Spike compensation stands in for heavy-ball momentum: refused for any other optimizer."""
     if not compensation.startswith("spike"):
         return

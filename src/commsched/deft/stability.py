@@ -14,7 +14,7 @@ iterations back is the linear recurrence
 It converges iff every eigenvalue of its companion matrix lies inside the unit circle. Closed
 forms check it: s = 0 is stable while lr lambda < 2 (1 + m), s = 1 (w = 0) only while
 lr lambda < 1 - m, a band 38 times narrower at m = 0.9; with spike compensation and weight prediction
-(`compensation.py`) about 3.5 times wider than that. With `curvature_margin` > 0 the Preserver
+(`spike_compensation.py`) about 3.5 times wider than that. With `curvature_margin` > 0 the Preserver
 measures the top curvature of the user's loss (`curvature.py`) and accepts a stale plan also where
 that curvature, times the margin for the sharpening that training brings, stays inside the band of
 the compensated optimizer. (BatchNorm networks sit far outside it, and still train to synchronous
@@ -59,7 +59,7 @@ class Stepper:
 def spectral_radius(stepper: Stepper, curvature: float, staleness: int, compensation: str = "none") -> float:
     """The largest |eigenvalue| of the recurrence above: below 1, the direction converges.
 
-    With `compensation` (`commsched.deft.compensation`), as DeFT applies it to a generation `staleness`
+    With `compensation` (`commsched.deft.spike_compensation`), as DeFT applies it to a generation `staleness`
     steps late: "spike" scales the gradient entering the velocity by m^s and applies
     lr (1 - m^s) / (1 - m) of it at once; "predict" takes the gradient at x_{t-s} + s (x_{t-s} - x_{t-s-1})."""
     s = staleness

@@ -7,11 +7,11 @@ Hydra path, e.g. ``fusion.bucket_cap_mb``) and what is allowed. A docstring unde
 what it is for.
 
 One module per concern (`fusion`, `links`, `deft`, `dear`, `compression`, `streams`), the generic
-checks (`checks`) and the names they accept (`catalogue`); everything is importable from here.
+checks (`validators`) and the names they accept (`catalogue`); everything is importable from here.
 """
 
 from commsched.options.catalogue import ScheduleTraits, BUILTIN, BUILTIN_SCHEDULES, MODEL_POLICIES, FUSION_POLICIES, START_METHODS, BACKENDS, FALLBACKS, COMPRESSION_METHODS, COMPRESSING_SCHEDULES, STRIPING_SCHEDULES, MAX_STREAMS
-from commsched.options.checks import Check, OptionsT, positive_number, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, text, network_interface, timeout, warmup_value, option, validated, typed
+from commsched.options.validators import Check, OptionsT, positive_number, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, text, network_interface, timeout, warmup_value, option, validated, typed
 from commsched.options.fusion import TuningOptions, FusionOptions, ProfileOptions, fusion_from, profile_from
 from commsched.options.links import LinkOptions
 from commsched.options.deft import capacity_value, DeFTOptions, eps_value, growth_value, PreserverOptions, check_preserver_settings

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from commsched.errors import Either, bad_value
 from commsched.options.catalogue import COMPRESSION_METHODS
-from commsched.options.checks import is_real, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, warmup_value, option, validated, typed
+from commsched.options.validators import is_real, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, warmup_value, option, validated, typed
 
 
 def density_value(name: str, value: Any) -> float:

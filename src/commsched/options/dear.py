@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commsched.errors import bad_value
-from commsched.options.checks import positive_int, non_negative_number, flag, one_of, option
+from commsched.options.validators import positive_int, non_negative_number, flag, one_of, option
 
 
 def optimizer_classes(name: str, value: Any) -> list[Any]:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from commsched.errors import bad_value
 from commsched.options.catalogue import FALLBACKS
-from commsched.options.checks import is_real, positive_int, non_negative_int, non_negative_number, flag, one_of, optional, text, option
+from commsched.options.validators import is_real, positive_int, non_negative_int, non_negative_number, flag, one_of, optional, text, option
 
 
 def capacity_value(name: str, value: Any) -> Optional[float]:

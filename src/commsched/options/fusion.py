@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from commsched.errors import bad_value
 from commsched.options.catalogue import FUSION_POLICIES
-from commsched.options.checks import positive_number, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, text, option, validated, typed
+from commsched.options.validators import positive_number, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, text, option, validated, typed
 
 
 @dataclass

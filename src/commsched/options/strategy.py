@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from commsched.errors import bad_value
-from commsched.options.checks import validated, typed
+from commsched.options.validators import validated, typed
 from commsched.options.compression import CompressionOptions, compression_from
 from commsched.options.dear import DeAROptions
 from commsched.options.deft import DeFTOptions, PreserverOptions

@@ -7,7 +7,7 @@ from typing import Any
 
 from commsched.errors import Either, bad_value
 from commsched.options.catalogue import MAX_STREAMS
-from commsched.options.checks import positive_number, positive_int, non_negative_int, non_negative_number, flag, option
+from commsched.options.validators import positive_number, positive_int, non_negative_int, non_negative_number, flag, option
 
 
 def streams_value(name: str, value: Any) -> int | str:

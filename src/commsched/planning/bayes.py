@@ -42,7 +42,7 @@ class BayesianSearch:
 
 
 @dataclass
-class Trial:
+class BucketSizeTrial:
     bucket_mb: float
     step_s: float
 
@@ -55,7 +55,7 @@ def _every_size_differs(bucket_mb: float) -> Hashable:
 class BucketSizeTuner:
     options: TuningOptions = field(default_factory=TuningOptions)
     seed: int = 0
-    trials: list[Trial] = field(default_factory=list)
+    trials: list[BucketSizeTrial] = field(default_factory=list)
     # what a size turns into (the bucket layout); sizes with the same layout are measured once
     layout_of: Callable[[float], Hashable] = _every_size_differs
 
@@ -83,9 +83,9 @@ class BucketSizeTuner:
         return None
 
     def record(self, bucket_mb: float, step_s: float) -> None:
-        self.trials.append(Trial(bucket_mb, step_s))
+        self.trials.append(BucketSizeTrial(bucket_mb, step_s))
         self._measured[self.layout_of(bucket_mb)] = step_s
         self._optimizer.register(params={"log2_mb": math.log2(bucket_mb)}, target=-step_s)
 
-    def best(self) -> Trial:
+    def best(self) -> BucketSizeTrial:
         return min(self.trials, key=lambda t: t.step_s)

@@ -9,7 +9,7 @@ from commsched.errors import bad_value
 from commsched.fusion import MODEL_POLICIES
 from commsched.planning.plan_file import SavedPlan
 from commsched.sim import Measured, Workload, timelines
-from commsched.sim.network import COLLECTIVES
+from commsched.sim.cost_models import COLLECTIVES
 
 
 def network_from_profile(profile: dict) -> Measured:

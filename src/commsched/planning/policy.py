@@ -20,7 +20,7 @@ from commsched.comm.buckets import param_infos
 from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed, plan_layers
 from commsched.comm.links import Link
 from commsched.options import FusionOptions, TuningOptions
-from commsched.planning.auto import PLANNED, AutoFusion, Phase
+from commsched.planning.auto_fusion import PLANNED, AutoFusion, FusionPhase
 from commsched.planning.bayes import BucketSizeTuner
 from commsched.planning.model_plans import plan_from_profile
 from commsched.planning.plan_file import SavedPlan
@@ -146,10 +146,10 @@ class PlanPolicy:
         auto = self.auto
         assert auto is not None
         link: Link = strategy.control_link
-        if not iteration_start and auto.phase is not Phase.PROFILE:
+        if not iteration_start and auto.phase is not FusionPhase.PROFILE:
             return False
         if self.decided is not None and auto.turns is None:
-            if auto.verdict is None or (not auto.recheck_due() and not auto.watch(link)):
+            if auto.verdict is None or (not auto.recheck_due() and not auto.drifted(link)):
                 return False
         if self.decided is not None and auto.turns is None:  # drifted (a later check has started its turns otherwise)
             say(f"commsched fusion: steps have become more than {self.fusion.drift:.0%} slower than the kept layout "
@@ -167,7 +167,7 @@ class PlanPolicy:
                 say("commsched fusion: top-k selects within each bucket, so the buckets stay fixed: a layout chosen by "
                     "timings would make what is sent, and the trained model, depend on them")
             return False
-        if auto.phase is Phase.PROFILE:
+        if auto.phase is FusionPhase.PROFILE:
             profile = auto.fresh_profile(strategy.profile)
             if profile is None:
                 return False  # still profiling

@@ -10,9 +10,9 @@ import torch
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.device_time import median_seconds
 from commsched.comm.links import Link
+from commsched.sim.cost_models import COLLECTIVES  # what every profile times: the planners' models read these three
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-"""What every profile times (the bench's predictions and the planners read these three)."""
+__all__ = ["COLLECTIVES", "time_buckets", "time_collective"]
 
 
 def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype: torch.dtype = torch.float32) -> float:

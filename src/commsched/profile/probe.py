@@ -13,7 +13,7 @@ import torch
 from commsched.comm.links import Link
 from commsched.comm.device_time import median_seconds
 from commsched.profile.collectives import COLLECTIVES, time_collective
-from commsched.sim.network import Fitted, Line
+from commsched.sim.cost_models import Fitted, Line
 
 from commsched.profile import DEFAULT_SIZES
 

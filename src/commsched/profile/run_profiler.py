@@ -22,7 +22,7 @@ from commsched.comm.buckets import BucketPlan
 from commsched.comm.device_time import SpanRecorder, synchronize
 from commsched.comm.links import Link, Links
 from commsched.profile.collectives import COLLECTIVES, time_buckets
-from commsched.profile.layers import LayerTimer
+from commsched.profile.layer_times import LayerTimer
 from commsched.profile.probe import probe_link
 from commsched.trace import Span, write_chrome_trace
 from commsched.run_files import folder_of, write_json

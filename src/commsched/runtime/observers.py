@@ -1,7 +1,7 @@
 """Flush points at the loop's rare hooks, where a schedule that applies updates late brings every
 parameter up to date before user code runs.
 
-Exactness per step is `commsched.schedules.watch`'s: the first touch of a pending tensor (a weight, its
+Exactness per step is `commsched.schedules.pending_tensors`'s: the first touch of a pending tensor (a weight, its
 `.grad`, its optimizer state) brings it up to date, whoever touches it, so ordinary callbacks and
 module hooks cost a schedule nothing. At the epoch-level hooks (epoch start and end,
 validation/test/predict start, end of training) everything pending is applied before the first

@@ -18,7 +18,7 @@ from commsched.fusion import MODEL_POLICIES
 from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.schedules import SCHEDULES, Schedule
 from commsched.sim.simulate import register as register_simulation
-from commsched.runtime.strategies import BUILTIN_STRATEGIES, DeARStrategy, DeFTStrategy, WFBPStrategy
+from commsched.runtime.builtin_strategies import BUILTIN_STRATEGIES, DeARStrategy, DeFTStrategy, WFBPStrategy
 from commsched.runtime.strategy import CommSchedStrategy
 
 STRATEGIES: dict[str, type[CommSchedStrategy]] = {}

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from commsched import errors, options, run_files, state
-from commsched.runtime import checks, observers, run_summary
+from commsched.runtime import refusals, observers, run_summary
 from commsched.comm import peers
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
@@ -122,8 +122,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
                                                                   compression, streams, stream_options, dear, name,
                                                                   self.schedule_class.options_class, schedule_options)
-            checks.refuse_compression(self.options.compression, self.schedule_class)
-            checks.refuse_streams(self.options, self.schedule_class)
+            refusals.refuse_compression(self.options.compression, self.schedule_class)
+            refusals.refuse_streams(self.options, self.schedule_class)
             checked_timeout = options.timeout(timeout)
             checked_start = options.choice("start_method", start_method, options.START_METHODS)
             trace = options.flag("trace_collectives", trace_collectives)
@@ -143,7 +143,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._clock = run_summary.StepClock()
         self._files_before = 0
         self.run_dir: Optional[Path] = None
-        """This fit's folder for the files commsched writes (`commsched.run_files.resolve`; None: the run has none)."""
+        """This fit's folder for the files commsched writes (`commsched.run_files.run_folder`; None: the run has none)."""
         self.run_dir_resolved = False
 
     def request_replan(self) -> None:
@@ -152,7 +152,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        checks.refuse_before_launch(self, self.schedule_class.grads_complete_after_closure, self.schedule_class.name)
+        refusals.refuse_before_launch(self, self.schedule_class.grads_complete_after_closure, self.schedule_class.name)
         super()._configure_launcher()
 
     @override
@@ -166,7 +166,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def configure_ddp(self) -> None:
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper."""
         module = self.lightning_module
-        checks.refuse_manual_optimization(module, self.schedule_class.name)
+        refusals.refuse_manual_optimization(module, self.schedule_class.name)
         self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, self._restored, self.root_device,
                            self.num_processes)
         self._restored = None
@@ -175,7 +175,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self.run_dir, self.run_dir_resolved = run_files.resolve(trainer), True  # collective: every rank, before anything writes
+        self.run_dir, self.run_dir_resolved = run_files.run_folder(trainer), True  # collective: every rank, before anything writes
         peers.learn()  # collective: a failed collective can then name the rank that is gone
         self._clock, self._files_before = run_summary.StepClock(), len(run_files.WRITTEN)
         log.debug(f"{self.__class__.__name__}: files of this run go to {self.run_dir or 'no folder (no logger, no checkpoints)'}")
@@ -184,7 +184,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if self.schedule_class.skips_steps:
                 self._lr_follow = FollowOptimizerSteps(trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration)
-            checks.refuse_optimizers(self.optimizers, self.schedule_class.name, self.schedule_class.steps_whole)
+            refusals.refuse_optimizer_setup(self.optimizers, self.schedule_class.name, self.schedule_class.steps_whole)
             self.schedule_class.refuse_optimizers(self.options, self.optimizers)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
             self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]

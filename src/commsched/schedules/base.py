@@ -31,11 +31,11 @@ from commsched.schedules.capture import GradientCapture
 from commsched.state import refuse_unknown
 
 if TYPE_CHECKING:
-    from commsched.interleaved import Choice
+    from commsched.interleaved import MeasuredChoice
     from commsched.options import StrategyOptions
     from commsched.streams.control import StreamControl
     from commsched.reducers.units import Striping
-    from commsched.sim.network import CostModel
+    from commsched.sim.cost_models import CostModel
     from commsched.sim.timelines import Buckets, Result
     from commsched.sim.workload import Workload
 
@@ -305,8 +305,8 @@ class Schedule(Generic[SettingsT]):
             saved["shared"] = shared
         return saved
 
-    def choices(self) -> dict[str, "Choice"]:
-        """The choices this schedule makes on timed steps (`commsched.interleaved.Choice`), by name: their
+    def choices(self) -> dict[str, "MeasuredChoice"]:
+        """The choices this schedule makes on timed steps (`commsched.interleaved.MeasuredChoice`), by name: their
         verdicts and later checks are communication state, so a resumed run keeps what it decided."""
         return {}
 

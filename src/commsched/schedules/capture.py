@@ -26,7 +26,7 @@ from commsched.hooks import OwnHook
 from commsched.comm.links import Link, Pending
 
 
-class Phase(enum.Enum):
+class CapturePhase(enum.Enum):
     IDLE = "idle"  # no gradient of this step seen yet
     COLLECTING = "collecting"  # backward running, buckets filling and handed on
     LAUNCHED = "launched"  # every bucket handed on, the mask in flight
@@ -39,7 +39,7 @@ class GradientCapture:
                  on_bucket: Callable[[int], None], on_backward_end: Callable[[], None]) -> None:
         self.plan = plan
         self.sync_enabled = True  # False inside Lightning's no-sync accumulation micro-batches
-        self.phase = Phase.IDLE
+        self.phase = CapturePhase.IDLE
         self.globally_used: list[list[bool]] = [[True] * len(b.params) for b in plan.buckets]
         self._name = schedule_name
         self._link = mask_link
@@ -71,7 +71,7 @@ class GradientCapture:
     def _grad_ready(self, b: int, slot: int, param: nn.Parameter) -> None:
         if not self.sync_enabled:
             return
-        if self.phase is not Phase.COLLECTING:
+        if self.phase is not CapturePhase.COLLECTING:
             self._begin(in_backward=True)
         if self._filled[b][slot]:
             return
@@ -92,12 +92,12 @@ class GradientCapture:
         param.grad = None  # the gradient lives in the bucket now; the schedule hands it back later
 
     def _begin(self, in_backward: bool) -> None:
-        if self.phase is Phase.LAUNCHED:
+        if self.phase is CapturePhase.LAUNCHED:
             raise ScheduleError(
                 f"commsched {self._name}: a second backward ran in one optimizer step after the gradients were "
                 "already sent. Call backward once per optimizer step (use gradient accumulation instead)."
             )
-        self.phase = Phase.COLLECTING
+        self.phase = CapturePhase.COLLECTING
         self._remaining[:] = self._sizes
         for filled in self._filled:
             filled[:] = [False] * len(filled)
@@ -112,7 +112,7 @@ class GradientCapture:
 
     def _finalize(self) -> None:
         """End of backward: hand on what is left, treating gradients that never came as zeros."""
-        if self.phase is not Phase.COLLECTING:
+        if self.phase is not CapturePhase.COLLECTING:
             return
         for b in range(self._next, len(self._sizes)):
             if not self._remaining[b]:
@@ -130,13 +130,13 @@ class GradientCapture:
         used = [flag for filled in self._filled for flag in filled]
         self._mask.copy_(self._link.tensor(used, self._mask.dtype))
         self._mask_work = self._link.all_reduce(self._mask, "used-mask")
-        self.phase = Phase.LAUNCHED
+        self.phase = CapturePhase.LAUNCHED
         self._on_backward_end()
 
     def finish(self) -> None:
         """After Lightning's closure: make sure this step's buckets and mask were handed on (a rank
         that saw no gradient still issues every collective)."""
-        if self.phase is Phase.IDLE:
+        if self.phase is CapturePhase.IDLE:
             self._begin(in_backward=False)
         self._finalize()
 
@@ -153,4 +153,4 @@ class GradientCapture:
             offset += n
 
     def reset(self) -> None:
-        self.phase = Phase.IDLE
+        self.phase = CapturePhase.IDLE

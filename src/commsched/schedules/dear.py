@@ -11,7 +11,7 @@ price of the full optimizer work on every rank -- the same work DDP does. Clippi
 global norm from the shards (one scalar all-reduce) and scales each bucket once it is gathered
 (scaling and clamping commute with the all-gather).
 
-Nobody sees the difference (`commsched.schedules.watch`): between backward and the step the parameters'
+Nobody sees the difference (`commsched.schedules.pending_tensors`): between backward and the step the parameters'
 `.grad` is pending, and the first read or write of one waits for the all-gathers (already on
 their way: no collective is issued out of order, whichever ranks look) and takes the step at
 once; after the step, each parameter, its `.grad` and its optimizer state are pending until its
@@ -39,19 +39,19 @@ from typing_extensions import override
 from commsched.comm.buckets import BucketPlan
 from commsched.hooks import OwnHook
 from commsched.comm.links import Links, Pending
-from commsched.schedules.watch import Kind, Watch
+from commsched.schedules.pending_tensors import Kind, PendingTensors
 from commsched.reducers.striped import StripedShards, Together
-from commsched.interleaved import Choice
-from commsched.schedules.dear_fallback import WFBP, describe, fallback_choice
+from commsched.interleaved import MeasuredChoice
+from commsched.schedules.dear_fallback import WFBP, describe_fallback, fallback_choice
 from commsched.say import say, size_text
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
 from commsched.schedules.dear_update import Gathers, PendingUpdate, landed, start_gathers, taken_back
 from commsched.schedules.partial_step import StepUndo, SubsetStepper, snapshot_hyperparams
-from commsched.schedules.per_parameter import resolve
+from commsched.schedules.per_parameter import per_parameter_classes
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
-from commsched.sim.network import CostModel
+from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.options import BUILTIN, DeAROptions, StrategyOptions, StreamOptions
@@ -65,7 +65,7 @@ class DeARSettings:
     """Per bucket, the link of its reduce-scatter and all-gather (None: the primary for every bucket)."""
     streams: Optional[StreamControl] = None
     """Units on several streams of the primary (None: one stream; not with `bucket_links`)."""
-    fallback: Optional[Choice] = None
+    fallback: Optional[MeasuredChoice] = None
     """WFBP (arm 0) or DeAR (arm 1), measured on real steps (`DeAROptions.fallback`); kept across bucket rebuilds."""
     rollback: bool = True
     """Copies kept of what is applied before the step's last all-gathers land (`DeAROptions.rollback`)."""
@@ -100,7 +100,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self._compiled = False
-        self.watch = Watch(self._bring_up_to_date)
+        self.pending = PendingTensors(self._bring_up_to_date)
         self._undo: Optional[StepUndo] = StepUndo() if self.settings.rollback else None
         self.rollback_peak_bytes = 0
         """The memory the copies hold (`DeAROptions.rollback`): kept from step to step, so the most any
@@ -132,17 +132,17 @@ class DeARSchedule(Schedule[DeARSettings]):
         so that the weights are those of one step. Taken back on every rank, even where the rest of
         its all-gathers happen to have landed: whether one has landed yet when the failure is noticed
         differs from rank to rank, and the surviving ranks must keep the same model."""
-        with self.watch.lock:
+        with self.pending.lock:
             pending, self._pending = self._pending, None  # None once every bucket of the step is applied
             if pending is None:
                 return None
-            self.watch.unmark_all()  # what is left cannot be applied: reading the tensors must not try
+            self.pending.unmark_all()  # what is left cannot be applied: reading the tensors must not try
             return taken_back(pending)
 
     @override
     def detach(self) -> None:
         """After a flush (the engine's), or after a failure: nothing pending is applied here."""
-        self.watch.unmark_all()
+        self.pending.unmark_all()
         super().detach()
 
     def _build_reducers(self, striping: Striping) -> list[StripedShards]:
@@ -161,7 +161,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         fallback = (fallback_choice(o, lambda: getattr(trainer.strategy, "profile", None))
                     if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1 else None)
         return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
-                            fallback=fallback, rollback=o.rollback, per_parameter=tuple(resolve(o.per_parameter)))
+                            fallback=fallback, rollback=o.rollback, per_parameter=tuple(per_parameter_classes(o.per_parameter)))
 
     @override
     def at_boundary(self) -> Optional[Handover]:
@@ -183,10 +183,10 @@ class DeARSchedule(Schedule[DeARSettings]):
         return Handover("wfbp")
 
     def _describe_fallback(self) -> str:
-        return describe(self.settings.fallback) if self.settings.fallback is not None else ""
+        return describe_fallback(self.settings.fallback) if self.settings.fallback is not None else ""
 
     @override
-    def choices(self) -> dict[str, Choice]:
+    def choices(self) -> dict[str, MeasuredChoice]:
         return {"fallback": self.settings.fallback} if self.settings.fallback is not None else {}
 
     @property
@@ -221,10 +221,10 @@ class DeARSchedule(Schedule[DeARSettings]):
         self._gathers = start_gathers(self.reducers, self.links, self._gather)
         self._whole, self._clip = False, None
         for b, bucket in enumerate(self.plan.buckets):
-            self.watch.mark(b, bucket.params, Kind.GRADIENT)
+            self.pending.mark(b, bucket.params, Kind.GRADIENT)
 
     def _bring_up_to_date(self, buckets: set[int], kind: Kind) -> None:
-        """`commsched.schedules.watch`'s callback: someone touched a pending tensor."""
+        """`commsched.schedules.pending_tensors`'s callback: someone touched a pending tensor."""
         if kind is Kind.GRADIENT:
             self._make_whole()
         else:
@@ -233,7 +233,7 @@ class DeARSchedule(Schedule[DeARSettings]):
 
     def _make_whole(self) -> None:
         """Every gradient whole and in `.grad`, as DDP leaves them after backward."""
-        self.watch.unmark_all()
+        self.pending.unmark_all()
         assert self._gathers is not None
         for b in reversed(range(len(self.plan.buckets))):
             self._gathers.wait(b)
@@ -313,7 +313,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         for b, bucket in enumerate(self.plan.buckets):
             tensors = [*bucket.params, *(v for p in bucket.params if p in state for v in state[p].values()
                                          if isinstance(v, torch.Tensor))]
-            if not self.watch.mark(b, tensors, Kind.UPDATE):
+            if not self.pending.mark(b, tensors, Kind.UPDATE):
                 unwatched.append(b)
         for b in unwatched:
             self._apply(b, "unwatchable")
@@ -322,7 +322,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         """Apply bucket `b`'s update, waiting for its all-gather; buckets whose all-gathers have
         landed already are applied in the same optimizer call. An optimizer that is not stepped
         bucket by bucket (`SubsetStepper.mode`) waits for every all-gather and steps whole."""
-        with self.watch.lock:
+        with self.pending.lock:
             pending = self._pending
             if pending is None or not pending.waiting[b]:
                 return
@@ -332,7 +332,7 @@ class DeARSchedule(Schedule[DeARSettings]):
             for c in ready if not split else [b]:
                 pending.gathers.wait(c)  # re-raises a failure before anything changes
             for c in ready:
-                self.watch.unmark(c)  # before anything below reads its tensors
+                self.pending.unmark(c)  # before anything below reads its tensors
                 pending.waiting[c] = False
                 if pending.clip is not None:
                     pending.clip(self.plan.buckets[c].buffer)

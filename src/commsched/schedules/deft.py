@@ -15,7 +15,7 @@ user's optimizer as `.grad`. An iteration with nothing to step runs the closure 
 hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer steps taken.
 
 After solving, the iterations may go to an exact schedule on the same buckets (`Handover`, chosen
-by `commsched.deft.predict.choose_schedule`): DeAR when predicted clearly faster (it hides the
+by `commsched.deft.iteration_model.choose_schedule`): DeAR when predicted clearly faster (it hides the
 all-gathers under the next forward), else WFBP when the plan is DDP's schedule anyway. A re-plan takes them back.
 """
 
@@ -31,21 +31,21 @@ from typing_extensions import override
 from commsched.comm.buckets import BucketPlan
 from commsched.deft.compensator import Compensator
 from commsched.deft.confirm import Confirmation
-from commsched.deft.decide import decide, report
+from commsched.deft.decision import decide_plan, report
 from commsched.deft.generations import InFlight
 from commsched.deft.saved_state import load_saved_state, saved_state
 from commsched.deft.measure import StageMeter
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
-from commsched.deft.predict import Choice
+from commsched.deft.iteration_model import ScheduleChoice
 from commsched.deft.probes import GradientProbes
-from commsched.deft.settings import DeFTSettings, refuse_optimizers, settings_for, stale_barred, steps_trained, users_optimizer
-from commsched.deft.watch import StaleWatch
+from commsched.deft.settings import DeFTSettings, refuse_uncompensable_optimizers, settings_for, stale_barred, steps_trained, users_optimizer
+from commsched.deft.stale_watch import StaleWatch
 from commsched.options import DeFTOptions, StrategyOptions
 from commsched.comm.links import Links
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
 from commsched.schedules.step_control import hooked_step, run_with_step_replaced
-from commsched.sim.network import CostModel
+from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.say import say
@@ -69,26 +69,26 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self.settings: DeFTSettings = settings if isinstance(settings, DeFTSettings) else DeFTSettings()
         self.options = self.settings.options
         self._links = [links[name] for name in LINK_NAMES]
-        self.deft_plan: DeFTPlan = no_delay_plan(self._whole_buckets())
+        self.deft_plan: DeFTPlan = no_delay_plan(self.whole_buckets())
         self.decided = False
         self.iteration = 0  # into the replay of `deft_plan`
         self.seen = 0  # synchronised iterations before the plan was decided
         self.timings: Optional[Timings] = None
         self.decisions: list[dict[str, Any]] = []
-        self.choice = Choice("plan")
+        self.choice = ScheduleChoice("plan")
         """What runs the iterations once decided: the plan, or an exact schedule it hands them to."""
-        self._in_flight = InFlight(plan)
+        self.in_flight = InFlight(plan)
         self._now: Optional[Iteration] = None
         self._due: list[int] = []
         self._clip: Optional[tuple[float, str]] = None
-        self._meter = StageMeter(plan.buckets[0].buffer.device)
-        self._probes = GradientProbes(links.control, self.link.world_size, self.link.rank)
+        self.meter = StageMeter(plan.buckets[0].buffer.device)
+        self.probes = GradientProbes(links.control, self.link.world_size, self.link.rank)
         self._stepper: Optional[tuple[Optimizer, Callable[[], Any]]] = None
         self.steps_this_iteration = 0
-        self._replan = False
+        self.replan_requested = False
         self.replan_at: Optional[int] = None  # the step from which a stale plan waiting may run: solve again then
         self._curvature_step = False
-        self._confirmation: Optional[Confirmation] = None
+        self.confirmation: Optional[Confirmation] = None
         """While the predicted choice and its runner-up are timed on real steps."""
         self.updates = 0
         """Optimizer steps taken: a generation stepped now is `updates - joined_at` steps late."""
@@ -105,7 +105,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @classmethod
     @override
     def refuse_optimizers(cls, options: StrategyOptions, optimizers: list[Optimizer]) -> None:
-        refuse_optimizers(options.deft.compensation, optimizers)
+        refuse_uncompensable_optimizers(options.deft.compensation, optimizers)
 
     def _whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
@@ -121,22 +121,22 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         WFBP when that was chosen (and come back on a re-plan). A stale plan is watched from its first
         iteration, and stopped here when its loss did not fall (`deft.watch`)."""
         if self.replan_at is not None and steps_trained(self.module) >= self.replan_at:
-            self._replan, self.replan_at = True, None  # stale plans may run from now on: solve again
+            self.replan_requested, self.replan_at = True, None  # stale plans may run from now on: solve again
         if self.watch.iteration_ended(self.links.control):  # a re-plan rebuilt the schedule first: nothing to judge
             self._stop_the_plan()
-        if self._replan or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
+        if self.replan_requested or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
             self._restart_measuring()  # (while the buckets are being decided, measure nothing yet)
         if not self.decided and not self.settling and self.seen >= self.options.warmup_steps + self.options.measure_steps:
             self._decide()
-        if self._confirmation is not None:
-            confirmed = self._confirmation.at_boundary()
+        if self.confirmation is not None:
+            confirmed = self.confirmation.at_boundary()
             if confirmed is not None:
-                self.choice, self._confirmation = confirmed, None
+                self.choice, self.confirmation = confirmed, None
         if not self.decided:
             return None
-        running = self._confirmation.running if self._confirmation is not None else self.choice
+        running = self.confirmation.running if self.confirmation is not None else self.choice
         if running.runs != "plan":
-            if self._in_flight:
+            if self.in_flight:
                 self.drain()  # a delayed plan timed before an exact schedule: its generations step now
             self.compensator.forget()
             self.iteration = 0  # when the plan takes the iterations back, its replay starts with nothing in flight
@@ -149,17 +149,17 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     @property
     def _stale_plan_runs(self) -> bool:
-        return self.decided and self._confirmation is None and self.choice.runs == "plan" and self.deft_plan.staleness > 0
+        return self.decided and self.confirmation is None and self.choice.runs == "plan" and self.deft_plan.staleness > 0
 
     @override
     def on_loss(self, loss: torch.Tensor) -> None:
-        self.watch.listen(loss, self.decided and self._confirmation is None, self._stale_plan_runs)
+        self.watch.listen(loss, self.decided and self.confirmation is None, self._stale_plan_runs)
 
     def _start_watching(self) -> None:
         """A stale plan starting is watched from nothing in flight (what it ran while confirmed is applied first)."""
         if not self.watch.starts_now(self._stale_plan_runs):
             return
-        if self._in_flight:
+        if self.in_flight:
             self._drain_because("before the watch's snapshot")
             self.compensator.forget()
             self.iteration = 0
@@ -168,7 +168,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def _stop_the_plan(self) -> None:
         """Its loss did not fall: back to its start (or on from here), stale plans refused, measure and solve again."""
         if self.watch.rollback:
-            self._in_flight.drop()
+            self.in_flight.drop()
             taken = self.watch.roll_back(self.module, users_optimizer(self._stepper, self.module))
             self.updates = taken if taken is not None else self.updates
             self.compensator.forget()
@@ -183,36 +183,36 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @override
     def request_replan(self) -> None:
         """Measure and solve again (every rank at the same step): delayed gradients are applied first."""
-        self._replan = True
+        self.replan_requested = True
 
     def _restart_measuring(self) -> None:
         self._drain_because("before measuring again")
-        self._replan = False
-        self.deft_plan, self.decided, self.iteration = no_delay_plan(self._whole_buckets()), False, 0
-        self.choice = Choice("plan")
-        self._confirmation, self.replan_at = None, None
+        self.replan_requested = False
+        self.deft_plan, self.decided, self.iteration = no_delay_plan(self.whole_buckets()), False, 0
+        self.choice = ScheduleChoice("plan")
+        self.confirmation, self.replan_at = None, None
         self.watch.restart()
         self.seen = self.options.warmup_steps
-        self._meter = StageMeter(self.plan.buckets[0].buffer.device)
-        self._probes.clear()
+        self.meter = StageMeter(self.plan.buckets[0].buffer.device)
+        self.probes.clear()
 
     def _decide(self) -> None:
         optimizer = self._stepper[0] if self._stepper is not None else None
         barred, wait_until = stale_barred(self.settings.preserver, self.watch.stale_refused, self.module)
-        decision = decide(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
-                          self._meter, self._probes, self.compensator.name, self.compensator.measured_staleness(optimizer),
+        decision = decide_plan(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
+                          self.meter, self.probes, self.compensator.name, self.compensator.measured_staleness(optimizer),
                           barred, wait_until)
         self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
         self.decided, self.iteration = True, 0
         self.watch.verdict = None  # a new plan: watched if it is stale and runs
         self.replan_at = max((d["wait_until"] for d in self.decisions if d.get("waiting")), default=None)  # rank 0's
-        self._confirm_later()
-        self._probes.clear()
+        self.confirm_later()
+        self.probes.clear()
 
     def _confirm_later(self) -> None:
         """The predicted choice and its runner-up run real steps before one is kept (`deft.confirm`)."""
         if self.options.confirm_steps and self.choice.alternative is not None and self.links.control.world_size > 1:
-            self._confirmation = Confirmation(self.choice, self.options.confirm_steps, self.links.control,
+            self.confirmation = Confirmation(self.choice, self.options.confirm_steps, self.links.control,
                                               self.plan.buckets[0].buffer.device)
 
     @classmethod
@@ -223,7 +223,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @property
     @override
     def settled(self) -> bool:
-        return self.decided and self._confirmation is None
+        return self.decided and self.confirmation is None
 
     @override
     def summary(self) -> list[str]:
@@ -250,7 +250,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self._clip = None
         self._launch(FORWARD, lambda launch: True)
         if self._measuring:
-            self._meter.forward_started()
+            self.meter.forward_started()
             self._ask_for_curvature()
 
     @override
@@ -258,7 +258,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         if self._now is None or not self.sync_enabled:
             return
         if self._measuring:
-            self._meter.forward_done()
+            self.meter.forward_done()
         joins = self._now.joins
         self._launch(BACKWARD, lambda launch: launch.generation != joins)
 
@@ -266,10 +266,10 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def on_bucket_ready(self, b: int) -> None:
         if self._now is None:  # a step whose forward ran outside training_step (e.g. manual backward)
             self._now = self.deft_plan.at(self.iteration)
-        generation = self._in_flight.joined(self._now.joins)
+        generation = self.in_flight.joined(self._now.joins)
         generation.merge(b, self.plan.buckets[b].buffer, first=generation.k == 0)
         if self._measuring:
-            self._meter.bucket_ready()
+            self.meter.bucket_ready()
         joins = self._now.joins
         items = self.deft_plan.items
         self._launch(BACKWARD, lambda launch: launch.generation == joins and items[launch.item].bucket == b)
@@ -278,20 +278,20 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def on_backward_end(self) -> None:
         self.compensator.restore()
         self.capture.read_mask()
-        generation = self._in_flight.joined(self._now.joins)
+        generation = self.in_flight.joined(self._now.joins)
         generation.k += 1
         generation.joined_at = self.updates
         for b, flags in enumerate(self.capture.globally_used):
             generation.used[b] = [u or f for u, f in zip(generation.used[b], flags)]
         self._due = list(self._now.steps)
         if self._due:
-            self._in_flight[self._due[0]].hand_to_optimizer(self.plan, len(self.deft_plan.items))
+            self.in_flight[self._due[0]].hand_to_optimizer(self.plan, len(self.deft_plan.items))
             if self._measuring and self.link.world_size > 1:
-                self._probes.record([b.buffer for b in self.plan.buckets], self._in_flight[self._due[0]].buffers)
+                self.probes.record([b.buffer for b in self.plan.buckets], self.in_flight[self._due[0]].buffers)
 
     def _launch(self, stage: str, which: Callable[[Launch], bool]) -> None:
         assert self._now is not None
-        self._in_flight.launch([launch for launch in self._now.launches if launch.stage == stage and which(launch)],
+        self.in_flight.launch([launch for launch in self._now.launches if launch.stage == stage and which(launch)],
                                self.deft_plan, self._links, self.iteration)
 
     # ------------------------------------------------------------------- update
@@ -307,15 +307,15 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self._stepper = (optimizer, real_step)
         for position, number in enumerate(self._due):
             if position > 0:  # a second generation completes in this iteration
-                self._in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
+                self.in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
                 if self._clip is not None:
                     super().clip_gradients(optimizer, *self._clip)
                 self.settings.advance_schedulers()
             if self._measuring and position == 0:
-                self._apply(optimizer, partial(self._probes.step, optimizer, real_step), number)
+                self._apply(optimizer, partial(self.probes.step, optimizer, real_step), number)
             else:
                 self._apply(optimizer, real_step, number)
-            self._in_flight.release(number)
+            self.in_flight.release(number)
             self.steps_this_iteration += 1
         self._due = []
         # Lightning's loop called step(); torch's schedulers must not warn that they stepped first.
@@ -324,7 +324,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def _apply(self, optimizer: Optimizer, real_step: Callable[[], Any], number: int) -> None:
         """The user's step on generation `number`'s gradients, compensated for how late they are (a
         measured step is never late)."""
-        late = self.updates - self._in_flight[number].joined_at
+        late = self.updates - self.in_flight[number].joined_at
         self.compensator.step(optimizer, real_step, late, may_predict=not self.decided or self.deft_plan.delayed)
         self.updates += 1
 
@@ -338,7 +338,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         if self._now is None:
             return
         if self._curvature_step:
-            self._meter.forget_last()
+            self.meter.forget_last()
             self._curvature_step = False
         self._now = None
         if self.decided:
@@ -355,7 +355,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @override
     def flush(self) -> None:
         """Checkpoints, validation, callbacks: wait for what is in flight; delayed gradients stay delayed."""
-        self._in_flight.wait()
+        self.in_flight.wait()
 
     @override
     def drain(self) -> None:
@@ -365,15 +365,15 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     def _drain_because(self, why: str) -> None:
         optimizer = users_optimizer(self._stepper, self.module)
-        if optimizer is None or not self._in_flight:
+        if optimizer is None or not self.in_flight:
             self.flush()
             return
-        for number in self._in_flight.in_order():
-            self._in_flight.send_the_rest(number, self.deft_plan.items, self._links[0])
-            self._in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
+        for number in self.in_flight.in_order():
+            self.in_flight.send_the_rest(number, self.deft_plan.items, self._links[0])
+            self.in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
             # a step of its own, outside Lightning's: the user's step hooks run around it
             hooked_step(optimizer, optimizer.step, {}, lambda quiet_step, kwargs: self._apply(optimizer, partial(quiet_step, **kwargs), number))
-            self._in_flight.release(number)
+            self.in_flight.release(number)
         for p in params_of(optimizer):
             p.grad = None
         say(f"commsched deft: delayed gradients applied {why}")
@@ -396,6 +396,6 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     @classmethod
     @override
     def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
-        from commsched.sim.deft import deft
+        from commsched.sim.deft_timeline import deft
 
         return deft(workload, network, workers, buckets=buckets)

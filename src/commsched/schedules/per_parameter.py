@@ -55,7 +55,7 @@ class StepMode:
                 "DeAROptions(per_parameter=[...]) declares a class whose step treats each parameter alone")
 
 
-def resolve(declared: Iterable[Any]) -> list[type]:
+def per_parameter_classes(declared: Iterable[Any]) -> list[type]:
     """The classes `DeAROptions.per_parameter` names (classes, or `module.Class` strings imported now)."""
     classes = []
     for entry in declared:

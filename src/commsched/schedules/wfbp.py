@@ -24,8 +24,8 @@ from commsched.options import BUILTIN, CompressionOptions, StrategyOptions, Stre
 from commsched.reducers import into_bucket
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
-from commsched.compression.auto import SparseOrDense, fastest_selection
-from commsched.interleaved import Choice
+from commsched.compression.sparse_or_dense import SparseOrDense, fastest_selection
+from commsched.interleaved import MeasuredChoice
 from commsched.compression.selections import SELECTIONS, selector
 from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections, export_momentum
 from commsched.compression.warmup import SparsityWarmup
@@ -33,7 +33,7 @@ from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.schedules.base import Schedule
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
-from commsched.sim.network import CostModel
+from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
 from commsched.say import say
@@ -233,7 +233,7 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         return self.settings.warmup is not None and step < self.settings.warmup.end
 
     @override
-    def choices(self) -> dict[str, Choice]:
+    def choices(self) -> dict[str, MeasuredChoice]:
         judge = self.settings.sparse_or_dense
         return {"sparse_or_dense": judge.choice} if judge is not None else {}
 

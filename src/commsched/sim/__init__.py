@@ -1,7 +1,7 @@
 """A scale simulator: predicted iteration time of each schedule at P = 2..2048 workers."""
 
 from commsched.rates import parse_rate
-from commsched.sim.network import AlphaBeta, CostModel, Fitted, Line, Measured
+from commsched.sim.cost_models import AlphaBeta, CostModel, Fitted, Line, Measured
 from commsched.sim.simulate import SIM_SCHEDULES, simulate
 from commsched.sim.workload import BUILTIN_WORKLOADS, Layer, Workload, builtin
 

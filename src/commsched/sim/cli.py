@@ -24,7 +24,7 @@ from commsched.lab import require_lab
 from commsched.errors import CommSchedConfigError, bad_value
 from commsched.options import density_value, positive_int
 from commsched.rates import parse_rate
-from commsched.sim.network import AlphaBeta, CostModel, Fitted
+from commsched.sim.cost_models import AlphaBeta, CostModel, Fitted
 from commsched.plugins import import_plugins
 from commsched.sim.simulate import SIM_SCHEDULES, schedule_names, simulate
 from commsched.sim.workload import BUILTIN_WORKLOADS, Workload, builtin

@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from commsched.sim.network import CostModel
-from commsched.sim.timelines import Buckets, Result, _bucket_bytes, _compute_spans, grad_ready, per_layer
+from commsched.sim.cost_models import CostModel
+from commsched.sim.timelines import Buckets, Result, bytes_of_bucket, compute_spans, grad_ready, per_layer
 from commsched.sim.workload import Workload
 from commsched.trace import Span
 
@@ -45,13 +45,13 @@ def nodes_of(workers: int, per_node: int) -> tuple[int, int]:
 
 def _overlapped(name: str, workload: Workload, buckets: Buckets, cost: Callable[[float, float], float]) -> Result:
     """`cost(nbytes, whole_nbytes)` of each bucket's exchange, started when it is ready, FIFO on one lane."""
-    forward, t_ff = _compute_spans(workload, 0.0, "forward")
-    backward, t_end = _compute_spans(workload, t_ff, "backward")
+    forward, t_ff = compute_spans(workload, 0.0, "forward")
+    backward, t_end = compute_spans(workload, t_ff, "backward")
     ready = grad_ready(workload, t_ff)
     spans, link_free = [], t_ff
     for index, bucket in enumerate(buckets):
         start = max(link_free, max(ready[i] for i in bucket))
-        link_free = start + cost(_bucket_bytes(workload, bucket), _whole_bytes(workload, bucket))
+        link_free = start + cost(bytes_of_bucket(workload, bucket), _whole_bytes(workload, bucket))
         spans.append(Span("link", f"{name} b{index}", start, link_free))
     return Result(name, max(t_end, link_free), forward + backward + spans, len(buckets))
 

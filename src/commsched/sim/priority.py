@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from commsched.sim.network import CostModel
+from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Result
 from commsched.sim.workload import Workload
 from commsched.trace import Span

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from commsched.errors import bad_value
 from commsched.sim import compressed, timelines
-from commsched.sim.network import AlphaBeta, CostModel
+from commsched.sim.cost_models import AlphaBeta, CostModel
 from commsched.sim.priority import bytescheduler
 from commsched.sim.timelines import Result
 from commsched.sim.workload import Workload
@@ -71,7 +71,7 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
         result.schedule = name
         return result
     if name == "deft":
-        from commsched.sim.deft import deft
+        from commsched.sim.deft_timeline import deft
 
         return deft(workload, network, workers, bucket_bytes, mu)
     if name == "bytescheduler":

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from commsched.fusion.dear_model import DearInstance, DearPlan, plan_dear_model
 from commsched.fusion.mgwfbp import plan_exact, plan_greedy
-from commsched.sim.network import CostModel
+from commsched.sim.cost_models import CostModel
 from commsched.sim.workload import Workload
 from commsched.trace import Span
 
@@ -69,7 +69,7 @@ def mgwfbp_buckets(workload: Workload, network: CostModel, workers: int, exact: 
     return [[order[j] for j in group] for group in groups]
 
 
-def _compute_spans(workload: Workload, start: float, phase: str) -> tuple[list[Span], float]:
+def compute_spans(workload: Workload, start: float, phase: str) -> tuple[list[Span], float]:
     spans, clock = [], start
     indices = range(len(workload.layers)) if phase == "forward" else reversed(range(len(workload.layers)))
     for i in indices:
@@ -80,7 +80,7 @@ def _compute_spans(workload: Workload, start: float, phase: str) -> tuple[list[S
     return spans, clock
 
 
-def _bucket_bytes(workload: Workload, bucket: Sequence[int]) -> int:
+def bytes_of_bucket(workload: Workload, bucket: Sequence[int]) -> int:
     return sum(workload.layers[i].nbytes for i in bucket)
 
 
@@ -91,7 +91,7 @@ def _chain(workload: Workload, network: CostModel, workers: int, buckets: Bucket
     spans, link_free = [], backward_start
     for index, bucket in enumerate(buckets):
         start = max(link_free, max(ready[i] for i in bucket))
-        link_free = start + network.time(collective, _bucket_bytes(workload, bucket), workers)
+        link_free = start + network.time(collective, bytes_of_bucket(workload, bucket), workers)
         spans.append(Span("link", f"{collective} b{index}", start, link_free))
     return spans, link_free
 
@@ -99,8 +99,8 @@ def _chain(workload: Workload, network: CostModel, workers: int, buckets: Bucket
 def wfbp(workload: Workload, network: CostModel, workers: int, buckets: Buckets | None = None) -> Result:
     """[MG-WFBP] Eq. 6-8: all-reduce each bucket when ready; the step waits for the last one."""
     buckets = per_layer(workload) if buckets is None else buckets
-    forward, t_ff = _compute_spans(workload, 0.0, "forward")
-    backward, t_end = _compute_spans(workload, t_ff, "backward")
+    forward, t_ff = compute_spans(workload, 0.0, "forward")
+    backward, t_end = compute_spans(workload, t_ff, "backward")
     comm, link_free = _chain(workload, network, workers, buckets, "all_reduce", t_ff)
     return Result("wfbp", max(t_end, link_free), forward + backward + comm, len(buckets))
 
@@ -109,12 +109,12 @@ def after_backward(name: str, workload: Workload, network: CostModel, workers: i
                    collectives: Sequence[str]) -> Result:
     """A schedule that overlaps nothing: forward, backward, then each bucket's `collectives` in turn
     (`commsched.Schedule.simulate`'s default for a schedule that describes no timeline of its own)."""
-    forward, t_ff = _compute_spans(workload, 0.0, "forward")
-    backward, clock = _compute_spans(workload, t_ff, "backward")
+    forward, t_ff = compute_spans(workload, 0.0, "forward")
+    backward, clock = compute_spans(workload, t_ff, "backward")
     comm = []
     for index, bucket in enumerate(buckets):
         for collective in collectives:
-            seconds = network.time(collective, _bucket_bytes(workload, bucket), workers)
+            seconds = network.time(collective, bytes_of_bucket(workload, bucket), workers)
             comm.append(Span("link", f"{collective} b{index}", clock, clock + seconds))
             clock += seconds
     return Result(name, clock, forward + backward + comm, len(buckets))
@@ -122,8 +122,8 @@ def after_backward(name: str, workload: Workload, network: CostModel, workers: i
 
 def sync_easgd(workload: Workload, network: CostModel, workers: int) -> Result:
     """[MG-WFBP] Eq. 9: one all-reduce of everything after backward."""
-    forward, t_ff = _compute_spans(workload, 0.0, "forward")
-    backward, t_end = _compute_spans(workload, t_ff, "backward")
+    forward, t_ff = compute_spans(workload, 0.0, "forward")
+    backward, t_end = compute_spans(workload, t_ff, "backward")
     t_ar = network.time("all_reduce", workload.nbytes, workers)
     return Result("syncea", t_end + t_ar, forward + backward + [Span("link", "all_reduce", t_end, t_end + t_ar)], 1)
 
@@ -145,7 +145,7 @@ def dear(workload: Workload, network: CostModel, workers: int, buckets: Buckets 
     link_free = 0.0
     for b in reversed(range(len(buckets))):
         start = link_free
-        link_free = start + network.time("all_gather", _bucket_bytes(workload, buckets[b]), workers)
+        link_free = start + network.time("all_gather", bytes_of_bucket(workload, buckets[b]), workers)
         gathered[b] = link_free
         spans.append(Span("link", f"all_gather b{b}", start, link_free))
     clock = 0.0
@@ -154,7 +154,7 @@ def dear(workload: Workload, network: CostModel, workers: int, buckets: Buckets 
         clock = start + layer.forward_s
         spans.append(Span("compute", f"F {layer.name}", start, clock))
     # every layer waited for its bucket's all-gather, so the link is idle when backward starts
-    backward, t_end = _compute_spans(workload, clock, "backward")
+    backward, t_end = compute_spans(workload, clock, "backward")
     comm, rs_end = _chain(workload, network, workers, buckets, "reduce_scatter", clock)
     return Result("dear", max(t_end, rs_end), spans + backward + comm, len(buckets))
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from commsched.interleaved import Turns, decide
+from commsched.interleaved import Turns, verdict_from_samples
 from commsched.options import StreamOptions
 from commsched.run_files import folder_of
 from commsched.say import say
@@ -176,7 +176,7 @@ class StreamControl:
         if not turns.done:
             return None
         # rank 0's clock decides, as it does every trial of the search
-        verdict = control.broadcast_object(decide(turns.samples(), turns.steps, searched) if control.rank == 0 else None, 0,
+        verdict = control.broadcast_object(verdict_from_samples(turns.samples(), turns.steps, searched) if control.rank == 0 else None, 0,
                                            "streams-confirm")
         self._confirming = None
         self.chosen, self.chosen_s, self.searching = arms[verdict.keep], verdict.medians_s[verdict.keep], False
@@ -262,7 +262,7 @@ class StreamControl:
 
     def _save(self) -> None:
         """The trials as a table (JSON) and a plot beside the run's outputs (rank 0)."""
-        from commsched.streams.report import save_trials
+        from commsched.streams.trial_report import save_trials
 
         out_dir = self._out_dir() if self._out_dir is not None else None
         if out_dir is not None and self.trials:

@@ -15,7 +15,7 @@ from commsched.reducers.units import Striping
 
 
 @dataclass
-class Trial:
+class StreamTrial:
     technique: str
     striping: Striping
     seconds: float
@@ -36,7 +36,7 @@ class StreamSearch:
         self.bandit = AUCBandit(list(self._techniques), exploration, window)
         self._rng = random.Random(seed + 1)
         self.measured: dict[Striping, float] = {}
-        self.trials: list[Trial] = []
+        self.trials: list[StreamTrial] = []
 
     def propose(self) -> tuple[str, Optional[Striping]]:
         """(technique, configuration to measure next); None: every configuration is measured."""
@@ -51,7 +51,7 @@ class StreamSearch:
         left = self.space.random_unmeasured(self.measured, self._rng)
         return "random", left
 
-    def record(self, technique: str, striping: Striping, seconds: float) -> Trial:
+    def record(self, technique: str, striping: Striping, seconds: float) -> StreamTrial:
         best = self.best()
         new_best = best is None or seconds < best[1]
         self.measured[striping] = seconds
@@ -59,7 +59,7 @@ class StreamSearch:
             t.observe(striping, seconds)
         if technique in self._techniques:
             self.bandit.record(technique, new_best)
-        trial = Trial(technique, striping, seconds, new_best)
+        trial = StreamTrial(technique, striping, seconds, new_best)
         self.trials.append(trial)
         return trial
 

@@ -20,7 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 COMPENSATIONS = ("auto", "none", "spike", "predict", "spike+predict")
-"""Besides spike: "predict", linear weight prediction (`commsched.deft.prediction`); "spike+predict",
+"""Besides spike: "predict", linear weight prediction (`commsched.deft.weight_prediction`); "spike+predict",
 both; "auto", the one measured to keep this optimizer's accuracy one step late (`chosen_for`)."""
 
 MEASURED_MOMENTUM = 0.9
@@ -42,7 +42,7 @@ def chosen_for(optimizer: Optimizer) -> str:
     return "none"
 
 
-def resolve(requested: str, optimizer: Optimizer) -> str:
+def resolve_compensation(requested: str, optimizer: Optimizer) -> str:
     """The compensation that runs: `requested`, or with "auto" `chosen_for(optimizer)`."""
     return chosen_for(optimizer) if requested == "auto" else requested
 

@@ -44,7 +44,7 @@ def refuse_manual_optimization(module: Any, name: str) -> None:
         )
 
 
-def refuse_optimizers(optimizers: list[Any], name: str, steps_whole: bool = True) -> None:
+def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool = True) -> None:
     if len(optimizers) != 1:
         raise CommSchedConfigError(
             f"commsched: strategy='{name}' supports exactly one optimizer; configure_optimizers returned {len(optimizers)}."

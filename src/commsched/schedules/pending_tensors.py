@@ -59,7 +59,7 @@ class Kind(enum.Enum):
     GRADIENT = "gradient"
 
 
-class Watch:
+class PendingTensors:
     """One schedule's pending tensors, grouped under keys (bucket indices). `bring_up_to_date(keys, kind)`
     is the schedule's callback: it must unmark `keys` (`unmark`) before it reads or writes their tensors."""
 
@@ -78,7 +78,7 @@ class Watch:
             for tensor in tensors:
                 entry = _entries.get(id(tensor))
                 if entry is not None:
-                    if entry.watch is self and entry.key == key:
+                    if entry.owner is self and entry.key == key:
                         entry.kind = kind
                     continue
                 base = type(tensor)
@@ -114,7 +114,7 @@ class Watch:
     def keys(self) -> list[int]:
         return list(self._marked)
 
-    def _touched(self, keys: set[int], kind: Kind) -> None:
+    def bring_up_to_date_now(self, keys: set[int], kind: Kind) -> None:
         self.touches += 1
         self._bring_up_to_date(keys, kind)
         for key in keys:  # the callback unmarks; a key it left marked must not be touched forever
@@ -127,10 +127,10 @@ def watchable(tensor: torch.Tensor) -> bool:
 
 
 class _Entry:
-    __slots__ = ("tensor", "watch", "key", "kind", "base")
+    __slots__ = ("tensor", "owner", "key", "kind", "base")
 
-    def __init__(self, tensor: torch.Tensor, watch: Watch, key: int, kind: Kind, base: type) -> None:
-        self.tensor, self.watch, self.key, self.kind, self.base = tensor, watch, key, kind, base
+    def __init__(self, tensor: torch.Tensor, owner: PendingTensors, key: int, kind: Kind, base: type) -> None:
+        self.tensor, self.owner, self.key, self.kind, self.base = tensor, owner, key, kind, base
 
 
 _entries: dict[int, _Entry] = {}
@@ -168,7 +168,7 @@ def _parameter_alias(data: torch.Tensor) -> torch.Tensor:
 
 def _touch(func: Any, args: tuple, kwargs: dict) -> None:
     with _lock:
-        touched: dict[Watch, dict[int, Kind]] = {}
+        touched: dict[PendingTensors, dict[int, Kind]] = {}
         for leaf in tree_leaves((args, kwargs)):
             if not isinstance(leaf, _Pending):
                 continue
@@ -178,12 +178,12 @@ def _touch(func: Any, args: tuple, kwargs: dict) -> None:
                 continue
             if entry.kind is Kind.GRADIENT and func is not None and func not in _GRAD_ACCESS:
                 continue  # the values are current; only .grad is pending
-            touched.setdefault(entry.watch, {})[entry.key] = entry.kind
-        for watch, keys in touched.items():
+            touched.setdefault(entry.owner, {})[entry.key] = entry.kind
+        for owner, keys in touched.items():
             for kind in (Kind.GRADIENT, Kind.UPDATE):
                 chosen = {key for key, k in keys.items() if k is kind}
                 if chosen:
-                    watch._touched(chosen, kind)
+                    owner.bring_up_to_date_now(chosen, kind)
 
 
 _classes: dict[type, Optional[type]] = {}

@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate != "none" and not args.inside:
         reason = netns.unavailable_reason()
         if reason is None:
-            return netns.run_in_namespace(args.rate, [sys.executable, "-m", "commsched.profile.probe_cli", *argv, "--inside"])
+            return netns.run_in_namespace(args.rate, [sys.executable, "-m", "commsched.profile.cli", *argv, "--inside"])
         console.print(f"[yellow]{reason}: probing the unlimited loopback instead of {args.rate}[/yellow]")
-    from commsched.comm.workers import run_node_workers, run_workers  # torch: only once there is something to run
+    from commsched.comm.local_workers import run_node_workers, run_workers  # torch: only once there is something to run
 
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp) / "probe.json"
@@ -162,7 +162,7 @@ def _in_cluster(args: argparse.Namespace, argv: list[str]) -> int:
     reason = netns.unavailable_reason()
     if reason is not None:
         raise CommSchedConfigError(f"commsched: {reason}; an emulated cluster cannot be made here")
-    return run(spec, [sys.executable, "-m", "commsched.profile.probe_cli", *argv, "--inside"])
+    return run(spec, [sys.executable, "-m", "commsched.profile.cli", *argv, "--inside"])
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def dear_is_faster(plan_s: float, dear_s: float) -> bool:
 
 
 @dataclass(frozen=True)
-class Choice:
+class ScheduleChoice:
     """Which schedule runs the iterations after solving, and why."""
 
     runs: str
@@ -141,30 +141,30 @@ class Choice:
     measured: dict = field(default_factory=dict)
     """Median milliseconds per real step of each candidate timed, by `runs` (empty until confirmed)."""
 
-    def runner_up(self) -> "Choice":
+    def runner_up(self) -> "ScheduleChoice":
         assert self.alternative is not None
         runs, links = self.alternative
-        return Choice(runs, tuple(links))
+        return ScheduleChoice(runs, tuple(links))
 
     def to_json(self) -> dict:
         return {**vars(self), "dear_links": list(self.dear_links),
                 "alternative": [self.alternative[0], list(self.alternative[1])] if self.alternative else None}
 
     @classmethod
-    def from_json(cls, saved: dict) -> "Choice":
+    def from_json(cls, saved: dict) -> "ScheduleChoice":
         alternative = saved.get("alternative")
         return cls(saved["runs"], tuple(saved.get("dear_links", ())), dict(saved.get("predicted", {})),
                    (alternative[0], tuple(alternative[1])) if alternative else None, dict(saved.get("measured", {})))
 
 
 def choose_schedule(plan: DeFTPlan, timings: Timings, numels: Sequence[int], mode: str,
-                    halves: Optional[tuple[list[list[float]], list[list[float]]]]) -> Choice:
+                    halves: Optional[tuple[list[list[float]], list[list[float]]]]) -> ScheduleChoice:
     """`mode` "when_faster": DeAR when predicted at least `DEAR_MARGIN` faster (on the primary, or
     balanced over both links, whichever is predicted faster); "when_undelayed": DeAR whenever the
     plan delays nothing. Otherwise WFBP when the plan is DDP's schedule, else the plan. `halves` is
     None where DeAR may not run (callbacks read every step) or was not measured."""
     if mode == "never":
-        return Choice("plan")
+        return ScheduleChoice("plan")
     predicted: dict = {}
     if halves is not None:
         reduce_scatter, all_gather = halves
@@ -178,7 +178,7 @@ def choose_schedule(plan: DeFTPlan, timings: Timings, numels: Sequence[int], mod
         dear_links = tuple(LINK_NAMES[l] for l in link_of)
         own = "wfbp" if plan.is_ddp else "plan"
         if (not plan.delayed) if mode == "when_undelayed" else dear_is_faster(plan_s, dear_s):
-            return Choice("dear", dear_links, predicted, (own, ()) if mode == "when_faster" else None)
+            return ScheduleChoice("dear", dear_links, predicted, (own, ()) if mode == "when_faster" else None)
         if mode == "when_faster":
-            return Choice(own, (), predicted, ("dear", dear_links))
-    return Choice("wfbp" if plan.is_ddp else "plan", (), predicted)
+            return ScheduleChoice(own, (), predicted, ("dear", dear_links))
+    return ScheduleChoice("wfbp" if plan.is_ddp else "plan", (), predicted)

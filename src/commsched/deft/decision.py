@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from commsched.comm.buckets import BucketPlan
 from commsched.deft.measure import StageMeter, agreed_stage_times, all_reduce_seconds, halves_seconds, load_halves, load_timings
 from commsched.deft.plan import DeFTPlan, Timings, plan_for
-from commsched.deft.predict import Choice, choose_schedule
+from commsched.deft.iteration_model import ScheduleChoice, choose_schedule
 from commsched.deft.probes import GradientProbes
 from commsched.errors import ScheduleError
 from commsched.comm.links import Link
@@ -28,12 +28,12 @@ Halves = tuple[list[list[float]], list[list[float]]]
 class Decision:
     plan: DeFTPlan
     timings: Timings
-    choice: Choice
+    choice: ScheduleChoice
     preserver: list[dict[str, Any]] = field(default_factory=list)
     """The Preserver's decisions, one per plan it judged."""
 
 
-def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOptions, preserver: Any,
+def decide_plan(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOptions, preserver: Any,
            meter: StageMeter, probes: GradientProbes, compensation: str = "none", measured_staleness: int = 0,
            stale_barred: Optional[str] = None, stale_wait_until: Optional[int] = None) -> Decision:
     """Every rank calls it at the same iteration boundary (it issues collectives on every link).
@@ -56,7 +56,7 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
     halves = _dear_halves(plan, links, control, options, shared)
     mine = _solve(plan, timings, stats, halves, options, preserver) if control.rank == 0 else None
     decided = control.broadcast_object(mine, src=0, tag="deft-plan")
-    decision = Decision(DeFTPlan.from_json(decided["plan"]), timings, Choice.from_json(decided["choice"]), decided["preserver"])
+    decision = Decision(DeFTPlan.from_json(decided["plan"]), timings, ScheduleChoice.from_json(decided["choice"]), decided["preserver"])
     _check_same_plan(decision.plan, control)
     if preserver is None and decision.plan.delayed and decision.choice.runs == "plan":
         rank_zero_warn(f"commsched deft: running a delayed plan without the Preserver ({decision.plan.describe()}): "
@@ -69,7 +69,7 @@ def decide(plan: BucketPlan, links: list[Link], control: Link, options: DeFTOpti
     say(f"commsched deft: {decision.plan.describe()}{compensated}; mu = c_secondary/c_primary = {timings.mu:.2f}; "
                    f"T_F {timings.forward * 1e3:.1f} ms, T_B {sum(timings.backward) * 1e3:.1f} ms, all-reduce "
                    f"{sum(timings.costs[0]) * 1e3:.1f} ms primary / {sum(timings.costs[1]) * 1e3:.1f} ms secondary; "
-                   f"{describe(decision.choice, options.fallback, control.world_size)}")
+                   f"{describe_decision(decision.choice, options.fallback, control.world_size)}")
     return decision
 
 
@@ -106,7 +106,7 @@ def _check_same_plan(plan: DeFTPlan, control: Link) -> None:
         raise ScheduleError(f"commsched deft: ranks replay different plans (hashes {digests})")
 
 
-def describe(choice: Choice, fallback: str, world_size: int) -> str:
+def describe_decision(choice: ScheduleChoice, fallback: str, world_size: int) -> str:
     """What runs the iterations, and why: the fallback setting and the predictions it compared."""
     if choice.predicted:
         compared = f"DeAR predicted {choice.predicted['dear_ms']:.0f} ms/step against {choice.predicted['plan_ms']:.0f} ms for the plan"
@@ -123,11 +123,11 @@ def describe(choice: Choice, fallback: str, world_size: int) -> str:
     return f"run by the plan ({reason})"
 
 
-def report(plan: DeFTPlan, choice: Choice, decided: bool, options: DeFTOptions, world_size: int, timings: Optional[Timings],
+def report(plan: DeFTPlan, choice: ScheduleChoice, decided: bool, options: DeFTOptions, world_size: int, timings: Optional[Timings],
            decisions: list[dict[str, Any]], compensation: str = "none", watch: Optional[list[str]] = None,
            stale_refused: bool = False) -> dict[str, Any]:
     """What was decided, for metrics files and benchmark tables."""
-    described = plan.describe() + (f"; {describe(choice, options.fallback, world_size)}" if decided else "")
+    described = plan.describe() + (f"; {describe_decision(choice, options.fallback, world_size)}" if decided else "")
     return {"plan": described, "n": plan.n, "k": list(plan.k), "compensation": compensation,
             "staleness": plan.staleness, "runs": choice.runs, "dear_links": list(choice.dear_links),
             "predicted": choice.predicted, "measured": choice.measured, "mu": timings.mu if timings is not None else None,

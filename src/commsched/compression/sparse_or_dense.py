@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from commsched.interleaved import Choice
+from commsched.interleaved import MeasuredChoice
 from commsched.options import CompressionOptions
 from commsched.compression.selections import SELECTIONS, selector
 
@@ -29,7 +29,7 @@ SELECTION_PROBE_MAX = 2**22
 WARMUP_STEPS = 5
 """Steps before the comparison starts (a run's first steps are slow and would favour whichever runs later)."""
 DENSE, SPARSE = 0, 1
-ARMS = ("dense", "sparse")
+EXCHANGE_ARMS = ("dense", "sparse")
 
 
 def _seconds(select: Callable[..., Any], x: torch.Tensor, k: int, repeats: int = 3) -> float:
@@ -64,7 +64,7 @@ class SparseOrDense:
 
     def __init__(self, options: CompressionOptions) -> None:
         self.options = options
-        self.choice = Choice(options.confirm_steps, options.confirm_rounds, options.drift, options.drift_steps, WARMUP_STEPS,
+        self.choice = MeasuredChoice(options.confirm_steps, options.confirm_rounds, options.drift, options.drift_steps, WARMUP_STEPS,
                              max_rounds=options.confirm_max_rounds)
 
     @property
@@ -90,7 +90,7 @@ class SparseOrDense:
             return
         self._said = verdict
         outcome = "kept" if verdict.keep == SPARSE else "they do not pay here, the dense all-reduce runs"
-        say(f"commsched topk: {verdict.describe(ARMS)}: {outcome} (compared again later in the run "
+        say(f"commsched topk: {verdict.describe(EXCHANGE_ARMS)}: {outcome} (compared again later in the run "
             "and if the steps drift)")
 
     _said: Optional[Any] = None
@@ -99,4 +99,4 @@ class SparseOrDense:
         verdict = self.choice.verdict
         if verdict is None:
             return "sparse or dense: still comparing"
-        return f"sparse or dense: {verdict.describe(ARMS)}"
+        return f"sparse or dense: {verdict.describe(EXCHANGE_ARMS)}"

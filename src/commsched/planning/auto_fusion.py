@@ -21,12 +21,12 @@ from __future__ import annotations
 import enum
 from typing import Any, Optional
 
-from commsched.interleaved import Comparison, DriftWatch, Rechecks, Verdict
+from commsched.interleaved import Comparison, DriftCheck, Rechecks, Verdict
 from commsched.options import FusionOptions
 from commsched.planning.plan_file import SavedPlan
 
 
-class Phase(enum.Enum):
+class FusionPhase(enum.Enum):
     PROFILE = "profile"
     CONFIRM = "confirm"
     DECIDED = "decided"
@@ -45,7 +45,7 @@ class AutoFusion:
     def __init__(self, fusion: FusionOptions, planner: str) -> None:
         self.fusion = fusion
         self.planner = planner
-        self.phase = Phase.PROFILE
+        self.phase = FusionPhase.PROFILE
         self.candidate: Optional[SavedPlan] = None
         self.arm = FIXED
         self.turns: Optional[Comparison] = None
@@ -53,11 +53,11 @@ class AutoFusion:
         self.verdict: Optional[Verdict] = None
         self.steps_deciding = 0
         self._stale_profile: Any = None
-        self._drift: Optional[DriftWatch] = None
+        self._drift: Optional[DriftCheck] = None
 
     @property
     def wants_profile(self) -> bool:
-        return self.phase is Phase.PROFILE
+        return self.phase is FusionPhase.PROFILE
 
     def fresh_profile(self, profile: Any) -> Any:
         """The profile to plan from: one taken since this decision (re-)opened, else None."""
@@ -67,7 +67,7 @@ class AutoFusion:
         """Fixed and `candidate` buckets take turns from the next iteration start on (each turn
         `turn_factor` times `confirm_steps`: longer for a later check)."""
         self.candidate = candidate
-        self.phase = Phase.CONFIRM
+        self.phase = FusionPhase.CONFIRM
         fixed_s, planned_s = candidate.details.get("fixed_predicted_s"), candidate.predicted_s
         predicted = [fixed_s, planned_s] if fixed_s and planned_s else None
         self.turns = Comparison(2, self.fusion.confirm_steps * turn_factor, self.fusion.confirm_rounds, predicted,
@@ -100,19 +100,19 @@ class AutoFusion:
             return None
         self.verdict = verdict
         self.steps_deciding += verdict.steps
-        self.phase, self.turns = Phase.DECIDED, None
-        self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.fusion.drift, self.fusion.drift_steps)
+        self.phase, self.turns = FusionPhase.DECIDED, None
+        self._drift = DriftCheck(self.verdict.medians_s[self.verdict.keep], self.fusion.drift, self.fusion.drift_steps)
         return self.verdict
 
     def decided_without_confirming(self) -> None:
-        self.phase = Phase.DECIDED
+        self.phase = FusionPhase.DECIDED
 
-    def watch(self, control: Any) -> bool:
+    def drifted(self, control: Any) -> bool:
         """After a measured decision: True (every rank at once) when steps drifted slower than the kept layout measured."""
         return self._drift is not None and self._drift.at_boundary(control)
 
     def reopen(self, profile: Any) -> None:
-        self.phase, self.arm, self.candidate, self.verdict, self._drift = Phase.PROFILE, FIXED, None, None, None
+        self.phase, self.arm, self.candidate, self.verdict, self._drift = FusionPhase.PROFILE, FIXED, None, None, None
         self.rechecks, self.turns = Rechecks(FUSION_RECHECKS), None
         self._stale_profile = profile
 
@@ -129,16 +129,16 @@ class AutoFusion:
         """Take a checkpoint's measured decision; returns the fixed layout it was measured against."""
         self.verdict = Verdict.from_json(saved["verdict"])
         self.candidate = SavedPlan.from_dict(saved["candidate"])
-        self.phase, self.arm, self.turns = Phase.DECIDED, self.verdict.keep, None
+        self.phase, self.arm, self.turns = FusionPhase.DECIDED, self.verdict.keep, None
         self.rechecks.load_state_dict(saved.get("rechecks", {}))
         self.steps_deciding = int(saved.get("steps_deciding", 0))
-        self._drift = DriftWatch(self.verdict.medians_s[self.verdict.keep], self.fusion.drift, self.fusion.drift_steps)
+        self._drift = DriftCheck(self.verdict.medians_s[self.verdict.keep], self.fusion.drift, self.fusion.drift_steps)
         return SavedPlan.from_dict(saved["fixed"])
 
     def describe(self) -> str:
         """How the kept layout was chosen, for the log and the closing summary."""
         if self.verdict is None:
-            return f"{self.planner}'s plan is the fixed layout" if self.phase is Phase.DECIDED else "deciding"
+            return f"{self.planner}'s plan is the fixed layout" if self.phase is FusionPhase.DECIDED else "deciding"
         names = (f"fixed {self.fusion.bucket_cap_mb:.3g} MB buckets", f"{self.planner}'s plan")
         checked = f", checked again {self.rechecks.done} time(s)" if self.rechecks.done else ""
         return f"{self.verdict.describe(names)} (decided after {self.steps_deciding} steps{checked})"
