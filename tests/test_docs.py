@@ -187,7 +187,7 @@ from hydra import compose, initialize_config_module
 from commsched.cli.config import register_configs, train_config, validate
 from commsched.bench.config import register_bench_config, validate_bench
 from commsched.cluster.cli import parser as cluster_parser
-from commsched.profile.cli import parser as probe_parser
+from commsched.profile.cli import probe_parser
 
 def first_of_each_sweep(overrides):  # a -m sweep's first run
     return [o.split("=", 1)[0] + "=" + o.split("=", 1)[1].split(",")[0] if "=" in o and "[" not in o else o for o in overrides]

@@ -196,3 +196,31 @@ def test_find_it_in_30_seconds_names_real_files_and_functions():
             if not any(defined(ROOT / path, name) for path, _ in places):
                 missing.append(f"{places[-1][0]}: {name}")
     assert missing == []
+
+
+SHARED_MODULE_NAMES = {
+    "__init__": "a package",
+    "cli": "a command's entry point in its folder (bench, cluster, planning, profile, sim)",
+    "config": "a command's typed configuration (cli, bench)",
+    "base": "a folder's base class (schedules, reducers, data)",
+    "dear": "a schedule and its options (schedules/, options/)",
+    "deft": "a schedule and its options (schedules/, options/)",
+    "links": "the links and their options (comm/, options/)",
+    "strategy": "the strategy and its options (runtime/, options/)",
+}
+"""Module names several folders use, each for the same role in its folder; any other name is one concept's."""
+
+
+def test_one_name_per_concept():
+    """No two public classes or top-level functions of the package share a name (an entry point's
+    `main` aside), and no two modules do unless the name is a role every folder gives it (`SHARED_MODULE_NAMES`)."""
+    modules: dict[str, list[str]] = {}
+    definitions: dict[str, list[str]] = {}
+    for source in sorted(PACKAGE.rglob("*.py")):
+        where = str(source.relative_to(PACKAGE))
+        modules.setdefault(source.stem, []).append(where)
+        for node in ast.parse(source.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_") and node.name != "main":
+                definitions.setdefault(node.name, []).append(where)
+    assert {name: where for name, where in modules.items() if len(where) > 1 and name not in SHARED_MODULE_NAMES} == {}
+    assert {name: where for name, where in definitions.items() if len(where) > 1} == {}

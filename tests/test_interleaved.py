@@ -139,7 +139,7 @@ def test_agreement_is_quick_and_disagreement_takes_more_turns_up_to_the_budget(o
 
 @pytest.fixture
 def one_process_link(tmp_path):
-    """A real gloo group of one process and a commsched link on it: `slowest_rank` runs its all-reduce."""
+    """A real gloo group of one process and a commsched link on it: `slowest_rank_steps` runs its all-reduce."""
     import torch.distributed as dist
 
     from commsched.comm.links import Link

@@ -17,7 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 import commsched
 from commsched import CommSchedConfigError
-from commsched.cli.config import own_nodes, register_configs, schedule_names, train_config, train_schema, validate
+from commsched.cli.config import own_nodes, register_configs, train_schedule_names, train_config, train_schema, validate
 from commsched.options import DeAROptions, DeFTOptions, non_negative_int, option
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "custom_schedule.py"
@@ -123,7 +123,7 @@ def test_registering_refuses_options_an_inherited_settings_for_would_drop():
 
 def composed(*overrides: str):
     GlobalHydra.instance().clear()
-    register_configs(schedule_names(True), train_schema(True))
+    register_configs(train_schedule_names(True), train_schema(True))
     with initialize_config_module(config_module="commsched.conf", version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

@@ -204,7 +204,7 @@ class Turns:
         return [list(arm) for arm in self._seconds]
 
 
-def slowest_rank(samples: list[list[float]], control: Any) -> list[list[float]]:
+def slowest_rank_steps(samples: list[list[float]], control: Any) -> list[list[float]]:
     """Each step's time as the slowest rank measured it (an all-reduce MAX on `control`, a
     `commsched.comm.links.Link`): every rank then holds the same numbers and reaches the same verdict."""
     import torch
@@ -245,7 +245,7 @@ class Comparison:
         arms = self.turns.arms
         predicted = self.predicted if self.predicted is not None else [-1.0] * arms  # -1: no prediction on this rank
         # each rank's prediction comes from its own profile: every rank judges the slowest rank's, as it does the steps
-        combined = slowest_rank([*self.turns.samples(), predicted], control)
+        combined = slowest_rank_steps([*self.turns.samples(), predicted], control)
         samples, agreed = combined[:arms], combined[arms]
         verdict = verdict_from_samples(samples, self.turns.steps, agreed if min(agreed) > 0 else None)
         done = self.turns.rounds

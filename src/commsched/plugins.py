@@ -2,7 +2,7 @@
 else: the schedules they register with `commsched.register_schedule` are then available by name.
 Light on purpose: the command lines answer `--help` and bad input without torch. Below every command
 line (the simulator's too), so it names no schedule: the names a command line accepts are
-`commsched.cli.config.schedule_names`."""
+`commsched.cli.config.train_schedule_names`."""
 
 from __future__ import annotations
 

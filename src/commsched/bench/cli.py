@@ -50,10 +50,10 @@ def run_bench(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     console = Console(width=200)
     spec = OmegaConf.to_container(cfg, resolve=True)
-    results, rate = report.run(spec, out, console)
+    results, rate = report.run_benchmark(spec, out, console)
     report.print_results(results, spec, rate, console)
-    report.write_csv(results, rate, out / "bench.csv")
-    report.plot(results, rate, out / "bench.png")
+    report.write_bench_csv(results, rate, out / "bench.csv")
+    report.plot_bench(results, rate, out / "bench.png")
     console.print(f"wrote {out}/results.json, bench.csv, bench.png")
 
 

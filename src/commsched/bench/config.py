@@ -9,7 +9,7 @@ from hydra.core.config_store import ConfigStore
 
 from commsched import options
 from commsched.errors import bad_value
-from commsched.cli.config import schedule_names
+from commsched.cli.config import train_schedule_names
 from commsched.plugins import import_plugins
 from commsched.rates import parse_rate
 
@@ -71,7 +71,7 @@ def validate_bench(cfg: Any) -> None:
     for model in cfg.models:
         options.choice("models", model, tuple(BENCH_MODEL_NAMES))
     import_plugins(cfg.plugins)
-    names = schedule_names(bool(cfg.plugins))
+    names = train_schedule_names(bool(cfg.plugins))
     if not cfg.schedules:
         raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(names)}")
     for entry in cfg.schedules:

@@ -44,10 +44,10 @@ def main() -> None:
     console = Console()
     spec = {**dataclasses.asdict(BenchConfig()), "link": {"rate": args.rate}, "steps": args.steps, "rounds": args.rounds}
     out = args.out or Path("outputs", "demo", time.strftime("%Y-%m-%d_%H-%M-%S"))  # every file it names stays
-    results, rate = report.run(spec, out, console)
+    results, rate = report.run_benchmark(spec, out, console)
     report.print_results(results, spec, rate, console, compact=True, more_steps="raise --steps or --rounds (make demo DEMO_ARGS=\"--steps 20\")")
-    report.write_csv(results, rate, out / "bench.csv")
-    report.plot(results, rate, out / "bench.png")
+    report.write_bench_csv(results, rate, out / "bench.csv")
+    report.plot_bench(results, rate, out / "bench.png")
     rows = {row["schedule"]: row for row in results[0]["rows"]}
     dear, wfbp = rows["dear"], rows["wfbp"]
     link = f"an emulated {rate} link" if rate != "none" else "the unlimited loopback (nothing to hide there)"

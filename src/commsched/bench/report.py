@@ -21,7 +21,7 @@ COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "
 ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
 
 
-def run(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
+def run_benchmark(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
     """Run the workers on `spec` (a validated bench config); the results and the link rate really used."""
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "bench.json"
@@ -43,7 +43,7 @@ def run(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
 
 def _run_in_cluster(spec: dict, spec_file: Path, argv: list[str], out: Path, console: Console) -> tuple[list[dict], str]:
     """Each node runs the worker with Trainer(num_nodes=N, devices=G): Lightning's own multi-node path."""
-    from commsched.cluster.launch import run
+    from commsched.cluster.launch import run_on_nodes
     from commsched.cluster.spec import ClusterSpec
 
     c = spec["cluster"]
@@ -52,7 +52,7 @@ def _run_in_cluster(spec: dict, spec_file: Path, argv: list[str], out: Path, con
     reason = netns.unavailable_reason()
     if reason is not None:
         raise SystemExit(f"commsched: {reason}; cluster.nodes needs an emulated cluster")
-    _check(run(cluster, argv))
+    _check(run_on_nodes(cluster, argv))
     label = f"{c['nodes']}x{c['workers_per_node']} @ {c['rate']}" + (f", flows {c['flow_rate']}" if c.get("flow_rate") else "")
     return json.loads((out / "results.json").read_text()), label
 
@@ -143,7 +143,7 @@ def warn_if_noisy(result: dict, console: Console, more_steps: str = "raise steps
                           f"too few steps to trust; {more_steps}[/yellow]")
 
 
-def write_csv(results: list[dict], rate: str, path: Path) -> None:
+def write_bench_csv(results: list[dict], rate: str, path: Path) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=["model", "link_rate", *COLUMNS])
         writer.writeheader()
@@ -152,7 +152,7 @@ def write_csv(results: list[dict], rate: str, path: Path) -> None:
                 writer.writerow({"model": result["model"], "link_rate": rate, **{k: row.get(k) for k in COLUMNS}})
 
 
-def plot(results: list[dict], rate: str, path: Path) -> None:
+def plot_bench(results: list[dict], rate: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

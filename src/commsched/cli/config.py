@@ -27,7 +27,7 @@ from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
 REFERENCE = "ddp"  # Lightning's own DistributedDataParallel, the reference every schedule is compared with
 
 
-def schedule_names(plugins_loaded: bool) -> tuple[str, ...]:
+def train_schedule_names(plugins_loaded: bool) -> tuple[str, ...]:
     """ddp (Lightning's DDP, the reference) and every registered schedule: the built-in ones without
     importing torch when no plugin was loaded, else `commsched.SCHEDULES`."""
     from commsched.options import BUILTIN_SCHEDULES
@@ -193,7 +193,7 @@ def validate(cfg: TrainConfig) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
     for concern in ("fusion", "tuning", "profile", "link", "deft", "dear", "compression", "stream_options"):
         options.validated(getattr(cfg, concern), f"{concern}.")
-    options.choice("schedule.name", str(cfg.schedule.name), schedule_names(bool(cfg.plugins)))
+    options.choice("schedule.name", str(cfg.schedule.name), train_schedule_names(bool(cfg.plugins)))
     for node in own_nodes(bool(cfg.plugins)):  # every plugin schedule's, as dear.* and deft.* are always checked
         options.validated(getattr(cfg, node), f"{node}.")
     name = str(cfg.schedule.name)

@@ -35,7 +35,7 @@ def read_summaries(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+def write_sweep_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
@@ -48,7 +48,7 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def print_table(rows: list[dict[str, Any]], title: str) -> None:
+def print_sweep_table(rows: list[dict[str, Any]], title: str) -> None:
     table = Table(title=title)
     shown = [c for c in TABLE_COLUMNS if any(row.get(c) is not None for row in rows)]
     for column in shown:
@@ -58,7 +58,7 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
     Console(width=max(Console().width, 120)).print(table)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,13 +81,13 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     if not rows:
         print(f"commsched: no finished runs (*/summary.json) in {sweep_dir}", file=sys.stderr)
         return rows
-    write_csv(rows, sweep_dir / "sweep.csv")
+    write_sweep_csv(rows, sweep_dir / "sweep.csv")
     if has_lab():
-        plot(rows, sweep_dir / "sweep.png")
-        print_table(rows, f"{sweep_dir}: sweep.csv, sweep.png")
+        plot_sweep(rows, sweep_dir / "sweep.png")
+        print_sweep_table(rows, f"{sweep_dir}: sweep.csv, sweep.png")
     else:
         print(plot_skipped(str(sweep_dir / "sweep.png")), file=sys.stderr)
-        print_table(rows, f"{sweep_dir}: sweep.csv")
+        print_sweep_table(rows, f"{sweep_dir}: sweep.csv")
     return rows
 
 

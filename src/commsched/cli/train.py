@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from commsched.cli import overrides
-from commsched.cli.config import TrainConfig, register_configs, schedule_names, train_config, train_schema, validate
+from commsched.cli.config import TrainConfig, register_configs, train_schedule_names, train_config, train_schema, validate
 from commsched.plugins import import_plugins, plugins_in
 from commsched.errors import CommSchedConfigError, use_syntax
 from commsched.run_files import write_json
@@ -259,7 +259,7 @@ def main() -> Any:
     try:
         plugins = plugins_in(sys.argv[1:])
         import_plugins(plugins)
-        schedules = schedule_names(bool(plugins))
+        schedules = train_schedule_names(bool(plugins))
         schema = train_schema(bool(plugins))
         register_configs(schedules, schema)
         groups = {**overrides.group_choices(CONF), "schedule": schedules}

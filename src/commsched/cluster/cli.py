@@ -51,10 +51,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CommSchedConfigError as error:
         print(error, file=sys.stderr)
         return 2
-    from commsched.cluster.launch import run
+    from commsched.cluster.launch import run_on_nodes
 
     try:
-        return run(spec, command, grace_s=args.grace)
+        return run_on_nodes(spec, command, grace_s=args.grace)
     except CommSchedConfigError as error:  # found while building: a missing qdisc or filter
         print(error, file=sys.stderr)
         return 3

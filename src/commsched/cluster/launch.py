@@ -59,7 +59,7 @@ def _exit_code(code: Optional[int]) -> int:
     return 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
 
 
-def run(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) -> int:
+def run_on_nodes(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) -> int:
     """Build the cluster, run `argv` on every node, remove the cluster; the worst exit status."""
     spec.check()
     network = Network(spec)

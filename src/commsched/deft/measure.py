@@ -85,7 +85,7 @@ def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repea
     loaded_by_bucket = [_median_seconds_together(links, [bucket] * len(links), repeats) for bucket in plan.buckets]
     loaded = [[per_bucket[i] for per_bucket in loaded_by_bucket] for i in range(len(links))]
     n = len(plan.buckets)
-    flat = slowest_rank([c for costs in (*alone, *loaded) for c in costs], control, "deft-cost-max")
+    flat = max_over_ranks([c for costs in (*alone, *loaded) for c in costs], control, "deft-cost-max")
     alone = [flat[i * n:(i + 1) * n] for i in range(len(links))]
     loaded = [flat[(len(links) + i) * n:(len(links) + i + 1) * n] for i in range(len(links))]
     shared = all(sum(l) > SHARED * sum(a) for l, a in zip(loaded, alone))
@@ -125,12 +125,12 @@ def halves_seconds(plan: BucketPlan, link: Link, control: Link, repeats: int) ->
         for half, launch in zip(halves, (reducer.scatter, reducer.gather)):
             launch("deft-halves-warmup").wait()  # warmed up under its own tag, so no timed warm-up below
             half.append(median_seconds(lambda: launch("deft-halves").wait(), repeats, warmup=0, device=link.device))
-    flat = slowest_rank(halves[0] + halves[1], control, "deft-halves-max")
+    flat = max_over_ranks(halves[0] + halves[1], control, "deft-halves-max")
     n = len(plan.buckets)
     return flat[:n], flat[n:]
 
 
-def slowest_rank(values: list[float], control: Link, tag: str) -> list[float]:
+def max_over_ranks(values: list[float], control: Link, tag: str) -> list[float]:
     """Each value's maximum over the ranks (blocking): what every rank then solves from."""
     agreed = control.tensor(values, torch.float64)
     control.all_reduce(agreed, tag, op=dist.ReduceOp.MAX).wait()
@@ -139,7 +139,7 @@ def slowest_rank(values: list[float], control: Link, tag: str) -> list[float]:
 
 def agreed_stage_times(forward: float, backward: list[float], control: Link) -> tuple[float, list[float]]:
     """The slowest rank's stage times (the knapsacks must hold on every rank)."""
-    flat = slowest_rank([forward, *backward], control, "deft-stage-max")
+    flat = max_over_ranks([forward, *backward], control, "deft-stage-max")
     return flat[0], flat[1:]
 
 

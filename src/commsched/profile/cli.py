@@ -64,7 +64,7 @@ def _probe_worker(rank: int, sizes: tuple[int, ...], repeats: int, link_name: st
         Path(out).write_text(json.dumps(result, indent=1))
 
 
-def print_table(result: dict, console: Console, title: str) -> None:
+def print_probe_table(result: dict, console: Console, title: str) -> None:
     if "concurrent" in result:
         c = result["concurrent"]
         console.print(f"{title}: {c['groups']} process groups all-gathering {c['bytes'] / 2**20:.1f} MiB each at once: "
@@ -84,7 +84,7 @@ def print_table(result: dict, console: Console, title: str) -> None:
     console.print(table)
 
 
-def parser() -> argparse.ArgumentParser:
+def probe_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commsched-probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2, help="workers on this machine (without --nodes)")
     p.add_argument("--rate", default="none", help="emulated link rate, e.g. 1gbit; none: unlimited (with --nodes: the primary link)")
@@ -120,7 +120,7 @@ def _check(args: argparse.Namespace) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = parser()
+    p = probe_parser()
     args = p.parse_args(argv)
     console = Console(width=140)
     try:
@@ -147,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             run_workers(args.workers, *work)
         result = json.loads(Path(out).read_text())
     where = f"{args.link} link" + (f", {args.nodes} nodes x {args.workers_per_node}" if args.nodes else "")
-    print_table(result, console, where)
+    print_probe_table(result, console, where)
     if args.out is not None:
         console.print(f"wrote {args.out}")
     return 0
 
 
 def _in_cluster(args: argparse.Namespace, argv: list[str]) -> int:
-    from commsched.cluster.launch import run
+    from commsched.cluster.launch import run_on_nodes
     from commsched.cluster.spec import ClusterSpec
 
     spec = ClusterSpec(args.nodes, args.workers_per_node, args.rate if args.rate != "none" else "100gbit",
@@ -162,7 +162,7 @@ def _in_cluster(args: argparse.Namespace, argv: list[str]) -> int:
     reason = netns.unavailable_reason()
     if reason is not None:
         raise CommSchedConfigError(f"commsched: {reason}; an emulated cluster cannot be made here")
-    return run(spec, [sys.executable, "-m", "commsched.profile.cli", *argv, "--inside"])
+    return run_on_nodes(spec, [sys.executable, "-m", "commsched.profile.cli", *argv, "--inside"])
 
 
 if __name__ == "__main__":

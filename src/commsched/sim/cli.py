@@ -26,7 +26,7 @@ from commsched.options import density_value, positive_int
 from commsched.rates import parse_rate
 from commsched.sim.cost_models import AlphaBeta, CostModel, Fitted
 from commsched.plugins import import_plugins
-from commsched.sim.simulate import SIM_SCHEDULES, schedule_names, simulate
+from commsched.sim.simulate import SIM_SCHEDULES, simulated_schedule_names, simulate
 from commsched.sim.workload import BUILTIN_WORKLOADS, Workload, builtin
 from commsched.trace import write_chrome_trace
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         network = load_network(args)
         workers = parse_workers(args.workers)
         import_plugins([m.strip() for m in args.plugins.split(",") if m.strip()])
-        names = parse_list(args.schedules, "--schedules", schedule_names())
+        names = parse_list(args.schedules, "--schedules", simulated_schedule_names())
         density = density_value("--density", args.density)
         per_node = positive_int("--gpus-per-node", args.gpus_per_node)
         intra = AlphaBeta.from_rate(parse_rate(args.intra_bandwidth), args.intra_alpha)

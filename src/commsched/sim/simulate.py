@@ -31,7 +31,7 @@ def register(name: str, simulate: Simulate) -> None:
     REGISTERED[name] = simulate
 
 
-def schedule_names() -> tuple[str, ...]:
+def simulated_schedule_names() -> tuple[str, ...]:
     """What `simulate` accepts: the simulator's own variants, then the registered schedules."""
     return (*SIM_SCHEDULES, *COMPRESSED, *(n for n in REGISTERED if n not in SIM_SCHEDULES))
 
@@ -78,4 +78,4 @@ def simulate(name: str, workload: Workload, network: CostModel, workers: int, bu
         return bytescheduler(workload, network, workers, partition_bytes)
     if name in REGISTERED:
         return REGISTERED[name](workload, network, workers, timelines.fixed_size(workload, bucket_bytes))
-    raise bad_value("schedule", name, schedule_names())
+    raise bad_value("schedule", name, simulated_schedule_names())
