@@ -32,7 +32,7 @@ def timed(rollback: bool, steps: int, nodes: int) -> tuple[float, int]:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
                          default_root_dir=f"outputs/rollback_cost/{rollback}")
     trainer.fit(model, DataLoader(make_data(BATCH * nodes * (steps + 52)), batch_size=BATCH))
-    return timer.median, strategy.last_schedule.rollback_peak_bytes
+    return timer.median, strategy.last_schedule.deferred.rollback_peak_bytes
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from prodigyopt import Prodigy
 from schedulefree import SGDScheduleFree
 
 from commsched.errors import CommSchedConfigError
-from commsched.schedules.partial_step import snapshot_hyperparams
-from commsched.schedules.per_parameter import (KNOWN_PER_PARAMETER, check_splits_exactly, resolve, step_mode, step_with)
+from commsched.schedules.deferred_step import snapshot_hyperparams
+from commsched.schedules.per_parameter import (KNOWN_PER_PARAMETER, check_splits_exactly, per_parameter_classes, step_mode, step_with)
 
 
 def _class(name: str) -> type:
@@ -55,14 +55,14 @@ def test_the_mode_by_class():
     assert not step_mode(MySGD(params, lr=0.1), ()).split
     assert step_mode(MySGD(params, lr=0.1), (MySGD,)).split  # declared, and the check passes
     with pytest.raises(CommSchedConfigError, match="prodigyopt.prodigy.Prodigy does not step each parameter alone"):
-        step_mode(Prodigy(params), tuple(resolve(["prodigyopt.Prodigy"])))
+        step_mode(Prodigy(params), tuple(per_parameter_classes(["prodigyopt.Prodigy"])))
 
 
 def test_a_declared_name_must_be_an_optimizer_class():
     with pytest.raises(CommSchedConfigError, match="not an importable class"):
-        resolve(["prodigyopt.NoSuchThing"])
+        per_parameter_classes(["prodigyopt.NoSuchThing"])
     with pytest.raises(CommSchedConfigError, match="not a torch.optim.Optimizer subclass"):
-        resolve(["torch.nn.Linear"])
+        per_parameter_classes(["torch.nn.Linear"])
 
 
 def test_a_deferred_step_uses_its_own_hyperparameters_and_keeps_what_it_wrote():

@@ -56,7 +56,6 @@ TOUCHES = {
     "foreach": lambda m, opt: torch._foreach_mul([m.weight, m.bias], 2.0),
     "copy_ into it": lambda m, opt: m.weight.data.copy_(torch.zeros(2, 3)),
     "item": lambda m, opt: m.weight[0, 0].item(),
-    "print": lambda m, opt: repr(m.weight),
     "zero_grad": lambda m, opt: m.zero_grad(),
     "clip_grad_norm_": lambda m, opt: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
     "optimizer state": lambda m, opt: opt.state[m.weight]["momentum_buffer"] + 0,
@@ -79,6 +78,23 @@ def test_every_touch_brings_the_tensor_up_to_date_first(layer, how):
     assert type(layer.weight) is nn.Parameter and type(layer.bias) is nn.Parameter
     if how != "copy_ into it":  # what the touch saw was already up to date
         assert torch.equal(layer.weight.detach(), before + 1)
+
+
+def test_printing_a_pending_tensor_applies_nothing_and_says_it_is_pending(layer):
+    """A debugger prints every local: that must neither run the optimizer nor wait for the network."""
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    layer.weight.grad = torch.ones_like(layer.weight)
+    optimizer.step()
+    before = layer.weight.detach().clone()
+    recorder = Recorder()
+    recorder.mark(0, [layer.weight, *optimizer.state[layer.weight].values()])
+    shown = [repr(layer.weight), str(layer.weight), f"{layer.weight}", repr(optimizer.state[layer.weight]["momentum_buffer"])]
+    assert recorder.calls == [] and type(layer.weight) is not nn.Parameter
+    assert all("pending; the update of bucket 0" in text for text in shown), shown
+    assert shown[0].startswith(repr(nn.Parameter(before))), "the values it holds now, as a parameter prints them"
+    layer.weight * 1  # the first use still brings it up to date
+    assert recorder.calls == [({0}, Kind.UPDATE)] and torch.equal(layer.weight.detach(), before + 1)
+    assert "pending" not in repr(layer.weight)
 
 
 @pytest.mark.parametrize("how", [lambda w: w.shape, lambda w: w.dtype, lambda w: w.device, lambda w: w.requires_grad,

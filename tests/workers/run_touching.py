@@ -157,9 +157,9 @@ def run(out: Path, case: str, world: int) -> None:
         "norms": next((c.norms for c in callbacks if isinstance(c, GradNormOnRankZero)), []),
         "momentum": next((c.momentum for c in callbacks if isinstance(c, StateReaderWeightWriter)), []),
         "copies": next((c.copies for c in callbacks if isinstance(c, Snapshots)), []),
-        "touches": schedule.pending.touches if schedule is not None else None,
+        "touches": schedule.deferred.pending.touches if schedule is not None else None,
         "buckets": len(schedule.plan.buckets) if schedule is not None else None,
-        "applied": dict(schedule.applied) if schedule is not None else None,
+        "applied": dict(schedule.deferred.applied) if schedule is not None else None,
         "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
     }
     torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")

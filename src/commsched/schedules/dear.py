@@ -11,13 +11,14 @@ price of the full optimizer work on every rank -- the same work DDP does. Clippi
 global norm from the shards (one scalar all-reduce) and scales each bucket once it is gathered
 (scaling and clamping commute with the all-gather).
 
-Nobody sees the difference (`commsched.schedules.pending_tensors`): between backward and the step the parameters'
-`.grad` is pending, and the first read or write of one waits for the all-gathers (already on
-their way: no collective is issued out of order, whichever ranks look) and takes the step at
-once; after the step, each parameter, its `.grad` and its optimizer state are pending until its
-bucket is applied, and the first touch from anywhere (a callback, `training_step`, another
-module) applies it. Code that touches neither keeps the overlap at no cost. The first step of a
-fit is taken at once, so that the optimizer's state exists from then on as under DDP.
+Nobody sees the difference: between backward and the step the parameters' `.grad` is pending, and
+the first read or write of one waits for the all-gathers (already on their way: no collective is
+issued out of order, whichever ranks look) and takes the step at once; after the step, each
+parameter, its `.grad` and its optimizer state are pending until its bucket is applied, and the
+first touch from anywhere (a callback, `training_step`, another module) applies it. Code that
+touches neither keeps the overlap at no cost. That whole path, from the end of backward to the
+last bucket applied (and taken back after a failure), is `commsched.schedules.deferred_step`'s;
+this module issues the communication and says when a module is about to run.
 
 Each bucket's two halves go over one link: the primary, or the link `DeARSettings.bucket_links`
 names (DeFT hands its iterations to DeAR over both of its links when that is faster); each link
@@ -26,10 +27,9 @@ then has its own chain of all-gathers.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -38,18 +38,14 @@ from typing_extensions import override
 
 from commsched.comm.buckets import BucketPlan
 from commsched.hooks import OwnHook
-from commsched.comm.links import Links, Pending
-from commsched.schedules.pending_tensors import Kind, PendingTensors
+from commsched.comm.links import InOrder, Links, Pending
 from commsched.reducers.striped import StripedShards, Together
 from commsched.interleaved import MeasuredChoice
 from commsched.schedules.dear_fallback import WFBP, describe_fallback, fallback_choice
-from commsched.say import say, size_text
+from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
-from commsched.schedules.dear_clipping import optimizer_segments, squared_norm
-from commsched.schedules.dear_update import Gathers, PendingUpdate, landed, start_gathers, taken_back
-from commsched.schedules.partial_step import StepUndo, SubsetStepper, snapshot_hyperparams
+from commsched.schedules.deferred_step import DeferredStep, SubsetStepper
 from commsched.schedules.per_parameter import per_parameter_classes
-from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
@@ -91,24 +87,11 @@ class DeARSchedule(Schedule[DeARSettings]):
         self.streams: StreamControl = self.settings.streams or StreamControl(1, StreamOptions())
         self.reducers: list[StripedShards] = self._build_reducers(self.streams.striping)
         self._scatters: list[Optional[Together]] = [None] * len(plan.buckets)
-        self._gathers: Optional[Gathers] = None  # this step's all-gathers, started at the end of backward
-        self._clip: Optional[Callable[[torch.Tensor], Any]] = None  # clipping, applied to each bucket once gathered
-        self._pending: Optional[PendingUpdate] = None
-        self._whole = False  # this step's gradients were made whole (someone read `.grad`)
-        self._steps = 0
-        self._stepper: Optional[SubsetStepper] = None
         self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self._compiled = False
-        self.pending = PendingTensors(self._bring_up_to_date)
-        self._undo: Optional[StepUndo] = StepUndo() if self.settings.rollback else None
-        self.rollback_peak_bytes = 0
-        """The memory the copies hold (`DeAROptions.rollback`): kept from step to step, so the most any
-        step's copies needed, and more where different steps copied different buckets."""
-        self.applied: Counter[str] = Counter()
-        """Buckets applied, by what brought them: "forward" (the module that needs them is about to run:
-        the overlap DeAR is for), "touch", "after_forward", "flush", "unwatchable", "compiled" (before a
-        torch.compile'd forward); "whole": steps whose gradients were made whole at once."""
+        self.deferred = DeferredStep(plan, self.hand_back_gradients, self.settings.rollback, self.settings.per_parameter)
+        """The step from the end of backward to its last bucket applied in the next forward."""
 
     # ----------------------------------------------------------------- lifecycle
     @override
@@ -123,26 +106,17 @@ class DeARSchedule(Schedule[DeARSettings]):
             if buckets and sub is not module:
                 self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
                 self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
-            if self._undo is not None and any(name not in sub._non_persistent_buffers_set for name in sub._buffers):
-                self._handles.append(sub.register_forward_pre_hook(OwnHook(self._before_buffers_change)))
+            if self.settings.rollback and any(name not in sub._non_persistent_buffers_set for name in sub._buffers):
+                self._handles.append(sub.register_forward_pre_hook(OwnHook(lambda module, args: self.deferred.keep_buffers(module))))
 
     @override
     def after_failure(self) -> Optional[str]:
-        """A step still partly on the network is taken back (the copies `DeAROptions.rollback` keeps),
-        so that the weights are those of one step. Taken back on every rank, even where the rest of
-        its all-gathers happen to have landed: whether one has landed yet when the failure is noticed
-        differs from rank to rank, and the surviving ranks must keep the same model."""
-        with self.pending.lock:
-            pending, self._pending = self._pending, None  # None once every bucket of the step is applied
-            if pending is None:
-                return None
-            self.pending.unmark_all()  # what is left cannot be applied: reading the tensors must not try
-            return taken_back(pending)
+        return self.deferred.take_back()
 
     @override
     def detach(self) -> None:
         """After a flush (the engine's), or after a failure: nothing pending is applied here."""
-        self.pending.unmark_all()
+        self.deferred.forget()
         super().detach()
 
     def _build_reducers(self, striping: Striping) -> list[StripedShards]:
@@ -196,10 +170,7 @@ class DeARSchedule(Schedule[DeARSettings]):
 
     @override
     def summary(self) -> list[str]:
-        peak = max(self.rollback_peak_bytes, self._undo.reserved_bytes if self._undo is not None else 0)  # buffers too
-        rollback = [f"copies kept to take a step back on failure: at most {size_text(peak)} (DeAROptions.rollback)"] if peak else []
-        stepping = [self._stepper.mode.describe(self._stepper.optimizer)] if self._stepper is not None else []
-        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + stepping + rollback + super().summary()
+        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + self.deferred.summary() + super().summary()
 
     @override
     def _restripe(self, striping: Striping) -> None:
@@ -218,30 +189,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         bucket's reduce-scatter (and the one before it in the chain) is done, at the same point on every
         rank and before any user hook runs; backward ends without waiting for the network, and whatever
         reads `.grad` later only waits for collectives already on their way."""
-        self._gathers = start_gathers(self.reducers, self.links, self._gather)
-        self._whole, self._clip = False, None
-        for b, bucket in enumerate(self.plan.buckets):
-            self.pending.mark(b, bucket.params, Kind.GRADIENT)
-
-    def _bring_up_to_date(self, buckets: set[int], kind: Kind) -> None:
-        """`commsched.schedules.pending_tensors`'s callback: someone touched a pending tensor."""
-        if kind is Kind.GRADIENT:
-            self._make_whole()
-        else:
-            for b in sorted(buckets, reverse=True):
-                self._apply(b, "touch")
-
-    def _make_whole(self) -> None:
-        """Every gradient whole and in `.grad`, as DDP leaves them after backward."""
-        self.pending.unmark_all()
-        assert self._gathers is not None
-        for b in reversed(range(len(self.plan.buckets))):
-            self._gathers.wait(b)
-            if self._clip is not None:
-                self._clip(self.plan.buckets[b].buffer)
-        self.hand_back_gradients(range(len(self.plan.buckets)))
-        self._whole, self._clip = True, None
-        self.applied["whole"] += 1
+        self.deferred.gradients_on_their_way(start_gathers(self.reducers, self.links, self._gather))
 
     def _gather(self, b: int, u: int, previous: Optional[Pending]) -> Pending:
         scattered = self._scatters[b]
@@ -265,100 +213,26 @@ class DeARSchedule(Schedule[DeARSettings]):
         key = SubsetStepper.key(optimizer)
         if key not in self._norm_segments:
             self._norm_segments[key] = optimizer_segments(self.plan, self.reducers, optimizer)
-        squares = squared_norm(self.plan, self.reducers, self._norm_segments[key], self._whole)
+        squares = squared_norm(self.plan, self.reducers, self._norm_segments[key], self.deferred.whole)
         control = self.links.control
         squares = squares.to(control.device)
         control.all_reduce(squares, "clip-norm").wait()
         coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        self._clip_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
+        self.deferred.clip_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
 
     @override
     def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:
-        self._clip_all(lambda t: t.clamp_(min=-clip_value, max=clip_value))
-
-    def _clip_all(self, clip: Callable[[torch.Tensor], Any]) -> None:
-        if self._whole:
-            for bucket in self.plan.buckets:
-                clip(bucket.buffer)
-        else:
-            self._clip = clip
+        self.deferred.clip_all(lambda t: t.clamp_(min=-clip_value, max=clip_value))
 
     # ------------------------------------------------------------------- update
     @override
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
-        """Let Lightning run closure, hooks and clipping; the update itself is the schedule's."""
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, partial(real_step, **kwargs)))
-
-    def step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
-        """After the closure: take the step at once (gradients already whole, or the fit's first step)
-        or defer it to the next forward (the parameters stay marked, now for their update)."""
-        if self._steps == 0 and not self._whole:
-            self._make_whole()
-        self._steps += 1
-        if self._whole:
-            real_step()
-        else:
-            self._defer(optimizer, real_step)
-        # The update is real (taken or on its way): keep torch's scheduler from warning that it stepped first.
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-
-    def _defer(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
-        assert self._gathers is not None
-        if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
-            self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets], self.settings.per_parameter)
-        self._pending = PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self._gathers, self._clip,
-                                       [True] * len(self.plan.buckets), self._undo.begin() if self._undo is not None else None, set())
-        state = optimizer.state
-        unwatched = []
-        for b, bucket in enumerate(self.plan.buckets):
-            tensors = [*bucket.params, *(v for p in bucket.params if p in state for v in state[p].values()
-                                         if isinstance(v, torch.Tensor))]
-            if not self.pending.mark(b, tensors, Kind.UPDATE):
-                unwatched.append(b)
-        for b in unwatched:
-            self._apply(b, "unwatchable")
-
-    def _apply(self, b: int, why: str) -> None:
-        """Apply bucket `b`'s update, waiting for its all-gather; buckets whose all-gathers have
-        landed already are applied in the same optimizer call. An optimizer that is not stepped
-        bucket by bucket (`SubsetStepper.mode`) waits for every all-gather and steps whole."""
-        with self.pending.lock:
-            pending = self._pending
-            if pending is None or not pending.waiting[b]:
-                return
-            split = pending.stepper.mode.split
-            ready = [b] + [c for c, waiting in enumerate(pending.waiting)
-                           if waiting and c != b and (not split or landed(pending.gathers, c))]
-            for c in ready if not split else [b]:
-                pending.gathers.wait(c)  # re-raises a failure before anything changes
-            for c in ready:
-                self.pending.unmark(c)  # before anything below reads its tensors
-                pending.waiting[c] = False
-                if pending.clip is not None:
-                    pending.clip(self.plan.buckets[c].buffer)
-            if pending.undo is not None and any(pending.waiting):  # others' all-gathers may still fail
-                for c in ready:
-                    pending.undo.keep(self.plan.buckets[c].params, pending.stepper.optimizer.state)
-                pending.kept.update(ready)
-                self.rollback_peak_bytes = max(self.rollback_peak_bytes, pending.undo.reserved_bytes)
-            self.hand_back_gradients(ready)
-            self.applied[why] += len(ready)
-            pending.stepper.step_buckets(ready, pending.hyper, pending.step)
-            if not any(pending.waiting):
-                self._pending = None
-
-    def _before_buffers_change(self, module: nn.Module, args: Any) -> None:
-        """A module in training with saved buffers (BatchNorm's statistics) is about to run while a step is
-        partly applied: copies of them, so that a step taken back takes back what this forward changed."""
-        pending = self._pending
-        if pending is not None and pending.undo is not None and module.training:
-            pending.undo.keep_buffers([b for name, b in module._buffers.items()
-                                       if b is not None and name not in module._non_persistent_buffers_set])
+        return self.deferred.replace_step(optimizer, run_step)
 
     def _before_module(self, module_id: int, module: nn.Module, args: Any) -> None:
-        if self._pending is not None:
+        if self.deferred.in_flight:
             for b in self._owner_buckets[module_id]:
-                self._apply(b, "forward")
+                self.deferred.apply(b, "forward")
 
     @override
     def before_forward(self) -> None:
@@ -376,8 +250,7 @@ class DeARSchedule(Schedule[DeARSettings]):
 
     @override
     def flush(self, why: str = "flush") -> None:
-        for b in reversed(range(len(self.plan.buckets))):
-            self._apply(b, why)
+        self.deferred.flush(why)
 
     @staticmethod
     @override
@@ -389,3 +262,72 @@ class DeARSchedule(Schedule[DeARSettings]):
     @override
     def simulate(cls, workload: Workload, network: CostModel, workers: int, buckets: Buckets) -> Result:
         return timelines.dear(workload, network, workers, buckets)
+
+
+# ------------------------------------------------- the all-gathers of one step
+class Gathers:
+    """One step's all-gathers: a chain per link (stream), each in the order the next forward needs
+    its buckets; a bucket's units may lie on several chains."""
+
+    def __init__(self, chains: dict[str, InOrder], position: dict[int, list[tuple[str, int]]]) -> None:
+        self._chains = chains
+        self._position = position  # bucket -> its units' chains and their places in them
+
+    def wait(self, b: int) -> None:
+        for chain, i in self._position[b]:
+            self._chains[chain].wait(i)
+
+    def done(self, b: int) -> bool:
+        return all(self._chains[chain].done(i) for chain, i in self._position[b])
+
+
+def start_gathers(reducers: Sequence[StripedShards], links: Links, gather: Callable[[int, int, Optional[Pending]], Pending]) -> Gathers:
+    """Request every bucket's all-gathers: one chain per link (stream), in the order the next forward
+    needs the buckets (the last bucket first); `gather(b, u, previous)` starts unit u of bucket b
+    once `previous` (the chain's last) is done."""
+    chains: dict[str, list[tuple[int, int]]] = {}
+    for b in reversed(range(len(reducers))):
+        for u, link in enumerate(reducers[b].links):
+            chains.setdefault(link.name, []).append((b, u))
+    started = {name: links[name].in_order([partial(gather, b, u) for b, u in order]) for name, order in chains.items()}
+    position: dict[int, list[tuple[str, int]]] = {}
+    for name, order in chains.items():
+        for i, (b, _) in enumerate(order):
+            position.setdefault(b, []).append((name, i))
+    return Gathers(started, position)
+
+
+# ----------------------------------------------- clipping from the shards
+# After backward each rank holds only its shard of every bucket, so the global norm is summed from
+# the shards (each rank its part, then one scalar all-reduce), over the elements that belong to the
+# optimizer being clipped.
+
+Segments = list[list[tuple[int, int, int]]]
+
+
+def optimizer_segments(plan: BucketPlan, reducers: Sequence[StripedShards], optimizer: Optimizer) -> Segments:
+    """Per bucket, the (piece, start, length) ranges of this rank's pieces (its shard of each unit)
+    that belong to `optimizer`'s parameters."""
+    members = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    per_bucket = []
+    for bucket, reducer in zip(plan.buckets, reducers):
+        ranges = []
+        for i, (lo, piece) in enumerate(reducer.pieces()):
+            hi = lo + piece.numel()
+            for p, start in zip(bucket.params, bucket.offsets()):
+                a, z = max(start, lo), min(start + p.numel(), hi)
+                if id(p) in members and a < z:
+                    ranges.append((i, a - lo, z - a))
+        per_bucket.append(ranges)
+    return per_bucket
+
+
+def squared_norm(plan: BucketPlan, reducers: Sequence[StripedShards], segments: Segments, whole: bool) -> torch.Tensor:
+    """This rank's part of the squared global norm: its shards, or its slices of the whole gradients
+    once someone read `.grad` (`whole`)."""
+    squares = torch.zeros(1, dtype=torch.float32, device=plan.buckets[0].buffer.device)
+    for bucket, reducer, ranges in zip(plan.buckets, reducers, segments):
+        pieces = [bucket.buffer.narrow(0, lo, shard.numel()) if whole else shard for lo, shard in reducer.pieces()]
+        for i, start, length in ranges:
+            squares += torch.linalg.vector_norm(pieces[i].narrow(0, start, length), dtype=torch.float32).square().to(squares.device)
+    return squares

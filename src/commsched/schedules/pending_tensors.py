@@ -12,7 +12,8 @@ subclass whose `__torch_function__` first calls the schedule back to bring the t
 (which restores its class), then lets the call proceed. Every torch function, Tensor method and
 property called from Python reaches it: arithmetic, `.data`, `.grad`, `.detach()` (and so
 `state_dict()`), `copy_`, foreach ops, `.numpy()`, `torch.save` (`__reduce_ex__`),
-`copy.deepcopy`, printing. Code that touches no pending tensor never enters Python at all, so
+`copy.deepcopy`. Printing is not a touch: `repr` shows the values the tensor holds, saying that
+an update is pending (a debugger prints every local). Code that touches no pending tensor never enters Python at all, so
 the model's own forward, a callback that reads a clock, Lightning's loop and its logging cost
 nothing; reading metadata (shape, dtype, device, requires_grad) does not count as a touch.
 
@@ -153,6 +154,26 @@ class _Pending:
     def __deepcopy__(self, memo: dict) -> Any:
         _touch(None, (self,), {})
         return self.__deepcopy__(memo)  # the class is restored: the tensor's own
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        """Printing is not a touch: a debugger shows every local's repr, and bringing the tensor up to
+        date from there would run the optimizer (or wait for the network) at a breakpoint. The values
+        shown are those it holds now, said to be so."""
+        with _lock:  # the tensor's own class for the moment of printing, as it prints when not pending
+            entry = _entries.get(id(self))
+            pending_class = type(self)
+            self.__class__ = entry.base if entry is not None else pending_class.__mro__[2]
+            try:
+                text = repr(self) if not (args or kwargs) else self.__repr__(*args, **kwargs)
+            finally:
+                self.__class__ = pending_class
+        if entry is None or entry.kind is Kind.GRADIENT:  # the values are current; only `.grad` is pending
+            return text
+        return (f"{text}\n(commsched: pending; the update of bucket {entry.key} is applied at the first use of this "
+                "tensor, and these are its values before that update)")
+
+    def __format__(self, spec: str) -> str:
+        return object.__format__(self, spec) if spec else repr(self)
 
 
 _NEW_PARAMETER = nn.Parameter.__new__.__code__
