@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.commsched-installed
 DEV_STAMP := $(VENV)/.commsched-dev-installed
 
-.PHONY: install install-dev demo test test-quick test-gpu bench docs clean
+.PHONY: install install-dev demo lint test test-quick test-gpu bench docs clean
 
 # what the demo needs: the library and the lab (the bench it runs); install-dev adds the test and docs tools
 install: $(STAMP)
@@ -35,7 +35,12 @@ DEMO_ARGS ?=
 demo: install
 	$(PY) -m commsched.bench.demo $(DEMO_ARGS)
 
-test: install-dev
+# ruff: the formatter and the linter at 120 columns (pyproject.toml); `ruff format .` fixes what it can
+lint: install-dev
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest
 
 # the tests that start no worker process (1-3 minutes; `make test` runs everything, as CI does)

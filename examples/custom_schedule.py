@@ -39,7 +39,9 @@ class AfterBackward(commsched.Schedule[AfterBackwardOptions]):
     def on_backward_end(self):
         window = self.settings.in_flight or len(self.reducers)
         for first in range(0, len(self.reducers), window):
-            works = [self.reducers[b].start(f"bucket{b}") for b in range(first, min(first + window, len(self.reducers)))]
+            works = [
+                self.reducers[b].start(f"bucket{b}") for b in range(first, min(first + window, len(self.reducers)))
+            ]
             for work in works:
                 work.wait()
         self.hand_back_gradients(range(len(self.plan.buckets)))  # .grad = the averaged bucket views, as DDP
@@ -61,8 +63,15 @@ if __name__ == "__main__":
     for label, strategy in (("ddp", "ddp"), ("by name", "after_backward"), ("in_flight=2", two_in_flight)):
         pl.seed_everything(0)
         model = SmallCNN(width=8)
-        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=5, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False)
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            max_steps=5,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        )
         trainer.fit(model, DataLoader(SyntheticImages(64), batch_size=8))
         final[label] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if trainer.is_global_zero:

@@ -31,8 +31,13 @@ class DigitsNet(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.classifier = nn.Linear(64 * 4 * 4, 10)
 
@@ -75,15 +80,25 @@ def main() -> None:
     args = parser.parse_args()
 
     pl.seed_everything(0)
-    trainer = pl.Trainer(strategy=args.strategy, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, max_epochs=args.epochs,
-                         max_steps=args.max_steps, callbacks=[LearningRateMonitor()], enable_progress_bar=False,
-                         default_root_dir="outputs/train_with_dear")
+    trainer = pl.Trainer(
+        strategy=args.strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        callbacks=[LearningRateMonitor()],
+        enable_progress_bar=False,
+        default_root_dir="outputs/train_with_dear",
+    )
     model, validation = DigitsNet(), DataLoader(digits(train=False), batch_size=64)
     trainer.fit(model, DataLoader(digits(train=True), batch_size=32, shuffle=True), validation)
     metrics = trainer.validate(model, validation, verbose=False)[0]  # the trained model, whatever step it stopped at
     if trainer.is_global_zero:
-        print(f"{args.strategy}: val_acc {metrics['val_acc']:.4f}, val_loss {metrics['val_loss']:.4f} "
-              f"after {trainer.global_step} steps")
+        print(
+            f"{args.strategy}: val_acc {metrics['val_acc']:.4f}, val_loss {metrics['val_loss']:.4f} "
+            f"after {trainer.global_step} steps"
+        )
 
 
 if __name__ == "__main__":

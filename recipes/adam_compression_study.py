@@ -53,7 +53,9 @@ def top_k(values: torch.Tensor, density: float) -> torch.Tensor:
     return kept.view_as(values)
 
 
-def sparse_mean(residuals: list[list[torch.Tensor]], contributions: list[list[torch.Tensor]], density: float) -> list[torch.Tensor]:
+def sparse_mean(
+    residuals: list[list[torch.Tensor]], contributions: list[list[torch.Tensor]], density: float
+) -> list[torch.Tensor]:
     """Each worker adds its contribution to its residual, sends the top-k of it and keeps the rest
     (error feedback); the mean over the workers of what was sent."""
     sent = []
@@ -68,7 +70,9 @@ def sparse_mean(residuals: list[list[torch.Tensor]], contributions: list[list[to
     return [torch.stack(s).mean(0) for s in zip(*sent)]
 
 
-def worker_gradients(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, workers: int) -> list[list[torch.Tensor]]:
+def worker_gradients(
+    model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, workers: int
+) -> list[list[torch.Tensor]]:
     """Each worker's gradients on its shard; BatchNorm's running statistics end as the first shard left them."""
     grads, kept = [], None
     for rank, (x, y) in enumerate(zip(images.chunk(workers), labels.chunk(workers))):
@@ -109,21 +113,30 @@ def train(variant: str, seed: int, args: argparse.Namespace, data: tuple) -> flo
     for _ in range(args.epochs):
         shuffled = torch.randperm(len(train_y), generator=order)
         for b in range(steps_per_epoch):
-            index = shuffled[b * global_batch:(b + 1) * global_batch]
+            index = shuffled[b * global_batch : (b + 1) * global_batch]
             grads = worker_gradients(model, train_x[index], train_y[index], args.workers)
             density = warmup.density(step) if variant in ("ef-warmup", "frozen") else args.density
             dense_warmup = density >= 1 / args.workers  # the product exchanges such densities densely
-            dense_phase = variant == "dense" or (variant == "ef-warmup" and dense_warmup) \
+            dense_phase = (
+                variant == "dense"
+                or (variant == "ef-warmup" and dense_warmup)
                 or (variant == "frozen" and step < warmup.end and preconditioner is None)
+            )
             if variant != "frozen" or dense_phase:
-                mean = [torch.stack(g).mean(0) for g in zip(*grads)] if dense_phase else sparse_mean(residuals, grads, density)
+                mean = (
+                    [torch.stack(g).mean(0) for g in zip(*grads)]
+                    if dense_phase
+                    else sparse_mean(residuals, grads, density)
+                )
                 for p, g in zip(params, mean):
                     p.grad = g
                 optimizer.step()
             else:  # frozen: the variance stops here; the velocity carries Adam's first moment on
                 if preconditioner is None:
                     t = optimizer.state[params[0]]["step"].item()
-                    preconditioner = [1.0 / ((optimizer.state[p]["exp_avg_sq"] / (1 - beta2 ** t)).sqrt() + eps) for p in params]
+                    preconditioner = [
+                        1.0 / ((optimizer.state[p]["exp_avg_sq"] / (1 - beta2**t)).sqrt() + eps) for p in params
+                    ]
                     start = [optimizer.state[p]["exp_avg"] * c for p, c in zip(params, preconditioner)]
                     velocities = [[u.clone() for u in start] for _ in range(args.workers)]
                     frozen_step = t
@@ -135,7 +148,7 @@ def train(variant: str, seed: int, args: argparse.Namespace, data: tuple) -> flo
                 with torch.no_grad():
                     for p, s in zip(params, sparse_mean(residuals, velocities, density)):
                         p.mul_(1 - lr * args.weight_decay)
-                        p.sub_(s, alpha=lr / (1 - beta1 ** frozen_step))
+                        p.sub_(s, alpha=lr / (1 - beta1**frozen_step))
             step += 1
     return accuracy(model, val_x, val_y)
 
@@ -164,7 +177,10 @@ def main() -> None:
     base = statistics.mean(results.get("dense", [float("nan")]))
     print(f"density {args.density}, {args.epochs} epochs, {len(args.seeds)} seeds, {args.workers} simulated workers:")
     for variant, accs in results.items():
-        print(f"  {variant:10s} mean val_acc {statistics.mean(accs):.4f} ({(statistics.mean(accs) - base) * 100:+.1f} points vs dense)")
+        print(
+            f"  {variant:10s} mean val_acc {statistics.mean(accs):.4f} "
+            f"({(statistics.mean(accs) - base) * 100:+.1f} points vs dense)"
+        )
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from __future__ import annotations
 import sys
 import warnings
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 import commsched  # noqa: F401  (registers the strategies)
-import lightning.pytorch as pl
 from commsched.models import SmallCNNBackbone
 from commsched.timing import StepTimer
 
@@ -34,17 +34,28 @@ BATCH = 32
 
 
 class CNN(pl.LightningModule):
-    """0.3 M parameters ("tiny") or 3.06 M ("bench"). No `self.log` in `training_step`: with torch 2.13 and Lightning 2.6 dynamo
-    fails on it under every strategy, ddp included (it inspects the hook's signature)."""
+    """0.3 M parameters ("tiny") or 3.06 M ("bench"). No `self.log` in `training_step`: with torch 2.13 and
+    Lightning 2.6 dynamo fails on it under every strategy, ddp included (it inspects the hook's signature)."""
 
     def __init__(self, size: str = "tiny") -> None:
         super().__init__()
         if size == "bench":
             self.net: nn.Module = SmallCNNBackbone(width=64)
         else:
-            self.net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-                                     nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
-                                     nn.Flatten(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
+            self.net = nn.Sequential(
+                nn.Conv2d(3, 32, 3, padding=1),
+                nn.BatchNorm2d(32),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Conv2d(32, 64, 3, padding=1),
+                nn.BatchNorm2d(64),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(4),
+                nn.Flatten(),
+                nn.Linear(1024, 256),
+                nn.ReLU(),
+                nn.Linear(256, 10),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -76,11 +87,27 @@ def timed(schedule: str, compiled: bool, steps: int, size: str) -> tuple[float, 
     pl.seed_everything(0, verbose=False)
     model = CNN(size)
     timer = StepTimer(warmup=3, stop_after=steps)
-    trainer = pl.Trainer(strategy=schedule, accelerator="cpu", devices=2, max_steps=steps + 200, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
-                         default_root_dir=f"outputs/compiled_time/{schedule}")
-    trainer.fit(torch.compile(model) if compiled else model, DataLoader(data(BATCH * 2 * (steps + 202)), batch_size=BATCH))
-    return timer.median, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], ran(trainer.strategy)
+    trainer = pl.Trainer(
+        strategy=schedule,
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps + 200,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        default_root_dir=f"outputs/compiled_time/{schedule}",
+    )
+    trainer.fit(
+        torch.compile(model) if compiled else model, DataLoader(data(BATCH * 2 * (steps + 202)), batch_size=BATCH)
+    )
+    return (
+        timer.median,
+        sum(counters["graph_break"].values()),
+        counters["stats"]["unique_graphs"],
+        ran(trainer.strategy),
+    )
 
 
 def main() -> None:
@@ -100,13 +127,18 @@ def main() -> None:
                     dynamo[schedule] = (breaks, graphs)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
-    print("| schedule | eager (ms) | compiled (ms) | compiled / eager | step / compiled ddp's | graph breaks | graphs | ran (eager; compiled) |")
+    print(
+        "| schedule | eager (ms) | compiled (ms) | compiled / eager | step / compiled ddp's | graph breaks | graphs "
+        "| ran (eager; compiled) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for schedule in SCHEDULES:
         eager, compiled = best[(schedule, False)] * 1e3, best[(schedule, True)] * 1e3
         arms = "; ".join(",".join(chose[(schedule, c)]) for c in (False, True)) if any(chose[(schedule, False)]) else ""
-        print(f"| {schedule} | {eager:.1f} | {compiled:.1f} | {compiled / eager:.2f} | "
-              f"{compiled / (best[('ddp', True)] * 1e3):.2f} | {dynamo[schedule][0]} | {dynamo[schedule][1]} | {arms} |")
+        print(
+            f"| {schedule} | {eager:.1f} | {compiled:.1f} | {compiled / eager:.2f} | "
+            f"{compiled / (best[('ddp', True)] * 1e3):.2f} | {dynamo[schedule][0]} | {dynamo[schedule][1]} | {arms} |"
+        )
 
 
 if __name__ == "__main__":

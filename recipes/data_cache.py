@@ -27,7 +27,9 @@ class PngFolder(Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(matplotlib.image.imread(self.files[index])[..., :3])).permute(2, 0, 1)
+        return torch.from_numpy(np.ascontiguousarray(matplotlib.image.imread(self.files[index])[..., :3])).permute(
+            2, 0, 1
+        )
 
 
 def epochs(dataset: Dataset, n: int = 3) -> list[float]:

@@ -19,15 +19,20 @@ def main() -> None:
     for variant, runs in rows.items():
         for run in runs:
             plan = run.get("deft", {}).get("plan", "")
-            print(f"{variant:16} {run['seed']:6} {run.get('val_acc', float('nan')):8.4f} {run.get('train_loss', float('nan')):10.4f} "
-                  f"{run['samples_per_s']:10.1f}  {plan}")
+            print(
+                f"{variant:16} {run['seed']:6} {run.get('val_acc', float('nan')):8.4f} "
+                f"{run.get('train_loss', float('nan')):10.4f} "
+                f"{run['samples_per_s']:10.1f}  {plan}"
+            )
     print()
     reference = statistics.mean(r.get("val_acc", float("nan")) for r in rows.get("ddp", [{}]))
     for variant, runs in rows.items():
         accuracy = statistics.mean(r.get("val_acc", float("nan")) for r in runs)
         speed = statistics.mean(r["samples_per_s"] for r in runs)
-        print(f"{variant:16} mean val_acc {accuracy:.4f} ({(accuracy - reference) * 100:+.2f} points vs ddp), "
-              f"{speed:.1f} samples/s over {len(runs)} seed(s)")
+        print(
+            f"{variant:16} mean val_acc {accuracy:.4f} ({(accuracy - reference) * 100:+.2f} points vs ddp), "
+            f"{speed:.1f} samples/s over {len(runs)} seed(s)"
+        )
 
 
 if __name__ == "__main__":

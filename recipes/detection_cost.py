@@ -1,4 +1,5 @@
-"""What watching pending tensors (`commsched.schedules.pending_tensors`) costs dear per step, on a model of many small ops.
+"""What watching pending tensors (`commsched.schedules.pending_tensors`) costs dear per step, on a model
+of many small ops.
 
     .venv/bin/python recipes/detection_cost.py [MODEL] [ROUNDS] [STEPS]      # default: gpt2_tiny 4 40
 
@@ -22,8 +23,8 @@ from torch.utils.data import DataLoader
 
 import commsched
 from commsched.bench.models import BENCH_MODELS
-from commsched.schedules.pending_tensors import Watch
 from commsched.cli.quiet import quiet_lightning
+from commsched.schedules.pending_tensors import Watch
 from commsched.timing import StepTimer
 
 WARMUP = 5
@@ -43,15 +44,26 @@ def run(model_name: str, steps: int, watched: bool) -> tuple[float, dict]:
     try:
         timer = StepTimer(warmup=WARMUP)
         strategy = commsched.DeARStrategy(bucket_cap_mb=2)
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps + WARMUP + 1, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             callbacks=[timer, ReadsClock()])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=steps + WARMUP + 1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer, ReadsClock()],
+        )
         trainer.fit(model, DataLoader(make_data(8 * 2 * (steps + WARMUP + 2)), batch_size=8))
     finally:
         Watch.mark = original  # type: ignore[method-assign]
     schedule = strategy.last_schedule
-    counts = {"touches": schedule.watch.touches, "rank": trainer.global_rank,
-              "tensors": sum(len(b.params) for b in schedule.plan.buckets)}
+    counts = {
+        "touches": schedule.watch.touches,
+        "rank": trainer.global_rank,
+        "tensors": sum(len(b.params) for b in schedule.plan.buckets),
+    }
     return timer.median, counts
 
 
@@ -70,10 +82,12 @@ def main() -> None:
         return
     on, off = statistics.median(times[True]), statistics.median(times[False])
     paired = statistics.median(a / b - 1 for a, b in zip(times[True], times[False]))
-    print(f"{model_name}, dear, 2 workers, {rounds} rounds x {steps} steps, {counts[True]['tensors']} parameters: "
-          f"watched {on * 1e3:.2f} ms/step, unwatched {off * 1e3:.2f} ms/step; the watch costs "
-          f"{(on - off) * 1e3:+.2f} ms ({on / off - 1:+.1%}; round by round, median {paired:+.1%}); "
-          f"touches in the whole run: {counts[True]['touches']}")
+    print(
+        f"{model_name}, dear, 2 workers, {rounds} rounds x {steps} steps, {counts[True]['tensors']} parameters: "
+        f"watched {on * 1e3:.2f} ms/step, unwatched {off * 1e3:.2f} ms/step; the watch costs "
+        f"{(on - off) * 1e3:+.2f} ms ({on / off - 1:+.1%}; round by round, median {paired:+.1%}); "
+        f"touches in the whole run: {counts[True]['touches']}"
+    )
 
 
 if __name__ == "__main__":

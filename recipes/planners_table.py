@@ -26,11 +26,19 @@ def load_runs(root: Path) -> list[dict]:
         label = f"{fusion} {summary['bucket_cap_mb']:g} MB" if fusion == "fixed" else fusion
         if fusion == "bayes" and plan:
             label += f" (chose {plan['details']['bucket_mb']:.1f} MB in {len(plan['details']['trials'])} trials)"
-        rows.append({"schedule": summary["schedule"], "fusion": fusion, "label": label,
-                     "bucket_cap_mb": summary["bucket_cap_mb"], "plan": plan,
-                     "samples_per_s": summary["samples_per_s"], "step_ms": summary["step_ms"],
-                     "predicted_ms": plan["predicted_s"] * 1e3 if plan and plan.get("predicted_s") else None,
-                     "buckets": len(plan["buckets"]) if plan else None})
+        rows.append(
+            {
+                "schedule": summary["schedule"],
+                "fusion": fusion,
+                "label": label,
+                "bucket_cap_mb": summary["bucket_cap_mb"],
+                "plan": plan,
+                "samples_per_s": summary["samples_per_s"],
+                "step_ms": summary["step_ms"],
+                "predicted_ms": plan["predicted_s"] * 1e3 if plan and plan.get("predicted_s") else None,
+                "buckets": len(plan["buckets"]) if plan else None,
+            }
+        )
     return rows
 
 
@@ -44,14 +52,19 @@ def prediction_error(row: dict) -> str:
 
 
 def detail_table(rows: list[dict]) -> list[str]:
-    lines = ["| schedule | fusion | buckets | samples/s | step (ms) | vs best fixed size | predicted (ms) | prediction error |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| schedule | fusion | buckets | samples/s | step (ms) | vs best fixed size | predicted (ms) "
+        "| prediction error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in sorted(rows, key=lambda r: (r["schedule"], r["fusion"] != "fixed", -r["samples_per_s"])):
         best = best_fixed(rows, row["schedule"])
         versus = f"{row['samples_per_s'] / best['samples_per_s']:.3f}" if best else "-"
         predicted = f"{row['predicted_ms']:.1f}" if row["predicted_ms"] else "-"
-        lines.append(f"| {row['schedule']} | {row['label']} | {row['buckets'] or '-'} | {row['samples_per_s']:.1f} | "
-                     f"{row['step_ms']:.1f} | {versus} | {predicted} | {prediction_error(row)} |")
+        lines.append(
+            f"| {row['schedule']} | {row['label']} | {row['buckets'] or '-'} | {row['samples_per_s']:.1f} | "
+            f"{row['step_ms']:.1f} | {versus} | {predicted} | {prediction_error(row)} |"
+        )
     return lines
 
 
@@ -62,8 +75,9 @@ def summary_row(root: Path, rows: list[dict]) -> str:
     for schedule in ("wfbp", "dear"):
         best = best_fixed(rows, schedule)
         cells.append(f"{best['samples_per_s']:.1f} ({best['bucket_cap_mb']:g} MB)" if best else "-")
-    default = next((r for r in rows if r["fusion"] == "fixed" and r["schedule"] == "dear" and r["bucket_cap_mb"] == 25),
-                   None)
+    default = next(
+        (r for r in rows if r["fusion"] == "fixed" and r["schedule"] == "dear" and r["bucket_cap_mb"] == 25), None
+    )
     for row in [default] + [next((r for r in rows if r["fusion"] == p), None) for p in PLANNERS]:
         best = best_fixed(rows, row["schedule"]) if row else None
         if row is None or best is None:

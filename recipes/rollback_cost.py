@@ -13,11 +13,12 @@ from __future__ import annotations
 import sys
 import warnings
 
-import commsched
 import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+import commsched
 from commsched.bench.models import BENCH_MODELS
 from commsched.timing import StepTimer
-from torch.utils.data import DataLoader
 
 warnings.filterwarnings("ignore")
 BATCH = 32
@@ -28,9 +29,19 @@ def timed(rollback: bool, steps: int, nodes: int) -> tuple[float, int]:
     model, make_data = BENCH_MODELS["small_cnn"](64)
     timer = StepTimer(warmup=3, stop_after=steps)
     strategy = commsched.DeARStrategy(bucket_cap_mb=2, dear=commsched.DeAROptions(fallback="never", rollback=rollback))
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, num_nodes=nodes, max_steps=steps + 50, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
-                         default_root_dir=f"outputs/rollback_cost/{rollback}")
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        num_nodes=nodes,
+        max_steps=steps + 50,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        default_root_dir=f"outputs/rollback_cost/{rollback}",
+    )
     trainer.fit(model, DataLoader(make_data(BATCH * nodes * (steps + 52)), batch_size=BATCH))
     return timer.median, strategy.last_schedule.deferred.rollback_peak_bytes
 
@@ -50,8 +61,10 @@ def main() -> None:
         print("| DeAROptions | ms/step (best of rounds) | against rollback=False | copies' peak |")
         print("|---|---|---|---|")
         for rollback in (True, False):
-            print(f"| rollback={rollback} | {best[rollback] * 1e3:.1f} | {best[False] / best[rollback]:.3f}x | "
-                  f"{peak[rollback] / 2**20:.1f} MB |")
+            print(
+                f"| rollback={rollback} | {best[rollback] * 1e3:.1f} | {best[False] / best[rollback]:.3f}x | "
+                f"{peak[rollback] / 2**20:.1f} MB |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Selection time of each top-k method against torch.topk (magnitudes), k = density x d, median of
 REPEATS, with each method's recall of torch.topk's indices.
 
-    .venv/bin/python recipes/selection_time.py [--device cuda] [--densities 0.01,0.001] [--sizes 1e6,1e7,1e8] [--threads 1]
+    .venv/bin/python recipes/selection_time.py [--device cuda] [--densities 0.01,0.001] [--sizes 1e6,1e7,1e8]
+        [--threads 1]
 
 On CUDA every method is timed with events after a warm-up (completion, not enqueue).
 """
@@ -48,7 +49,9 @@ def main() -> None:
     device = torch.device(args.device)
     methods = {"sampled threshold": sampled_topk, "MSTopK, 30 samplings": mstopk}
     print(f"device {device}, {torch.get_num_threads()} CPU threads, fp32 normal values")
-    print("| elements | density | torch.topk (ms) | " + " | ".join(f"{m} (ms, speed-up, recall)" for m in methods) + " |")
+    print(
+        "| elements | density | torch.topk (ms) | " + " | ".join(f"{m} (ms, speed-up, recall)" for m in methods) + " |"
+    )
     print("|---|---|---|" + "---|" * len(methods))
     for size in (int(float(s)) for s in args.sizes.split(",")):
         x = torch.randn(size, device=device)

@@ -31,8 +31,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--compensations", nargs="+", default=list(COMPENSATIONS), choices=COMPENSATIONS)
     parser.add_argument("--settings", nargs="+", default=[f"{lr:g}/{m:g}" for lr, m in SETTINGS], help="lr/momentum")
-    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
-                        help="adamw: torch's AdamW (weight decay 0.01; momentum ignored), compensations none and predict")
+    parser.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=("sgd", "adamw"),
+        help="adamw: torch's AdamW (weight decay 0.01; momentum ignored), compensations none and predict",
+    )
     parser.add_argument("--stale-from", type=int, default=10, help="synchronous steps before the staleness starts")
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
@@ -47,10 +51,23 @@ def main() -> None:
 
             def accuracy(staleness: int, compensation: str = "none") -> float:
                 decay = 0.01 if args.optimizer == "adamw" else 5e-4
-                return statistics.mean(train(lr, momentum, staleness, epochs=args.epochs, seed=seed, width=width, model_name=name,
-                                             resolution=resolution, compensation=compensation, weight_decay=decay,
-                                             optimizer_name=args.optimizer, stale_from=args.stale_from).accuracy
-                                       for seed in range(args.seeds))
+                return statistics.mean(
+                    train(
+                        lr,
+                        momentum,
+                        staleness,
+                        epochs=args.epochs,
+                        seed=seed,
+                        width=width,
+                        model_name=name,
+                        resolution=resolution,
+                        compensation=compensation,
+                        weight_decay=decay,
+                        optimizer_name=args.optimizer,
+                        stale_from=args.stale_from,
+                    ).accuracy
+                    for seed in range(args.seeds)
+                )
 
             sync = accuracy(0)
             cells = " | ".join(f"{100 * (accuracy(1, c) - sync):+.1f}" for c in args.compensations)

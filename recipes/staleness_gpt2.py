@@ -5,7 +5,8 @@ step stale with linear weight prediction (what DeFT's `compensation="auto"` runs
 starts after `--stale-from` synchronous steps. Mean held-out loss over SEEDS seeds, and the stale
 runs' loss relative to it.
 
-    .venv/bin/python recipes/staleness_gpt2.py [--seeds 3] [--lrs 0.003 0.001 0.006] [--steps 300] [--compensations none predict spike+predict]
+    .venv/bin/python recipes/staleness_gpt2.py [--seeds 3] [--lrs 0.003 0.001 0.006] [--steps 300]
+        [--compensations none predict spike+predict]
 """
 
 from __future__ import annotations
@@ -27,18 +28,27 @@ def main() -> None:
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-3, 1e-3, 6e-3])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--stale-from", type=int, default=10, help="synchronous steps before the staleness starts")
-    parser.add_argument("--compensations", nargs="+", default=["none", "predict"],
-                        choices=("none", "predict", "spike", "spike+predict"),
-                        help="spike: the reference's Adam analogue of spike compensation (not in the product)")
+    parser.add_argument(
+        "--compensations",
+        nargs="+",
+        default=["none", "predict"],
+        choices=("none", "predict", "spike", "spike+predict"),
+        help="spike: the reference's Adam analogue of spike compensation (not in the product)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = " | ".join(f"stale, {c}" if c != "none" else "stale" for c in args.compensations)
     print(f"| lr | sync held-out loss | {names} |")
     print("|---|---|" + "---|" * len(args.compensations))
     for lr in args.lrs:
+
         def loss(staleness: int, compensation: str = "none") -> float:
-            return statistics.mean(train_text(lr, staleness, args.steps, seed, compensation=compensation,
-                                              stale_from=args.stale_from).accuracy for seed in range(args.seeds))
+            return statistics.mean(
+                train_text(
+                    lr, staleness, args.steps, seed, compensation=compensation, stale_from=args.stale_from
+                ).accuracy
+                for seed in range(args.seeds)
+            )
 
         sync = loss(0)
         cells = " | ".join(f"{100 * (loss(1, c) / sync - 1):+.2f}%" for c in args.compensations)

@@ -17,10 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
-from stale_reference import after_steps, train  # noqa: E402
-
 from commsched.deft.curvature import top_curvature  # noqa: E402
 from commsched.deft.stability import Stepper, largest_stable_curvature  # noqa: E402
+from stale_reference import after_steps, train  # noqa: E402
 
 SETTINGS = ((0.05, 0.9), (0.02, 0.9), (0.01, 0.9), (0.2, 0.5), (0.1, 0.5), (0.05, 0.5), (0.3, 0.0), (0.1, 0.0))
 WIDTHS = {"bn_net": 16, "resnet18": 8}
@@ -36,11 +35,22 @@ def main() -> None:
             band = largest_stable_curvature(Stepper(lr, momentum, weight_decay=5e-4), 1)
             curvature = statistics.mean(
                 top_curvature(loss, list(model.parameters()))
-                for model, _, loss in (after_steps(lr, momentum, steps, 0, width=width, model_name=name) for steps in range(5, 10)))
-            accuracy = {s: statistics.mean(train(lr, momentum, s, epochs=3, seed=seed, width=width, model_name=name).accuracy
-                                           for seed in range(3)) for s in (0, 1)}
-            print(f"| {name} | {lr:g} | {momentum:g} | {curvature:.1f} | {band:.2f} | {curvature / band:.1f} | "
-                  f"{accuracy[0]:.3f} | {accuracy[1]:.3f} | {100 * (accuracy[1] - accuracy[0]):+.1f} |", flush=True)
+                for model, _, loss in (
+                    after_steps(lr, momentum, steps, 0, width=width, model_name=name) for steps in range(5, 10)
+                )
+            )
+            accuracy = {
+                s: statistics.mean(
+                    train(lr, momentum, s, epochs=3, seed=seed, width=width, model_name=name).accuracy
+                    for seed in range(3)
+                )
+                for s in (0, 1)
+            }
+            print(
+                f"| {name} | {lr:g} | {momentum:g} | {curvature:.1f} | {band:.2f} | {curvature / band:.1f} | "
+                f"{accuracy[0]:.3f} | {accuracy[1]:.3f} | {100 * (accuracy[1] - accuracy[0]):+.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

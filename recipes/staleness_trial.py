@@ -31,7 +31,9 @@ def trial(name: str, lr: float, momentum: float, warm: int, steps: int, seed: in
     model = MODELS[name](WIDTHS[name])
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=5e-4)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    batches = [order[(i * batch) % (len(y) - batch):(i * batch) % (len(y) - batch) + batch] for i in range(warm + steps)]
+    batches = [
+        order[(i * batch) % (len(y) - batch) : (i * batch) % (len(y) - batch) + batch] for i in range(warm + steps)
+    ]
 
     def step(net, opt, b, late, staleness) -> float:
         net.train()
@@ -54,24 +56,31 @@ def trial(name: str, lr: float, momentum: float, warm: int, steps: int, seed: in
         opt.load_state_dict(optimizer.state_dict())
         late: deque = deque()
         losses = [step(net, opt, batches[warm + i], late, staleness) for i in range(steps)]
-        seen = torch.cat(batches[warm:warm + steps])
+        seen = torch.cat(batches[warm : warm + steps])
         with torch.no_grad():
             net.eval()
             evaluated = float(F.cross_entropy(net(x[seen]), y[seen]))
             net.train()
             trained = float(F.cross_entropy(net(x[seen]), y[seen]))
-        out[staleness] = (statistics.mean(losses[-steps // 2:]), evaluated, trained)
+        out[staleness] = (statistics.mean(losses[-steps // 2 :]), evaluated, trained)
     return out
 
 
 def main() -> None:
     torch.set_num_threads(1)
     name, steps, warm = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print("| model | lr | momentum | trial loss stale / sync | eval-mode loss stale / sync | train-mode loss stale / sync |")
+    print(
+        "| model | lr | momentum | trial loss stale / sync | eval-mode loss stale / sync "
+        "| train-mode loss stale / sync |"
+    )
     print("|---|---|---|---|---|---|")
     for lr, momentum in SETTINGS:
         r = trial(name, lr, momentum, warm, steps)
-        print(f"| {name} | {lr:g} | {momentum:g} | {r[1][0] / r[0][0]:.2f} | {r[1][1] / r[0][1]:.2f} | {r[1][2] / r[0][2]:.2f} |", flush=True)
+        print(
+            f"| {name} | {lr:g} | {momentum:g} | {r[1][0] / r[0][0]:.2f} | {r[1][1] / r[0][1]:.2f} "
+            f"| {r[1][2] / r[0][2]:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,32 @@ from conftest import WORKERS, run_worker
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("compression")
-    proc = run_worker("run_compression.py", str(out), "2", "topk", "topk-part", "topk-resumed", "topk-no-feedback", "topk-auto",
-                      "mstopk", "topk-dense-phases", "mstopk-whole", "dense", "dense-from-topk", "topk-every-element",
-                      "dgc", "dgc-part", "dgc-resumed", "dgc-nesterov", "dgc-clipped", "dgc-masked", "dgc-warmup",
-                      "dense-from-dgc", "adamw-default", "adamw-plain")
+    proc = run_worker(
+        "run_compression.py",
+        str(out),
+        "2",
+        "topk",
+        "topk-part",
+        "topk-resumed",
+        "topk-no-feedback",
+        "topk-auto",
+        "mstopk",
+        "topk-dense-phases",
+        "mstopk-whole",
+        "dense",
+        "dense-from-topk",
+        "topk-every-element",
+        "dgc",
+        "dgc-part",
+        "dgc-resumed",
+        "dgc-nesterov",
+        "dgc-clipped",
+        "dgc-masked",
+        "dgc-warmup",
+        "dense-from-dgc",
+        "adamw-default",
+        "adamw-plain",
+    )
     if proc.returncode != 0:
         pytest.fail(f"compression runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     alone = run_worker("run_compression.py", str(out), "3", "topk-resharded", "dgc-resharded")
@@ -39,20 +61,26 @@ def step_with(params: list, total: torch.Tensor, optimizer, scheduler) -> None:
     """The reference's update: each parameter's slice of the summed flat gradient, then one step."""
     offset = 0
     for p in params:
-        p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+        p.grad = total[offset : offset + p.numel()].view_as(p).clone()
         offset += p.numel()
     optimizer.step()
     scheduler.step()
 
 
-def sent_whole_and_ranked(vector: torch.Tensor, real: torch.Tensor, compression: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+def sent_whole_and_ranked(
+    vector: torch.Tensor, real: torch.Tensor, compression: dict
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Of a window whose 1-d parameters' positions are `vector` and whose parameters' (not padding)
     are `real`: the positions always sent, those ranked, and k, the density's share of the ranked
     ones (at least one)."""
     if not compression.get("whole_vectors", True):
         vector = torch.zeros_like(vector)
     ranked = (~vector & real).nonzero().flatten()
-    return vector.nonzero().flatten(), ranked, min(ranked.numel(), max(1, math.ceil(compression["density"] * ranked.numel())))
+    return (
+        vector.nonzero().flatten(),
+        ranked,
+        min(ranked.numel(), max(1, math.ceil(compression["density"] * ranked.numel()))),
+    )
 
 
 def rank_shares(dataset, world: int, seed: int) -> list[list[int]]:
@@ -87,15 +115,19 @@ def reference(result: dict, dense_steps: Optional[set[int]] = None) -> tuple[dic
     residuals = [torch.zeros(numel) for _ in range(world)]
     for t in range(result["steps"]):
         total = torch.zeros(numel)
-        dense = t < compression.get("dense_warmup_steps", 0) or t >= result["steps"] - compression.get("dense_final_steps", 0)
+        dense = t < compression.get("dense_warmup_steps", 0) or t >= result["steps"] - compression.get(
+            "dense_final_steps", 0
+        )
         dense = dense or (dense_steps is not None and t in dense_steps)
         for r in range(world):
-            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            idx = shares[r][t * BATCH : (t + 1) * BATCH]
             grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), params)
             mine = torch.cat([g.reshape(-1) for g in grads]) / world
             if compression["error_feedback"]:
                 mine = mine + residuals[r]
-            chosen = torch.arange(numel) if dense else torch.cat([always, ranked[torch.topk(mine[ranked].abs(), k).indices]])
+            chosen = (
+                torch.arange(numel) if dense else torch.cat([always, ranked[torch.topk(mine[ranked].abs(), k).indices]])
+            )
             sent = torch.zeros(numel)
             sent[chosen] = mine[chosen]
             if compression["error_feedback"]:
@@ -109,7 +141,9 @@ def flat_residual(result: dict, params: list[str]) -> torch.Tensor:
     return torch.cat([result["residuals"][name].reshape(-1) for name in params])
 
 
-needs_root = pytest.mark.skipif(netns.unavailable_reason() is not None, reason=f"no emulated cluster here: {netns.unavailable_reason()}")
+needs_root = pytest.mark.skipif(
+    netns.unavailable_reason() is not None, reason=f"no emulated cluster here: {netns.unavailable_reason()}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -118,10 +152,29 @@ def two_nodes(tmp_path_factory):
     from pathlib import Path
 
     out = tmp_path_factory.mktemp("hierarchical")
-    command = [str(Path(sys.executable).parent / "commsched-cluster"), "--nodes", "2", "--workers-per-node", "2", "--rate", "1gbit",
-               "--", sys.executable, str(WORKERS / "run_hierarchical.py"), str(out), "2", "2",
-               "flat-dense", "hier-dense", "hier-topk", "hier-mstopk", "hier-topk-phases", "hier-dense-streams", "auto-two-level",
-               "hier-dgc"]
+    command = [
+        str(Path(sys.executable).parent / "commsched-cluster"),
+        "--nodes",
+        "2",
+        "--workers-per-node",
+        "2",
+        "--rate",
+        "1gbit",
+        "--",
+        sys.executable,
+        str(WORKERS / "run_hierarchical.py"),
+        str(out),
+        "2",
+        "2",
+        "flat-dense",
+        "hier-dense",
+        "hier-topk",
+        "hier-mstopk",
+        "hier-topk-phases",
+        "hier-dense-streams",
+        "auto-two-level",
+        "hier-dgc",
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=WORKERS)
     if proc.returncode != 0:
         pytest.fail(f"two-node runs failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}")
@@ -150,32 +203,38 @@ def hierarchical_reference(result: dict) -> tuple[dict, list[torch.Tensor]]:
     shares = rank_shares(data(), world, result["seed"])
     shard = padded // per_node
     vector = torch.zeros(padded, dtype=torch.bool)
-    vector[:sum(p.numel() for p in ordered)] = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in ordered])
+    vector[: sum(p.numel() for p in ordered)] = torch.cat([torch.full((p.numel(),), p.dim() == 1) for p in ordered])
     real = torch.arange(padded) < sum(p.numel() for p in ordered)
-    windows = [sent_whole_and_ranked(vector[j * shard:(j + 1) * shard], real[j * shard:(j + 1) * shard], compression)
-               for j in range(per_node)]
+    windows = [
+        sent_whole_and_ranked(vector[j * shard : (j + 1) * shard], real[j * shard : (j + 1) * shard], compression)
+        for j in range(per_node)
+    ]
     residuals = [torch.zeros(shard) for _ in range(world)]
     for t in range(result["steps"]):
         dense = t < compression["dense_warmup_steps"] or t >= result["steps"] - compression["dense_final_steps"]
         flats = []
         for r in range(world):
-            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            idx = shares[r][t * BATCH : (t + 1) * BATCH]
             grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), ordered)
             flat = torch.zeros(padded)
-            flat[:sum(p.numel() for p in ordered)] = torch.cat([g.reshape(-1) for g in grads]) / world
+            flat[: sum(p.numel() for p in ordered)] = torch.cat([g.reshape(-1) for g in grads]) / world
             flats.append(flat)
         total = torch.zeros(padded)
         for node in range(nodes):
             for j in range(per_node):
-                part = sum(flats[node * per_node + l][j * shard:(j + 1) * shard] for l in range(per_node))
+                part = sum(flats[node * per_node + l][j * shard : (j + 1) * shard] for l in range(per_node))
                 rank = node * per_node + j
                 part = part + residuals[rank]
                 always, ranked, k = windows[j]
-                chosen = torch.arange(shard) if dense else torch.cat([always, ranked[torch.topk(part[ranked].abs(), k).indices]])
+                chosen = (
+                    torch.arange(shard)
+                    if dense
+                    else torch.cat([always, ranked[torch.topk(part[ranked].abs(), k).indices]])
+                )
                 sent = torch.zeros(shard)
                 sent[chosen] = part[chosen]
                 residuals[rank] = part - sent
-                total[j * shard:(j + 1) * shard] += sent
+                total[j * shard : (j + 1) * shard] += sent
         step_with(ordered, total, optimizer, scheduler)
     return {k: v.detach() for k, v in model.state_dict().items()}, residuals
 
@@ -187,7 +246,9 @@ def sgd_terms(optimizer: str, param: torch.Tensor) -> tuple[float, bool, float]:
     return (0.9, optimizer == "sgd-nesterov", 0.05) if param.dim() > 1 else (0.5, optimizer == "sgd-nesterov", 0.0)
 
 
-def dgc_reference(result: dict, densities: Optional[list[float]] = None, masking: bool = False) -> tuple[dict, list, list]:
+def dgc_reference(
+    result: dict, densities: Optional[list[float]] = None, masking: bool = False
+) -> tuple[dict, list, list]:
     """One process, written from DGC's text: each rank clips each parameter's gradient to C / sqrt(P),
     adds weight decay, updates its velocity u (Nesterov: u <- m (u + g), u + g accumulated), accumulates
     v, sends the 1-d parameters and the k largest |v| among the rest, clears v where sent (and, with
@@ -214,7 +275,7 @@ def dgc_reference(result: dict, densities: Optional[list[float]] = None, masking
         k = min(ranked.numel(), max(1, math.ceil(density * ranked.numel())))
         total = torch.zeros(numel)
         for r in range(world):
-            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            idx = shares[r][t * BATCH : (t + 1) * BATCH]
             grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), params)
             pieces = []
             for i, (p, grad, (m, nesterov, decay)) in enumerate(zip(params, grads, terms)):
@@ -245,8 +306,11 @@ def dgc_reference(result: dict, densities: Optional[list[float]] = None, masking
         with torch.no_grad():
             for p, piece in zip(params, total.split([p.numel() for p in params])):
                 p -= lr * piece.view_as(p)
-    return ({k: v_.detach() for k, v_ in model.state_dict().items()}, v,
-            [torch.cat([piece.reshape(-1) for piece in ur]) for ur in u])
+    return (
+        {k: v_.detach() for k, v_ in model.state_dict().items()},
+        v,
+        [torch.cat([piece.reshape(-1) for piece in ur]) for ur in u],
+    )
 
 
 def flat_state(result: dict, key: str) -> torch.Tensor:
@@ -254,7 +318,9 @@ def flat_state(result: dict, key: str) -> torch.Tensor:
     return torch.cat([result[key][name].reshape(-1) for name in names])
 
 
-def hierarchical_dgc_reference(result: dict, densities: list[float], masking: bool) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+def hierarchical_dgc_reference(
+    result: dict, densities: list[float], masking: bool
+) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
     """One process, 4 ranks on 2 nodes, DGC split as the two-level exchange splits it: each rank's
     gradient / P plus its weight decay / P; each node sums its ranks' gradients per shard; the rank
     owning a shard keeps that shard's velocity (u <- m u + node sum, m per element from the parameter's
@@ -287,24 +353,30 @@ def hierarchical_dgc_reference(result: dict, densities: list[float], masking: bo
         dense = density >= 1 / nodes
         flats = []
         for r in range(world):
-            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            idx = shares[r][t * BATCH : (t + 1) * BATCH]
             grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), ordered)
             flat = torch.zeros(padded)
-            flat[:real_numel] = torch.cat([(g / world + sgd_terms(result["optimizer"], p)[2] * p.detach() / world).reshape(-1)
-                                           for g, p in zip(grads, ordered)])
+            flat[:real_numel] = torch.cat(
+                [
+                    (g / world + sgd_terms(result["optimizer"], p)[2] * p.detach() / world).reshape(-1)
+                    for g, p in zip(grads, ordered)
+                ]
+            )
             flats.append(flat)
         total = torch.zeros(padded)
         for node in range(nodes):
             for j in range(per_node):
                 rank = node * per_node + j
-                part = sum(flats[node * per_node + l][j * shard:(j + 1) * shard] for l in range(per_node))
-                u[rank] = momentum[j * shard:(j + 1) * shard] * u[rank] + part
+                part = sum(flats[node * per_node + l][j * shard : (j + 1) * shard] for l in range(per_node))
+                u[rank] = momentum[j * shard : (j + 1) * shard] * u[rank] + part
                 v[rank] = v[rank] + u[rank]
                 if dense:
-                    total[j * shard:(j + 1) * shard] += v[rank]
+                    total[j * shard : (j + 1) * shard] += v[rank]
                     v[rank] = torch.zeros(shard)
                     continue
-                always, ranked, _ = sent_whole_and_ranked(vector[j * shard:(j + 1) * shard], real[j * shard:(j + 1) * shard], compression)
+                always, ranked, _ = sent_whole_and_ranked(
+                    vector[j * shard : (j + 1) * shard], real[j * shard : (j + 1) * shard], compression
+                )
                 k = min(ranked.numel(), max(1, math.ceil(density * ranked.numel())))
                 top = ranked[torch.topk(v[rank][ranked].abs(), k).indices]
                 chosen = torch.cat([always, top])

@@ -28,27 +28,86 @@ def leaves_no_process_group_behind():
         os.environ.pop("MASTER_PORT", None)
     assert not left, "the test left a process group or MASTER_PORT in the pytest process"
 
+
 CASES_BY_WORLD = {
     2: [
-        "ddp-sgd", "wfbp-sgd", "dear-sgd", "ddp-adamw", "wfbp-adamw", "dear-adamw",
-        "ddp-value", "wfbp-value", "dear-value", "ddp-bf16", "dear-bf16", "dear-layers", "dear-onebucket", "dear-profiled",
-        "ddp-eval", "dear-eval", "dear-iface", "deft-sgd", "deft-adamw", "deft-value", "hier-sgd",
+        "ddp-sgd",
+        "wfbp-sgd",
+        "dear-sgd",
+        "ddp-adamw",
+        "wfbp-adamw",
+        "dear-adamw",
+        "ddp-value",
+        "wfbp-value",
+        "dear-value",
+        "ddp-bf16",
+        "dear-bf16",
+        "dear-layers",
+        "dear-onebucket",
+        "dear-profiled",
+        "ddp-eval",
+        "dear-eval",
+        "dear-iface",
+        "deft-sgd",
+        "deft-adamw",
+        "deft-value",
+        "hier-sgd",
     ],
     3: [
-        "ddp-sgd", "wfbp-sgd", "dear-sgd", "ddp-adamw", "wfbp-adamw", "dear-adamw",
-        "ddp-1ep", "dear-1ep", "ddp-2ep", "wfbp-2ep", "dear-2ep", "dear-fallback-2ep", "dear-fallback-1ep", "dear-fallback-resume", "dear-auto-fallback",
-        "dear-resume", "ddp-from-dear", "dear-from-ddp", "wfbp-from-ddp", "dear-unfreeze", "wfbp-unfreeze",
-        "dear-mgwfbp", "dear-greedy", "wfbp-dear-model", "dear-planfile", "dear-bayes-1ep", "dear-bayes-resume",
-        "dear-replan", "dear-auto", "wfbp-auto", "wfbp-auto-resume", "wfbp-1ep", "wfbp-resume", "localsum-1ep", "localsum-2ep", "localsum-resume", "localsum-bayes-2ep", "deft-unfreeze", "hier-sgd",
+        "ddp-sgd",
+        "wfbp-sgd",
+        "dear-sgd",
+        "ddp-adamw",
+        "wfbp-adamw",
+        "dear-adamw",
+        "ddp-1ep",
+        "dear-1ep",
+        "ddp-2ep",
+        "wfbp-2ep",
+        "dear-2ep",
+        "dear-fallback-2ep",
+        "dear-fallback-1ep",
+        "dear-fallback-resume",
+        "dear-auto-fallback",
+        "dear-resume",
+        "ddp-from-dear",
+        "dear-from-ddp",
+        "wfbp-from-ddp",
+        "dear-unfreeze",
+        "wfbp-unfreeze",
+        "dear-mgwfbp",
+        "dear-greedy",
+        "wfbp-dear-model",
+        "dear-planfile",
+        "dear-bayes-1ep",
+        "dear-bayes-resume",
+        "dear-replan",
+        "dear-auto",
+        "wfbp-auto",
+        "wfbp-auto-resume",
+        "wfbp-1ep",
+        "wfbp-resume",
+        "localsum-1ep",
+        "localsum-2ep",
+        "localsum-resume",
+        "localsum-bayes-2ep",
+        "deft-unfreeze",
+        "hier-sgd",
     ],
 }
 
 
-def run_worker(script: str, *args: str, timeout: float = 900, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run_worker(
+    script: str, *args: str, timeout: float = 900, env: Optional[dict[str, str]] = None
+) -> subprocess.CompletedProcess:
     """Runs a worker script from tests/workers; `env` adds to this process's environment."""
     return subprocess.run(
         [sys.executable, str(WORKERS / script), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=WORKERS, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=WORKERS,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -75,7 +134,9 @@ def cases(tmp_path_factory) -> Callable[[int], CaseResults]:
             out = tmp_path_factory.mktemp(f"cases-ws{world}")
             proc = run_worker("run_cases.py", str(out), str(world), *CASES_BY_WORLD[world])
             if proc.returncode != 0:
-                pytest.fail(f"training cases at world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+                pytest.fail(
+                    f"training cases at world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+                )
             done[world] = CaseResults(out, world)
         return done[world]
 
@@ -86,7 +147,9 @@ def ended_with_an_error(proc: subprocess.CompletedProcess, status: int = 1) -> N
     """The run ended as an error ends (1: a Python error, its traceback said; 2: a refused setting, as
     command lines say it), not killed by a signal (a negative status: SIGKILL, SIGABRT) nor aborted
     while exiting (134: an abort in a thread left in a backend)."""
-    assert proc.returncode == status, f"exit status {proc.returncode}, not a clean error exit ({status}):\n{proc.stderr[-3000:]}"
+    assert proc.returncode == status, (
+        f"exit status {proc.returncode}, not a clean error exit ({status}):\n{proc.stderr[-3000:]}"
+    )
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -121,8 +184,24 @@ def hydra_syntax():
 # imports the helpers above).
 from compression_reference import runs, two_nodes  # noqa: E402,F401
 
-QUICK = {"test_buckets", "test_compensation_choice", "test_data", "test_deft_planning", "test_docs", "test_generations", "test_per_parameter", "test_schedule_options",
-         "test_house", "test_interleaved", "test_models", "test_moved", "test_sim", "test_stability", "test_watch", "test_works"}
+QUICK = {
+    "test_buckets",
+    "test_compensation_choice",
+    "test_data",
+    "test_deft_planning",
+    "test_docs",
+    "test_generations",
+    "test_per_parameter",
+    "test_schedule_options",
+    "test_house",
+    "test_interleaved",
+    "test_models",
+    "test_moved",
+    "test_sim",
+    "test_stability",
+    "test_watch",
+    "test_works",
+}
 """Test files that start no worker process: the `quick` tier (`make test-quick`), for the edit-test loop.
 The whole suite (`make test`, what CI runs) takes about 35 minutes on 2 cores, most of it real
 multi-process training runs."""

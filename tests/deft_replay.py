@@ -24,9 +24,9 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple] = No
     gradients are taken at w + D (w - w_before_last_step), D the optimizer steps until its generation
     steps; "spike+predict": both.
 
-    `watch` = (window, rollback[, steps where it is solved again]): which plan ran each batch is read from the run's history (plans solved
-    again after a stop or a re-check); the verdicts are the replay's own: after `window` iterations of a
-    stale plan, it is stopped unless the mean loss over them (every rank's batch) is below that of the
+    `watch` = (window, rollback[, steps where it is solved again]): which plan ran each batch is read from the run's
+    history (plans solved again after a stop or a re-check); the verdicts are the replay's own: after `window`
+    iterations of a stale plan, it is stopped unless the mean loss over them (every rank's batch) is below that of the
     up to `window` iterations before it, since measuring last (re)started. Stopped: back to the state at
     its start (rollback: weights, velocity, optimizer state but not its learning rate; its generations
     dropped) or its generations applied in order, and no stale plan is watched again. A re-check solves
@@ -54,7 +54,7 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple] = No
     def averaged_gradient(t: int) -> list[torch.Tensor]:
         total, loss = [torch.zeros_like(p) for p in params], 0.0
         for r in range(world):
-            idx = shares[r][t * BATCH:(t + 1) * BATCH]
+            idx = shares[r][t * BATCH : (t + 1) * BATCH]
             rank_loss = F.cross_entropy(model(x[idx]), y[idx])
             grads = torch.autograd.grad(rank_loss, params)
             total = [a + g / world for a, g in zip(total, grads)]
@@ -91,7 +91,7 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple] = No
                 if m == 0:
                     p.sub_(lr * d)
                     continue
-                a, b = (1 - m ** late) / (1 - m), m ** late
+                a, b = (1 - m**late) / (1 - m), m**late
                 velocity[i] = b * d if i not in velocity else m * velocity[i] + b * d
                 p.sub_(lr * (velocity[i] + a * d))
 
@@ -122,7 +122,7 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple] = No
             apply_what_is_left()
             watched_from, judged, measured_from = None, False, t
         elif watch is not None and watched_from is not None and t == watched_from + watch[0]:
-            before = losses[max(measured_from, watched_from - watch[0]):watched_from]
+            before = losses[max(measured_from, watched_from - watch[0]) : watched_from]
             after = sum(losses[watched_from:t]) / watch[0]
             stopped = not after < sum(before) / len(before)
             verdicts.append("stopped" if stopped else "kept")
@@ -140,8 +140,12 @@ def replay(result: dict, compensation: str = "none", watch: Optional[tuple] = No
                 measured_from = t
         if watch is not None and not judged and not refused and running is not None and running.staleness and i == 0:
             watched_from = t
-            snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()["state"]),
-                        {k: v.clone() for k, v in velocity.items()}, taken)
+            snapshot = (
+                copy.deepcopy(model.state_dict()),
+                copy.deepcopy(optimizer.state_dict()["state"]),
+                {k: v.clone() for k, v in velocity.items()},
+                taken,
+            )
         now = [p.detach().clone() for p in params]
         if compensation.endswith("predict") and running is not None:  # linear weight prediction
             with torch.no_grad():

@@ -44,11 +44,18 @@ def _weights(state: dict) -> dict:
     return {k: v for k, v in state.items() if "running" not in k and "num_batches" not in k}
 
 
-@pytest.mark.parametrize("case, schedule", [
-    *((f"{arch}-{cb}", s) for s in ("wfbp", "dear")
-      for arch, cbs in (("regnet", CALLBACKS), ("resnet", OWN_MODEL_CALLBACKS)) for cb in cbs),
-    *((f"regnet-{cb}", "deft") for cb in DEFT_CALLBACKS),
-])
+@pytest.mark.parametrize(
+    "case, schedule",
+    [
+        *(
+            (f"{arch}-{cb}", s)
+            for s in ("wfbp", "dear")
+            for arch, cbs in (("regnet", CALLBACKS), ("resnet", OWN_MODEL_CALLBACKS))
+            for cb in cbs
+        ),
+        *((f"regnet-{cb}", "deft") for cb in DEFT_CALLBACKS),
+    ],
+)
 def test_callback_sees_and_produces_what_it_would_under_ddp(results, case, schedule):
     reference = results.load(f"{case}-ddp")
     for rank in (0, 1):
@@ -76,10 +83,14 @@ def test_unfrozen_backbone_is_synchronised_on_every_rank(results, arch):
         ranks = [results.load(f"{arch}-finetune-{schedule}", r) for r in (0, 1)]
         diff, key = max_abs_diff(_weights(ranks[0]["state"]), _weights(ranks[1]["state"]))
         assert diff == 0.0, f"{schedule}: replicas differ at {key} by {diff:.3g}"
-    diff, key = max_abs_diff(results.load(f"{arch}-finetune-dear")["state"], results.load(f"{arch}-finetune-wfbp")["state"])
+    diff, key = max_abs_diff(
+        results.load(f"{arch}-finetune-dear")["state"], results.load(f"{arch}-finetune-wfbp")["state"]
+    )
     assert diff <= TOLERANCE, f"dear differs from wfbp at {key} by {diff:.3g}"
     if arch == "regnet":
-        diff, key = max_abs_diff(results.load("regnet-finetune-deft")["state"], results.load("regnet-finetune-wfbp")["state"])
+        diff, key = max_abs_diff(
+            results.load("regnet-finetune-deft")["state"], results.load("regnet-finetune-wfbp")["state"]
+        )
         assert diff <= TOLERANCE, f"deft differs from wfbp at {key} by {diff:.3g}"
     dear = results.load(f"{arch}-finetune-dear")  # the backbone did train once unfrozen
     backbone = [k for k in dear["initial"] if k.startswith("backbone.") and k.endswith("weight")]
@@ -90,7 +101,10 @@ def test_checkpoint_callback_saves_the_weights_ddp_saves(results, tmp_path):
     """ModelCheckpoint every 3 steps under dear writes the same weights and optimizer state as under ddp."""
     from pathlib import Path
 
-    dear_dir, ddp_dir = Path(results.directory) / "regnet-ckpt3-dear-ckpt", Path(results.directory) / "regnet-ckpt3-ddp-ckpt"
+    dear_dir, ddp_dir = (
+        Path(results.directory) / "regnet-ckpt3-dear-ckpt",
+        Path(results.directory) / "regnet-ckpt3-ddp-ckpt",
+    )
     names = sorted(p.name for p in dear_dir.glob("*.ckpt"))
     assert names and names == sorted(p.name for p in ddp_dir.glob("*.ckpt"))
     for name in names:

@@ -17,16 +17,16 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import Dataset, IterableDataset
 
-import lightning.pytorch as pl
 from commsched import StopAndSave
-from commsched.data import ResumableDataLoader
 from commsched.cli.quiet import quiet_lightning
+from commsched.data import ResumableDataLoader
 from conftest import max_abs_diff, run_worker
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 STEPS_PER_EPOCH = 12  # workers/run_checkpoints.py: 96 samples, 2 ranks, batches of 4
 
@@ -85,7 +85,9 @@ def test_a_fit_ends_with_one_line_on_how_to_continue(runs):
     out, _, stdout = runs
     ours = [line for line in stdout.splitlines() if line.startswith("commsched: last checkpoint")]
     path = out / "ddp" / "ckpt" / "last.ckpt"
-    assert ours == [f"commsched: last checkpoint {path} (step 20); continue with: trainer.fit(model, ckpt_path={str(path)!r})"]
+    assert ours == [
+        f"commsched: last checkpoint {path} (step 20); continue with: trainer.fit(model, ckpt_path={str(path)!r})"
+    ]
     stops = [line for line in stdout.splitlines() if line.startswith("commsched: stopped at step")]
     assert len(stops) == 3 and all("continue with: trainer.fit(model, ckpt_path=" in line for line in stops), stops
 
@@ -158,7 +160,9 @@ def batches(loader, count=None) -> list[list[int]]:
 
 def test_a_loaded_state_resumes_the_pass_without_loading_the_skipped_samples():
     torch.manual_seed(0)
-    whole = batches(ResumableDataLoader(Counted(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    whole = batches(
+        ResumableDataLoader(Counted(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    )
     first = ResumableDataLoader(Counted(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
     taken = batches(first, 3)
     state = first.state_dict()
@@ -204,20 +208,31 @@ class Net(pl.LightningModule):
 def fit_one(path: Path, steps: int = -1, epochs=None, resume=None, loader=ResumableDataLoader) -> list[list[int]]:
     pl.seed_everything(5, verbose=False)
     model = Net()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=epochs, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[ModelCheckpoint(dirpath=path, save_last=True, save_top_k=0), StopAndSave()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=path, save_last=True, save_top_k=0), StopAndSave()],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, loader(Counted(48), batch_size=4, shuffle=True), ckpt_path=resume)
     return model.seen
 
 
-@pytest.mark.parametrize("first, then", [
-    (dict(steps=18), dict(steps=36)),  # ended by max_steps mid-epoch: Lightning counts that epoch finished
-    (dict(steps=12), dict(steps=36)),  # ended by max_steps at an epoch's end: Lightning takes a batch more in it
-    (dict(epochs=1), dict(epochs=3)),  # by epochs: Lightning gives the loader no state, the sampler its epoch
-])
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        (dict(steps=18), dict(steps=36)),  # ended by max_steps mid-epoch: Lightning counts that epoch finished
+        (dict(steps=12), dict(steps=36)),  # ended by max_steps at an epoch's end: Lightning takes a batch more in it
+        (dict(epochs=1), dict(epochs=3)),  # by epochs: Lightning gives the loader no state, the sampler its epoch
+    ],
+)
 def test_one_process_runs_resumed_at_any_point_see_the_batches_of_the_run_that_never_stopped(tmp_path, first, then):
     quiet_lightning()
     whole = fit_one(tmp_path / "whole", **then)
@@ -249,10 +264,20 @@ def test_an_epoch_end_saves_last_even_with_a_step_cadence(tmp_path):
     100 steps, nothing in 30; StopAndSave writes it through it at every epoch end."""
     quiet_lightning()
     seen = LastAtEpochStart(tmp_path / "last.ckpt")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=30, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=100),
-                                    StopAndSave(), seen])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=30,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[
+            ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=100),
+            StopAndSave(),
+            seen,
+        ],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Net(), ResumableDataLoader(Counted(48), batch_size=4, shuffle=True))
@@ -269,9 +294,17 @@ class Reloaded(Net):
 def seen_over_epochs(reload: int) -> list[list[int]]:
     pl.seed_everything(5, verbose=False)
     model = Reloaded()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                         reload_dataloaders_every_n_epochs=reload)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        reload_dataloaders_every_n_epochs=reload,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model)
@@ -283,7 +316,7 @@ def test_a_loader_lightning_makes_anew_every_epoch_follows_the_epochs():
     as one loader for the whole fit, a new one every epoch."""
     quiet_lightning()
     once, anew = seen_over_epochs(0), seen_over_epochs(1)
-    epochs = [once[i:i + 12] for i in (0, 12, 24)]
+    epochs = [once[i : i + 12] for i in (0, 12, 24)]
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
     assert anew == once
 

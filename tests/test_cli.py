@@ -32,9 +32,20 @@ def train(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.C
     flags = [o for o in overrides if o.startswith("-")]  # Hydra's flags (e.g. -m) go before overrides
     overrides = tuple(o for o in overrides if not o.startswith("-"))
     return subprocess.run(
-        [sys.executable, "-m", "commsched.cli.train", *flags, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep",
-         *QUIET, *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "commsched.cli.train",
+            *flags,
+            f"hydra.run.dir={tmp_path}/run",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+            *QUIET,
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
     )
 
 
@@ -80,7 +91,11 @@ def test_the_configuration_is_converted_once_into_the_options_the_strategy_recei
     cfg = composed("schedule=dear", "fusion=fixed", "fusion.bucket_cap_mb=2", "streams=auto")
     train = train_config(cfg)
     assert isinstance(train, TrainConfig) and isinstance(train.fusion, FusionOptions)
-    assert isinstance(train.stream_options, StreamOptions) and train.streams == "auto" and train.fusion.bucket_cap_mb == 2.0
+    assert (
+        isinstance(train.stream_options, StreamOptions)
+        and train.streams == "auto"
+        and train.fusion.bucket_cap_mb == 2.0
+    )
     OmegaConf.save(cfg, tmp_path / "config.resolved.yaml", resolve=True)
     assert train_config(OmegaConf.load(tmp_path / "config.resolved.yaml")) == train
     strategy = build_strategy(train, tmp_path)
@@ -103,18 +118,30 @@ def test_the_configuration_is_converted_once_into_the_options_the_strategy_recei
         ("schedule=deft preserver.growth=1", "preserver.growth=1.0; allowed: a number > 1"),
         ("schedule=deft preserver.max_staleness=-1", "preserver.max_staleness=-1; allowed: an integer >= 0"),
         ("schedule=deft link.secondary_backend=mpi", "link.secondary_backend=mpi; allowed: one of 'gloo', 'nccl'"),
-        ("schedule=deft deft.fallback=sometimes", "deft.fallback=sometimes; allowed: one of 'when_faster', 'when_undelayed', 'never'"),
+        (
+            "schedule=deft deft.fallback=sometimes",
+            "deft.fallback=sometimes; allowed: one of 'when_faster', 'when_undelayed', 'never'",
+        ),
         ("schedule=deft deft.confirm_steps=-1", "deft.confirm_steps=-1; allowed: an integer >= 0"),
-        ("schedule=wfbp compression=mstopk compression.density=2", "compression.density=2.0; allowed: a number in (0, 1]"),
-        ("schedule=wfbp compression.method=gzip", "compression.method=gzip; allowed: one of 'none', 'auto', 'topk', 'sampled', 'mstopk'"),
+        (
+            "schedule=wfbp compression=mstopk compression.density=2",
+            "compression.density=2.0; allowed: a number in (0, 1]",
+        ),
+        (
+            "schedule=wfbp compression.method=gzip",
+            "compression.method=gzip; allowed: one of 'none', 'auto', 'topk', 'sampled', 'mstopk'",
+        ),
         ("schedule=dear compression=mstopk", "compression.method=mstopk; allowed: 'none' with schedule dear"),
         ("schedule=ddp compression=topk", "compression.method=topk; allowed: none with schedule=ddp"),
-        ("schedule=wfbp streams=17", "streams=17; allowed: an integer 1..16 or \"auto\""),
-        ("schedule=dear streams=fast", "streams=fast; allowed: an integer 1..16 or \"auto\""),
+        ("schedule=wfbp streams=17", 'streams=17; allowed: an integer 1..16 or "auto"'),
+        ("schedule=dear streams=fast", 'streams=fast; allowed: an integer 1..16 or "auto"'),
         ("schedule=deft streams=4", "streams=4; allowed: 1 with schedule deft"),
         ("schedule=ddp streams=auto", "streams=auto; allowed: 1 with schedule=ddp"),
         ("schedule=wfbp streams=2 compression=topk", "streams=2; allowed: 1 with compression method 'topk'"),
-        ("schedule=wfbp streams=auto stream_options.budget_steps=0", "stream_options.budget_steps=0; allowed: an integer >= 1"),
+        (
+            "schedule=wfbp streams=auto stream_options.budget_steps=0",
+            "stream_options.budget_steps=0; allowed: an integer >= 1",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_allowed_values(override, message, hydra_syntax):
@@ -129,14 +156,28 @@ def test_bad_values_are_refused_with_allowed_values(override, message, hydra_syn
     "override, message",
     [
         ("schedule=fancy", "commsched: invalid schedule=fancy; allowed: one of 'ddp', 'wfbp', 'dear', 'deft'"),
-        ("schedule.name=fancy", "commsched: invalid schedule.name=fancy; allowed: one of 'ddp', 'wfbp', 'dear', 'deft'"),
-        ("schedule=deft deft.timings_file=/nonexistent.json", "deft.timings_file=/nonexistent.json; allowed: an existing JSON file"),
+        (
+            "schedule.name=fancy",
+            "commsched: invalid schedule.name=fancy; allowed: one of 'ddp', 'wfbp', 'dear', 'deft'",
+        ),
+        (
+            "schedule=deft deft.timings_file=/nonexistent.json",
+            "deft.timings_file=/nonexistent.json; allowed: an existing JSON file",
+        ),
         ("compression.density=abc", "commsched: invalid compression.density=abc; allowed: a number in (0, 1]."),
-        ("compression.density=0", "commsched: invalid compression.density=0.0; allowed: a number in (0, 1]. "
-                                  "Fix: e.g. compression.density=0.01 (the default)."),
-        ("schedule=deft link.secondary_ifname=eth9", "commsched: invalid link.secondary_ifname=eth9; allowed: a network "
-                                                     "interface of this machine: lo"),
-        ("fusion.bucket_cap=3", "commsched: unknown key 'fusion.bucket_cap'; valid keys in fusion: policy, bucket_cap_mb"),
+        (
+            "compression.density=0",
+            "commsched: invalid compression.density=0.0; allowed: a number in (0, 1]. "
+            "Fix: e.g. compression.density=0.01 (the default).",
+        ),
+        (
+            "schedule=deft link.secondary_ifname=eth9",
+            "commsched: invalid link.secondary_ifname=eth9; allowed: a network interface of this machine: lo",
+        ),
+        (
+            "fusion.bucket_cap=3",
+            "commsched: unknown key 'fusion.bucket_cap'; valid keys in fusion: policy, bucket_cap_mb",
+        ),
         ("model.arch=resnet51", "allowed: one of 'resnet18', 'resnet34'"),
         ("data=cifar10 data.dir=/nonexistent", "does not hold CIFAR-10"),
     ],
@@ -162,9 +203,22 @@ def test_a_launch_environment_that_cannot_form_the_run_is_refused_before_workers
     """Each node of a cluster training alone (and ending "successfully"), or a multi-node run with no
     node rank, would otherwise start; commsched-train names what is missing instead."""
     clean = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "commsched.cli.train", f"hydra.run.dir={tmp_path}/run", *QUIET,
-                           "trainer.devices=2", f"trainer.num_nodes={nodes}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**clean, **env})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "commsched.cli.train",
+            f"hydra.run.dir={tmp_path}/run",
+            *QUIET,
+            "trainer.devices=2",
+            f"trainer.num_nodes={nodes}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**clean, **env},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Initializing distributed" not in proc.stdout + proc.stderr
 
@@ -178,8 +232,16 @@ def test_a_launch_environment_that_cannot_form_the_run_is_refused_before_workers
     ],
 )
 def test_each_model_family_trains_on_two_processes(tmp_path, recipe, extra):
-    proc = train(tmp_path, f"+recipe={recipe}", "trainer.max_steps=8", "data.train_size=256", "data.val_size=32",
-                 "profile.steps=4", "fusion=fixed", *extra)  # the profile asked for, not a planner's
+    proc = train(
+        tmp_path,
+        f"+recipe={recipe}",
+        "trainer.max_steps=8",
+        "data.train_size=256",
+        "data.val_size=32",
+        "profile.steps=4",
+        "fusion=fixed",
+        *extra,
+    )  # the profile asked for, not a planner's
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = summary(tmp_path)
     assert result["world_size"] == 2 and result["steps"] == 8 and result["samples_per_s"] > 0
@@ -196,8 +258,17 @@ def test_each_model_family_trains_on_two_processes(tmp_path, recipe, extra):
 
 
 def test_sweep_collects_csv_table_and_chart(tmp_path):
-    proc = train(tmp_path, "-m", "+recipe=resnet", "schedule=ddp,dear", "model.width=4", "trainer.max_steps=6",
-                 "data.train_size=128", "data.val_size=32", timeout=900)
+    proc = train(
+        tmp_path,
+        "-m",
+        "+recipe=resnet",
+        "schedule=ddp,dear",
+        "model.width=4",
+        "trainer.max_steps=6",
+        "data.train_size=128",
+        "data.val_size=32",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     sweep = tmp_path / "sweep"
     rows = (sweep / "sweep.csv").read_text().splitlines()
@@ -209,7 +280,9 @@ def test_sweep_collects_csv_table_and_chart(tmp_path):
 def test_digits_with_dear_learns_and_matches_ddp(tmp_path):
     results = {}
     for schedule in ("ddp", "dear"):
-        proc = train(tmp_path / schedule, "+recipe=digits", f"schedule={schedule}", "model.width=4", "trainer.max_epochs=3")
+        proc = train(
+            tmp_path / schedule, "+recipe=digits", f"schedule={schedule}", "model.width=4", "trainer.max_epochs=3"
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[schedule] = summary(tmp_path / schedule)
     assert results["dear"]["val_acc"] > 0.6  # ten classes: chance is 0.1
@@ -223,10 +296,19 @@ def test_digits_with_deft_learns_like_ddp_under_the_preserver(tmp_path):
     timings = tmp_path / "timings.json"
     tmp_path.mkdir(parents=True, exist_ok=True)
     timings.write_text(json.dumps({"forward": 1.0, "backward": [1.0], "costs": [[3.0], [4.0]]}))  # one bucket
-    common = ["+recipe=digits", "model.width=4", "trainer.max_epochs=3", f"deft.timings_file={timings}",
-              "deft.warmup_steps=2", "deft.measure_steps=4"]
-    runs = {"ddp": ["schedule=ddp"], "deft": ["schedule=deft"],
-            "unguarded": ["schedule=deft", "preserver.enabled=false", "deft.capacity=0.25"]}
+    common = [
+        "+recipe=digits",
+        "model.width=4",
+        "trainer.max_epochs=3",
+        f"deft.timings_file={timings}",
+        "deft.warmup_steps=2",
+        "deft.measure_steps=4",
+    ]
+    runs = {
+        "ddp": ["schedule=ddp"],
+        "deft": ["schedule=deft"],
+        "unguarded": ["schedule=deft", "preserver.enabled=false", "deft.capacity=0.25"],
+    }
     results = {}
     for name, overrides in runs.items():
         proc = train(tmp_path / name, *common, *overrides)

@@ -28,7 +28,9 @@ def script(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess
 
 def train(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    return script("commsched-train", f"hydra.run.dir={run_dir}", *QUIET, *overrides, cwd=run_dir.parent, timeout=timeout)
+    return script(
+        "commsched-train", f"hydra.run.dir={run_dir}", *QUIET, *overrides, cwd=run_dir.parent, timeout=timeout
+    )
 
 
 def refused_early(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -41,18 +43,21 @@ def refused_early(proc: subprocess.CompletedProcess, *needles: str) -> str:
     return output
 
 
-@pytest.mark.parametrize("override, needles", [
-    ("+fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb", "profile_steps"]),
-    ("fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb"]),
-    ("+ckpt_path=/nope.ckpt", ["unknown key 'ckpt_path'", "resume", "checkpoint"]),
-    ("schedule=fancy", ["invalid schedule=fancy", "'ddp', 'wfbp', 'dear', 'deft'"]),
-    ("fusion=greedy", ["invalid fusion=greedy", "Fix: did you mean fusion=mgwfbp-greedy?"]),
-    ("+recipe=gpt2 data.path=/nonexistent", ["data.path=/nonexistent", "not found"]),
-    ("resume=/nonexistent", ["resume=/nonexistent", "not found"]),
-    ("trainer.max_steps=ten", ["invalid trainer.max_steps=ten", "an integer"]),
-    ("fusion.bucket_cap_mb=big", ["invalid fusion.bucket_cap_mb=big", "allowed: a number > 0."]),
-    ("trainer.enable_progress_bar=maybe", ["invalid trainer.enable_progress_bar=maybe", "true or false"]),
-])
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        ("+fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb", "profile_steps"]),
+        ("fusion.bucket_cap=3", ["unknown key 'fusion.bucket_cap'", "bucket_cap_mb"]),
+        ("+ckpt_path=/nope.ckpt", ["unknown key 'ckpt_path'", "resume", "checkpoint"]),
+        ("schedule=fancy", ["invalid schedule=fancy", "'ddp', 'wfbp', 'dear', 'deft'"]),
+        ("fusion=greedy", ["invalid fusion=greedy", "Fix: did you mean fusion=mgwfbp-greedy?"]),
+        ("+recipe=gpt2 data.path=/nonexistent", ["data.path=/nonexistent", "not found"]),
+        ("resume=/nonexistent", ["resume=/nonexistent", "not found"]),
+        ("trainer.max_steps=ten", ["invalid trainer.max_steps=ten", "an integer"]),
+        ("fusion.bucket_cap_mb=big", ["invalid fusion.bucket_cap_mb=big", "allowed: a number > 0."]),
+        ("trainer.enable_progress_bar=maybe", ["invalid trainer.enable_progress_bar=maybe", "true or false"]),
+    ],
+)
 def test_bad_command_lines_are_refused_before_any_worker(tmp_path, override, needles):
     output = refused_early(train(tmp_path / "run", *override.split()), *needles)
     assert "schedule_schema" not in output and "fusion_schema" not in output
@@ -64,11 +69,19 @@ def test_plan_files_are_checked_before_any_worker(tmp_path):
     refused_early(train(tmp_path / "a", f"fusion.plan_file={truncated}"), "fusion.plan_file", "not a JSON plan")
     shaped = tmp_path / "shaped.json"
     shaped.write_text(json.dumps({"buckets": [["fc.weight"]]}))
-    refused_early(train(tmp_path / "b", f"fusion.plan_file={shaped}"), "fusion.plan_file", "not a fusion plan", "policy")
+    refused_early(
+        train(tmp_path / "b", f"fusion.plan_file={shaped}"), "fusion.plan_file", "not a fusion plan", "policy"
+    )
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"policy": "mgwfbp", "world_size": 2, "buckets": [["gpt.lm_head.weight", "gpt.wte.weight"]]}))
-    refused_early(train(tmp_path / "c", *SMALL, f"fusion.plan_file={other}"), "fusion.plan_file",
-                  "parameter(s) this model does not have", "gpt.lm_head.weight")
+    other.write_text(
+        json.dumps({"policy": "mgwfbp", "world_size": 2, "buckets": [["gpt.lm_head.weight", "gpt.wte.weight"]]})
+    )
+    refused_early(
+        train(tmp_path / "c", *SMALL, f"fusion.plan_file={other}"),
+        "fusion.plan_file",
+        "parameter(s) this model does not have",
+        "gpt.lm_head.weight",
+    )
 
 
 def test_a_run_stopped_at_step_k_and_resumed_equals_an_uninterrupted_one(tmp_path):
@@ -117,8 +130,14 @@ def test_a_run_says_where_its_results_went(tmp_path):
 
 def test_ctrl_c_ends_the_run_with_a_message_not_a_traceback(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen([str(BIN / "commsched-train"), f"hydra.run.dir={run}", *QUIET, *SMALL, "trainer.max_steps=100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "commsched-train"), f"hydra.run.dir={run}", *QUIET, *SMALL, "trainer.max_steps=100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not (run / "metrics.csv").exists() and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -134,9 +153,11 @@ def test_ctrl_c_ends_the_run_with_a_message_not_a_traceback(tmp_path):
 
 
 def test_help_answers_without_torch_or_lightning():
-    code = ("import sys, commsched_cli; sys.argv = ['commsched-train', '--help']\n"
-            "try:\n    commsched_cli.train()\nexcept SystemExit:\n    pass\n"
-            "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy imports on --help'")
+    code = (
+        "import sys, commsched_cli; sys.argv = ['commsched-train', '--help']\n"
+        "try:\n    commsched_cli.train()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy imports on --help'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "schedule: ddp, dear, deft, wfbp" in proc.stdout and "data: cifar10, digits" in proc.stdout
@@ -145,17 +166,20 @@ def test_help_answers_without_torch_or_lightning():
 
 def test_compression_input_is_checked_without_torch():
     """Refused input answers at once, and nothing a Ctrl-C could interrupt inside torch's import runs."""
-    code = ("import sys, commsched_cli\n"  # as the console scripts do: the package without torch
-            "from hydra import compose, initialize_config_module\n"
-            "from commsched.cli.config import register_configs, train_config, validate\n"
-            "register_configs()\n"
-            "with initialize_config_module(config_module='commsched.conf', version_base=None):\n"
-            "    validate(train_config(compose(config_name='train', overrides=['schedule=wfbp', 'compression=mstopk'])))\n"
-            "    try:\n"
-            "        validate(train_config(compose(config_name='train', overrides=['schedule=dear', 'compression=mstopk'])))\n"
-            "    except ValueError as error:\n"
-            "        print(error)\n"
-            "assert 'torch' not in sys.modules, 'torch imported while checking input'")
+    code = (
+        "import sys, commsched_cli\n"  # as the console scripts do: the package without torch
+        "from hydra import compose, initialize_config_module\n"
+        "from commsched.cli.config import register_configs, train_config, validate\n"
+        "register_configs()\n"
+        "with initialize_config_module(config_module='commsched.conf', version_base=None):\n"
+        "    validate(train_config(compose(config_name='train', overrides=['schedule=wfbp', 'compression=mstopk'])))\n"
+        "    try:\n"
+        "        validate(train_config(compose(config_name='train', "
+        "overrides=['schedule=dear', 'compression=mstopk'])))\n"
+        "    except ValueError as error:\n"
+        "        print(error)\n"
+        "assert 'torch' not in sys.modules, 'torch imported while checking input'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CompressionOptions(method='mstopk'); allowed: 'none' with schedule dear" in proc.stdout
@@ -186,24 +210,41 @@ def test_the_python_api_writes_its_plan_to_default_root_dir(cases):
     """The planners' runs (workers/run_cases.py) set default_root_dir: the plan lands there, nowhere else."""
     directory = Path(cases(3).directory)
     assert (directory / "dear-mgwfbp" / "commsched_plan.json").is_file()
-    assert not (directory / "commsched_plan.json").exists() and not (Path(__file__).parent / "workers" / "commsched_plan.json").exists()
+    assert (
+        not (directory / "commsched_plan.json").exists()
+        and not (Path(__file__).parent / "workers" / "commsched_plan.json").exists()
+    )
 
 
 def test_no_file_of_the_project_cites_a_file_outside_the_repository():
-    """The README, the docs, the examples, the code, the tests and the recipes stand on their own: a reader has no notes or
-    papers folder beside the repository."""
+    """The README, the docs, the examples, the code, the tests and the recipes stand on their own: a reader has no
+    notes or papers folder beside the repository."""
     root = Path(__file__).parents[1]
     outside = ("papers" + "/", "DESIGN" + ".md")  # spelt apart so that this file does not cite them
-    files = [root / "README.md", *(p for folder in ("src", "tests", "recipes", "docs", "examples") for p in (root / folder).rglob("*")
-                                   if p.suffix in (".py", ".md", ".yaml", ".sh"))]
+    files = [
+        root / "README.md",
+        *(
+            p
+            for folder in ("src", "tests", "recipes", "docs", "examples")
+            for p in (root / folder).rglob("*")
+            if p.suffix in (".py", ".md", ".yaml", ".sh")
+        ),
+    ]
     citing = [f"{p.relative_to(root)}: {name}" for p in files for name in outside if name in p.read_text()]
     assert citing == []
 
 
 def test_the_summary_says_which_plan_ran_and_how_far_its_prediction_was(tmp_path):
     planned = tmp_path / "planned"
-    proc = train(planned, *SMALL, "schedule=dear", "fusion=mgwfbp", "fusion.profile_steps=2", "fusion.profile_warmup_steps=1",
-                 "trainer.max_steps=8")
+    proc = train(
+        planned,
+        *SMALL,
+        "schedule=dear",
+        "fusion=mgwfbp",
+        "fusion.profile_steps=2",
+        "fusion.profile_warmup_steps=1",
+        "trainer.max_steps=8",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((planned / "summary.json").read_text())
     assert summary["fusion"].startswith("mgwfbp decided (mgwfbp plan)") and summary["bucket_cap_mb"] is None
@@ -240,15 +281,26 @@ def test_more_cpu_workers_than_cores_warns_once(tmp_path):
 
 def test_import_commsched_loads_neither_torch_nor_lightning_and_the_names_still_resolve():
     """The strategies are registered when Lightning loads, whichever comes first."""
-    code = ("import sys, commsched\n"
-            "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy imports on import commsched'\n"
-            "import lightning.pytorch as pl\n"
-            "trainer = pl.Trainer(strategy='dear', accelerator='cpu', devices=1, logger=False)\n"
-            "assert type(trainer.strategy).__name__ == 'DeARStrategy', type(trainer.strategy)\n"
-            "assert not [f for f in sys.meta_path if 'commsched' in type(f).__module__ and 'registration' in type(f).__module__]\n")
+    code = (
+        "import sys, commsched\n"
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy imports on import commsched'\n"
+        "import lightning.pytorch as pl\n"
+        "trainer = pl.Trainer(strategy='dear', accelerator='cpu', devices=1, logger=False)\n"
+        "assert type(trainer.strategy).__name__ == 'DeARStrategy', type(trainer.strategy)\n"
+        "assert not [f for f in sys.meta_path if 'commsched' in type(f).__module__ "
+        "and 'registration' in type(f).__module__]\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    late = subprocess.run([sys.executable, "-c", "import lightning.pytorch as pl, commsched\n"
-                           "from lightning.pytorch.strategies import StrategyRegistry\nassert 'topk' in StrategyRegistry"],
-                          capture_output=True, text=True, timeout=120)
+    late = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import lightning.pytorch as pl, commsched\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\nassert 'topk' in StrategyRegistry",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert late.returncode == 0, late.stderr[-2000:]

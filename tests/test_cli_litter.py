@@ -18,15 +18,26 @@ from commsched.cluster import netns
 
 BIN = Path(sys.executable).parent
 QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
-TINY = ["model=small_cnn", "model.width=4", "data.train_size=16", "data.val_size=8", "data.batch_size=4",
-        "warmup_steps=0", "trainer.limit_val_batches=0", "trainer.devices=1", "trainer.max_steps=1",
-        "checkpoint.enabled=false"]
+TINY = [
+    "model=small_cnn",
+    "model.width=4",
+    "data.train_size=16",
+    "data.val_size=8",
+    "data.batch_size=4",
+    "warmup_steps=0",
+    "trainer.limit_val_batches=0",
+    "trainer.devices=1",
+    "trainer.max_steps=1",
+    "checkpoint.enabled=false",
+]
 REFUSED = "fusion.bucket_cap_mb=-1"
 
 
 def train(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([str(BIN / "commsched-train"), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [str(BIN / "commsched-train"), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 def tree(folder: Path) -> list[str]:
@@ -84,7 +95,10 @@ def test_help_starts_by_saying_what_commsched_train_does():
     first = proc.stdout.split("\n\n")[0]
     assert first.startswith("commsched-train trains a model"), proc.stdout[:500]
     assert "Lightning's own ddp" in first and "trainer.devices=N" in first
-    assert "commsched-train schedule=dear model=resnet trainer.devices=2" in proc.stdout.split("== Configuration groups ==")[0]
+    assert (
+        "commsched-train schedule=dear model=resnet trainer.devices=2"
+        in proc.stdout.split("== Configuration groups ==")[0]
+    )
     assert "train is powered by Hydra" not in proc.stdout.replace("commsched-train is powered", "")
     assert "schedule: ddp, dear, deft, wfbp" in proc.stdout  # Hydra's help follows
 
@@ -107,13 +121,18 @@ def test_commsched_train_says_commsched_before_each_of_its_messages(tmp_path, ca
     assert "commsched-train:" not in proc.stderr
 
 
-needs_root = pytest.mark.skipif(netns.unavailable_reason() is not None,
-                                reason=f"no emulated cluster here: {netns.unavailable_reason()}")
+needs_root = pytest.mark.skipif(
+    netns.unavailable_reason() is not None, reason=f"no emulated cluster here: {netns.unavailable_reason()}"
+)
 
 
 def cluster(*command: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "commsched-cluster"), "--nodes", "2", "--rate", "100mbit", "--grace", "2", "--",
-                           *command], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(BIN / "commsched-cluster"), "--nodes", "2", "--rate", "100mbit", "--grace", "2", "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @needs_root
@@ -122,14 +141,18 @@ def test_a_cluster_whose_command_fails_says_which_node_and_how():
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("commsched-cluster: the command failed on node 0 (exit code 1; it printed nothing) "
-                               "and node 1 (exit code 1; it printed nothing)"), lines[0]
+    assert lines[0].startswith(
+        "commsched-cluster: the command failed on node 0 (exit code 1; it printed nothing) "
+        "and node 1 (exit code 1; it printed nothing)"
+    ), lines[0]
 
     proc = cluster("sh", "-c", 'if [ "$NODE_RANK" = 1 ]; then echo broken; exit 7; fi; sleep 60')
     assert proc.returncode == 7
     assert "[node 1] broken" in proc.stdout
-    assert proc.stderr.strip() == ("commsched-cluster: the command failed on node 1 (exit code 7; its output is above, "
-                                   "on the lines starting [node 1]); node 0 was stopped after the 2 s grace (--grace)")
+    assert proc.stderr.strip() == (
+        "commsched-cluster: the command failed on node 1 (exit code 7; its output is above, "
+        "on the lines starting [node 1]); node 0 was stopped after the 2 s grace (--grace)"
+    )
 
     proc = cluster("true")
     assert proc.returncode == 0 and proc.stderr == ""

@@ -26,8 +26,13 @@ SCHEDULES = ["ddp", "wfbp", "dear"]
 
 
 def cluster(*flags: str, command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "commsched-cluster"), *flags, "--", *command], capture_output=True, text=True,
-                          timeout=timeout, cwd=WORKERS)
+    return subprocess.run(
+        [str(BIN / "commsched-cluster"), *flags, "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=WORKERS,
+    )
 
 
 def train_script(out: Path, nodes: int, devices: int) -> list[str]:
@@ -37,15 +42,25 @@ def train_script(out: Path, nodes: int, devices: int) -> list[str]:
 @needs_root
 @pytest.mark.parametrize("nodes, per_node", [(2, 1), (2, 2)])
 def test_a_multi_node_run_equals_a_one_node_run_of_the_same_world_size(tmp_path, nodes, per_node):
-    proc = cluster("--nodes", str(nodes), "--workers-per-node", str(per_node), "--rate", "1gbit",
-                   command=train_script(tmp_path / "cluster", nodes, per_node))
+    proc = cluster(
+        "--nodes",
+        str(nodes),
+        "--workers-per-node",
+        str(per_node),
+        "--rate",
+        "1gbit",
+        command=train_script(tmp_path / "cluster", nodes, per_node),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "[node 0] cluster_train: dear done" in proc.stdout and f"world size {nodes * per_node}" in proc.stdout
-    local = subprocess.run(train_script(tmp_path / "local", 1, nodes * per_node), capture_output=True, text=True,
-                           timeout=600, cwd=WORKERS)
+    local = subprocess.run(
+        train_script(tmp_path / "local", 1, nodes * per_node), capture_output=True, text=True, timeout=600, cwd=WORKERS
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     for schedule in SCHEDULES:
-        diff, key = max_abs_diff(torch.load(tmp_path / "cluster" / f"{schedule}.pt"), torch.load(tmp_path / "local" / f"{schedule}.pt"))
+        diff, key = max_abs_diff(
+            torch.load(tmp_path / "cluster" / f"{schedule}.pt"), torch.load(tmp_path / "local" / f"{schedule}.pt")
+        )
         assert diff <= 1e-5, f"{schedule}: {key} differs by {diff:.3g}"
     assert leftovers() == []
 
@@ -55,15 +70,37 @@ def test_commsched_train_starts_the_ranks_of_each_node(tmp_path):
     """`commsched-train` with two workers on each of two nodes: each node starts its own two ranks
     (Lightning would re-launch this command line for them, and `python -c` cannot be), and the run
     ends where a one-node run of four workers does."""
-    train = [str(BIN / "commsched-train"), "schedule=wfbp", "model=small_cnn", "model.width=8", "data.batch_size=4",
-             "trainer.max_steps=3", "trainer.limit_val_batches=0", "checkpoint.enabled=false"]
-    proc = cluster("--nodes", "2", "--workers-per-node", "2", "--rate", "1gbit",
-                   command=[*train, "trainer.num_nodes=2", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'cluster'}"])
+    train = [
+        str(BIN / "commsched-train"),
+        "schedule=wfbp",
+        "model=small_cnn",
+        "model.width=8",
+        "data.batch_size=4",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=0",
+        "checkpoint.enabled=false",
+    ]
+    proc = cluster(
+        "--nodes",
+        "2",
+        "--workers-per-node",
+        "2",
+        "--rate",
+        "1gbit",
+        command=[*train, "trainer.num_nodes=2", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'cluster'}"],
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    local = subprocess.run([*train, "trainer.devices=4", f"hydra.run.dir={tmp_path / 'local'}"], capture_output=True,
-                           text=True, timeout=600, cwd=tmp_path)
+    local = subprocess.run(
+        [*train, "trainer.devices=4", f"hydra.run.dir={tmp_path / 'local'}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert local.returncode == 0, local.stderr[-3000:]
-    on_cluster, on_one_node = (json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("cluster", "local"))
+    on_cluster, on_one_node = (
+        json.loads((tmp_path / run / "metrics.json").read_text()) for run in ("cluster", "local")
+    )
     assert on_cluster["world_size"] == on_one_node["world_size"] == 4
     assert on_cluster["steps"] == on_one_node["steps"] == 3
     assert abs(on_cluster["train_loss"] - on_one_node["train_loss"]) <= 1e-5
@@ -73,9 +110,25 @@ def test_commsched_train_starts_the_ranks_of_each_node(tmp_path):
 @needs_root
 def test_python_dash_m_runs_the_same_command():
     """`python -m commsched.cluster` as the cluster's docs say: the same CLI as commsched-cluster."""
-    proc = subprocess.run([sys.executable, "-m", "commsched.cluster", "--nodes", "2", "--rate", "100mbit", "--",
-                           sys.executable, "-c", "import os; print('node', os.environ['NODE_RANK'])"],
-                          capture_output=True, text=True, timeout=120, cwd=WORKERS)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "commsched.cluster",
+            "--nodes",
+            "2",
+            "--rate",
+            "100mbit",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print('node', os.environ['NODE_RANK'])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=WORKERS,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "[node 0] node 0" in proc.stdout and "[node 1] node 1" in proc.stdout
     assert leftovers() == []
@@ -83,13 +136,25 @@ def test_python_dash_m_runs_the_same_command():
 
 @needs_root
 def test_the_nodes_get_lightnings_multi_node_environment_and_their_links(tmp_path):
-    show = "import os; print(*(f'{k}={os.environ.get(k)}' for k in ('NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'COMMSCHED_PRIMARY_IFNAME', 'COMMSCHED_SECONDARY_IFNAME')))"
-    proc = cluster("--nodes", "3", "--rate", "100mbit", "--secondary-rate", "50mbit",
-                   command=["sh", "-c", f"ip -o -4 addr show; {sys.executable} -c \"{show}\""])
+    show = (
+        "import os; print(*(f'{k}={os.environ.get(k)}' for k in ('NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', "
+        "'COMMSCHED_PRIMARY_IFNAME', 'COMMSCHED_SECONDARY_IFNAME')))"
+    )
+    proc = cluster(
+        "--nodes",
+        "3",
+        "--rate",
+        "100mbit",
+        "--secondary-rate",
+        "50mbit",
+        command=["sh", "-c", f'ip -o -4 addr show; {sys.executable} -c "{show}"'],
+    )
     assert proc.returncode == 0, proc.stderr
     for node in range(3):
-        assert f"[node {node}] NODE_RANK={node} MASTER_ADDR=10.123.0.1 MASTER_PORT=29500 " \
-               "COMMSCHED_PRIMARY_IFNAME=eth0 COMMSCHED_SECONDARY_IFNAME=eth1" in proc.stdout
+        assert (
+            f"[node {node}] NODE_RANK={node} MASTER_ADDR=10.123.0.1 MASTER_PORT=29500 "
+            "COMMSCHED_PRIMARY_IFNAME=eth0 COMMSCHED_SECONDARY_IFNAME=eth1" in proc.stdout
+        )
         assert f"10.123.0.{node + 1}/24" in proc.stdout and f"10.124.0.{node + 1}/24" in proc.stdout
     assert leftovers() == []
 
@@ -97,8 +162,9 @@ def test_the_nodes_get_lightnings_multi_node_environment_and_their_links(tmp_pat
 @needs_root
 def test_the_worst_exit_status_wins_and_a_failing_node_ends_the_others(tmp_path):
     start = time.monotonic()
-    proc = cluster("--nodes", "2", "--grace", "2",
-                   command=["sh", "-c", 'if [ "$NODE_RANK" = 1 ]; then exit 7; fi; sleep 60'])
+    proc = cluster(
+        "--nodes", "2", "--grace", "2", command=["sh", "-c", 'if [ "$NODE_RANK" = 1 ]; then exit 7; fi; sleep 60']
+    )
     assert proc.returncode == 7
     assert time.monotonic() - start < 40  # node 0 was ended after the grace period, not after its sleep
     assert leftovers() == []
@@ -106,8 +172,12 @@ def test_the_worst_exit_status_wins_and_a_failing_node_ends_the_others(tmp_path)
 
 @needs_root
 def test_sigterm_removes_everything(tmp_path):
-    process = subprocess.Popen([str(BIN / "commsched-cluster"), "--nodes", "2", "--", "sleep", "120"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [str(BIN / "commsched-cluster"), "--nodes", "2", "--", "sleep", "120"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while len(leftovers()) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -124,8 +194,12 @@ def test_a_second_sigterm_while_stopping_kills_the_nodes_before_the_network_goes
     """Nodes that ignore SIGTERM (as a worker hung in a collective does), and a second SIGTERM while
     the cluster waits for them: no node process outlives the run, nothing of the network is left."""
     marker = "97.125"  # an argument no other process has
-    process = subprocess.Popen([str(BIN / "commsched-cluster"), "--nodes", "2", "--", "sh", "-c", f"trap '' TERM; exec sleep {marker}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [str(BIN / "commsched-cluster"), "--nodes", "2", "--", "sh", "-c", f"trap '' TERM; exec sleep {marker}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while len(running(marker)) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -141,7 +215,9 @@ def test_a_second_sigterm_while_stopping_kills_the_nodes_before_the_network_goes
 
 
 def running(marker: str) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", f"^sleep {marker}"], capture_output=True, text=True)  # the nodes, not the cluster
+    found = subprocess.run(
+        ["pgrep", "-f", f"^sleep {marker}"], capture_output=True, text=True
+    )  # the nodes, not the cluster
     return found.stdout.split()
 
 
@@ -164,12 +240,18 @@ def test_a_killed_runs_namespaces_are_removed_by_the_next_run_and_a_live_runs_ar
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--nodes", "0"], "--nodes=0"),
-    (["--nodes", "2", "--rate", "fast"], "--rate='fast'"),
-    (["--nodes", "2", "--rate", "100mbit", "--flow-rate", "1gbit"], "--flow-rate='1gbit'; allowed: a rate at most --rate"),
-    (["--nodes", "2", "--workers-per-node", "0"], "--workers-per-node=0"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nodes", "0"], "--nodes=0"),
+        (["--nodes", "2", "--rate", "fast"], "--rate='fast'"),
+        (
+            ["--nodes", "2", "--rate", "100mbit", "--flow-rate", "1gbit"],
+            "--flow-rate='1gbit'; allowed: a rate at most --rate",
+        ),
+        (["--nodes", "2", "--workers-per-node", "0"], "--workers-per-node=0"),
+    ],
+)
 def test_bad_flags_are_refused_before_anything_is_created(flags, message):
     before = leftovers() if CAN_EMULATE else []
     proc = cluster(*flags, command=["true"], timeout=60)

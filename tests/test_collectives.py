@@ -23,7 +23,6 @@ def test_same_collectives_in_same_order_on_every_rank(cases, world, schedule):
         assert trace == traces[0], f"rank {rank} issued a different sequence of collectives than rank 0"
 
 
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_dear_communicates_once_per_optimizer_step(cases, world):
     result = cases(world).load("dear-sgd")

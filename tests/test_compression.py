@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from conftest import max_abs_diff, per_link
 from compression_reference import flat_residual, hierarchical_reference, needs_root, reference
+from conftest import max_abs_diff, per_link
 
 
 @pytest.mark.parametrize("case", ["topk", "topk-no-feedback", "topk-dense-phases", "topk-every-element"])
@@ -22,7 +22,11 @@ def test_topk_exchange_equals_the_single_process_reference(runs, case):
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
     assert per_link(result["trace"]) == per_link(other["trace"])
     ops = [op for link, op, tag, numel, dtype in result["trace"] if tag.startswith("bucket")]
-    expected_ops = ["all_reduce"] * 3 + ["all_gather"] * 6 + ["all_reduce"] * 3 if case == "topk-dense-phases" else ["all_gather"] * 12
+    expected_ops = (
+        ["all_reduce"] * 3 + ["all_gather"] * 6 + ["all_reduce"] * 3
+        if case == "topk-dense-phases"
+        else ["all_gather"] * 12
+    )
     assert ops == expected_ops
     if case == "topk-dense-phases":  # the residual joined the first dense step: nothing is left at the end
         assert all(t.abs().sum() == 0 for t in result["residuals"].values())
@@ -44,7 +48,9 @@ def test_a_sparse_run_without_warm_up_is_advised_once(runs):
     epoch of 256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
     warmed-up and density-1 runs are not."""
     advice = re.findall(r"no dense warm-up.*?CompressionOptions\(dense_warmup_steps=(\d+)\) \((.*?)\)", runs.said)
-    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 13, advice  # and the dgc and adamw runs without warm-up
+    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 13, (
+        advice
+    )  # and the dgc and adamw runs without warm-up
 
 
 def test_the_warm_up_advice_is_one_epoch_or_a_tenth_of_a_shorter_run():
@@ -52,11 +58,17 @@ def test_the_warm_up_advice_is_one_epoch_or_a_tenth_of_a_shorter_run():
     from commsched.schedules.wfbp import warm_up_advice
 
     assert warm_up_advice(32, 264) == "CompressionOptions(dense_warmup_steps=32) (one epoch here)"
-    assert warm_up_advice(32, 12) == "CompressionOptions(dense_warmup_steps=1) (a tenth of this run, shorter than an epoch)"
+    assert (
+        warm_up_advice(32, 12)
+        == "CompressionOptions(dense_warmup_steps=1) (a tenth of this run, shorter than an epoch)"
+    )
     assert warm_up_advice(math.inf, math.inf) == "a dense warm-up (compression.dense_warmup_steps) of about one epoch"
     errors.use_syntax("hydra")  # commsched-train's workers: the command line's spelling
     try:
-        assert warm_up_advice(math.inf, 500) == "compression.dense_warmup_steps=50 (a tenth of this run, shorter than an epoch)"
+        assert (
+            warm_up_advice(math.inf, 500)
+            == "compression.dense_warmup_steps=50 (a tenth of this run, shorter than an epoch)"
+        )
     finally:
         errors.use_syntax("python")
 
@@ -72,7 +84,9 @@ def test_mstopk_keeps_ranks_identical_and_sends_k_per_rank(runs):
     vectors = sum(v.numel() for v in result["initial"].values() if v.dim() == 1)
     k = math.ceil(0.05 * sum(v.numel() for v in result["initial"].values() if v.dim() > 1))
     sent = {numel_ for link, op, tag, numel_, dtype in result["trace"] if tag.startswith("bucket")}
-    assert sent == {2 * (2 * k + vectors)}  # 2 ranks x (k values + k indices + the 1-d parameters' values, positions known)
+    assert sent == {
+        2 * (2 * k + vectors)
+    }  # 2 ranks x (k values + k indices + the 1-d parameters' values, positions known)
 
 
 def test_resumed_run_with_residuals_equals_uninterrupted(runs):
@@ -89,9 +103,13 @@ def test_a_dense_run_resumed_from_a_compressed_one_applies_its_residuals(runs):
     joins step 5's gradient, as the reference's dense phase does."""
     resumed = runs("dense-from-topk")
     assert "refused" not in resumed
-    expected, _ = reference({**resumed, "compression": {"density": 0.1, "error_feedback": True, "dense_final_steps": 7}})
+    expected, _ = reference(
+        {**resumed, "compression": {"density": 0.1, "error_feedback": True, "dense_final_steps": 7}}
+    )
     assert max_abs_diff(expected, resumed["state"])[0] <= 1e-5
-    dropped, _ = reference({**resumed, "compression": {"density": 0.1, "error_feedback": False, "dense_final_steps": 7}})
+    dropped, _ = reference(
+        {**resumed, "compression": {"density": 0.1, "error_feedback": False, "dense_final_steps": 7}}
+    )
     assert max_abs_diff(dropped, resumed["state"])[0] > 1e-4  # the residuals mattered
     assert "residuals join the first step's gradient" in runs.said
 
@@ -145,15 +163,22 @@ def test_hitopkcomm_equals_the_single_process_reference(two_nodes, case):
         assert max_abs_diff(mine["state"], result["state"])[0] == 0.0
         # "inter" is one group per local rank: equal within it; the shards' 1-d elements differ between them
         assert per_link(mine["trace"]) == per_link(two_nodes(case, rank % 2)["trace"])
-        assert {link: [r[:3] for r in records] for link, records in per_link(mine["trace"]).items()} == \
-            {link: [r[:3] for r in records] for link, records in per_link(result["trace"]).items()}
+        assert {link: [r[:3] for r in records] for link, records in per_link(mine["trace"]).items()} == {
+            link: [r[:3] for r in records] for link, records in per_link(result["trace"]).items()
+        }
         whole = torch.zeros(padded)
-        whole[:sum(mine["residuals"][n].numel() for n in names)] = torch.cat([mine["residuals"][n].reshape(-1) for n in names])
+        whole[: sum(mine["residuals"][n].numel() for n in names)] = torch.cat(
+            [mine["residuals"][n].reshape(-1) for n in names]
+        )
         local = rank % 2
         assert torch.allclose(whole.view(2, -1)[local], residuals[rank], atol=1e-6)
         assert whole.view(2, -1)[1 - local].abs().sum() == 0  # a rank keeps the residual of its own shard only
     across = [op for link, op, tag, *_ in result["trace"] if tag.startswith("bucket") and link == "inter"]
-    assert across == (["all_reduce"] * 2 + ["all_gather"] * 5 + ["all_reduce"] * 3 if case == "hier-topk-phases" else ["all_gather"] * 10)
+    assert across == (
+        ["all_reduce"] * 2 + ["all_gather"] * 5 + ["all_reduce"] * 3
+        if case == "hier-topk-phases"
+        else ["all_gather"] * 10
+    )
 
 
 @needs_root
@@ -170,7 +195,10 @@ def test_two_levels_on_several_streams_and_their_search_equal_the_flat_all_reduc
     and `streams="auto"` trying flat and node first, give the flat all-reduce's weights on every rank."""
     for case in ("hier-dense-streams", "auto-two-level"):
         for rank in range(4):
-            assert max_abs_diff(two_nodes(case, rank)["state"], two_nodes("flat-dense", rank)["state"])[0] <= 1e-5, (case, rank)
+            assert max_abs_diff(two_nodes(case, rank)["state"], two_nodes("flat-dense", rank)["state"])[0] <= 1e-5, (
+                case,
+                rank,
+            )
             assert per_link(two_nodes(case, rank)["trace"]) == per_link(two_nodes(case, 0)["trace"]), (case, rank)
     links = {link for link, *_ in two_nodes("hier-dense-streams")["trace"]}
     assert {"intra", "intra.1", "inter", "inter.1"} <= links

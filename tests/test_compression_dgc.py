@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from conftest import max_abs_diff
 from compression_reference import dgc_reference, flat_state, hierarchical_dgc_reference, needs_root
+from conftest import max_abs_diff
 
 
 @pytest.mark.parametrize("case", ["dgc", "dgc-nesterov", "dgc-clipped", "dgc-masked", "dgc-warmup"])
@@ -66,8 +66,10 @@ def test_a_dgc_resume_at_another_world_size_keeps_the_sums_of_residuals_and_velo
 
 
 def test_the_corrections_and_the_warm_up_are_said_once_each(runs):
-    assert "commsched topk: DGC's corrections under SGD: momentum correction, weight decay before " \
-           "accumulation; the optimizer steps with momentum and weight decay 0" in runs.said
+    assert (
+        "commsched topk: DGC's corrections under SGD: momentum correction, weight decay before "
+        "accumulation; the optimizer steps with momentum and weight decay 0" in runs.said
+    )
     assert "momentum correction, momentum factor masking, weight decay" in runs.said  # dgc-masked
     assert "local clipping to norm 0.05/sqrt(P) per parameter" in runs.said
     assert re.search(r"density warm-up 1 -> 0.25 -> 0.1 over the first 8 optimizer steps \(as set", runs.said)
@@ -77,7 +79,9 @@ def test_the_corrections_and_the_warm_up_are_said_once_each(runs):
 def test_hierarchical_dgc_equals_the_single_process_reference(two_nodes):
     """2 nodes x 2 workers, DGC's corrections (masking included) and the density's warm-up on the two-level exchange."""
     result = two_nodes("hier-dgc")
-    expected, residuals, velocities = hierarchical_dgc_reference(result, [1.0] * 2 + [0.25] * 2 + [0.1] * 6, masking=True)
+    expected, residuals, velocities = hierarchical_dgc_reference(
+        result, [1.0] * 2 + [0.25] * 2 + [0.1] * 6, masking=True
+    )
     diff, key = max_abs_diff(expected, result["state"])
     assert diff <= 1e-5, f"{diff} at {key}"
     names, padded, _ = result["layout"]
@@ -86,7 +90,7 @@ def test_hierarchical_dgc_equals_the_single_process_reference(two_nodes):
         assert max_abs_diff(mine["state"], result["state"])[0] == 0.0
         for key, expected_shards in (("residuals", residuals), ("velocities", velocities)):
             whole = torch.zeros(padded)
-            whole[:sum(mine[key][n].numel() for n in names)] = torch.cat([mine[key][n].reshape(-1) for n in names])
+            whole[: sum(mine[key][n].numel() for n in names)] = torch.cat([mine[key][n].reshape(-1) for n in names])
             assert torch.allclose(whole.view(2, -1)[rank % 2], expected_shards[rank], atol=1e-6), (key, rank)
     across = [op for link, op, tag, *_ in result["trace"] if tag.startswith("bucket") and link == "inter"]
     assert across == ["all_reduce"] * 2 + ["all_gather"] * 8
@@ -104,4 +108,7 @@ def test_adamw_runs_the_defaults_as_error_feedback_alone_and_lightning_clips_it(
         default, plain = runs("adamw-default", rank), runs("adamw-plain", rank)
         assert max_abs_diff(default["state"], plain["state"])[0] == 0.0
         assert default["velocities"] == {}
-    assert "AdamW: DGC's corrections apply to torch's SGD (without dampening or maximize) only: error feedback alone" in runs.said
+    assert (
+        "AdamW: DGC's corrections apply to torch's SGD (without dampening or maximize) only: error feedback alone"
+        in runs.said
+    )

@@ -139,7 +139,9 @@ def test_local_copy_copies_once_even_when_ranks_ask_together(tmp_path):
     context = multiprocessing.get_context("spawn")
     with context.Pool(3) as pool:
         targets = pool.starmap(local_copy, [(tmp_path / "slow", tmp_path / "cache")] * 3)
-    assert len(set(targets)) == 1 and sorted(p.name for p in Path(targets[0]).iterdir()) == [f"{i:03d}.npy" for i in range(12)]
+    assert len(set(targets)) == 1 and sorted(p.name for p in Path(targets[0]).iterdir()) == [
+        f"{i:03d}.npy" for i in range(12)
+    ]
     copied = Path(targets[0]).stat().st_ino
     assert local_copy(tmp_path / "slow", tmp_path / "cache").stat().st_ino == copied  # unchanged: not copied again
     (tmp_path / "slow" / "000.npy").unlink()  # changed: a later run copies it again

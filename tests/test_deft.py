@@ -55,11 +55,35 @@ def test_deft_keeps_replicas_identical_when_parameters_are_unfrozen(cases):
 @pytest.fixture(scope="module")
 def deft_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deft")
-    proc = run_worker("run_deft.py", str(out), "2", "forced-sgd", "forced-adamw", "forced-sgd-part", "forced-sgd-resumed",
-                      "forced-spike", "forced-spike-part", "forced-spike-resumed", "forced-predict", "forced-both",
-                      "forced-both-part", "forced-both-resumed", "preserved", "preserved-stale", "preserved-auto",
-                      "rechecked", "profiled", "handed-sgd", "handed-sgd-part", "handed-sgd-resumed", "handed-two-links",
-                      "handed-wfbp", "confirmed-dear", "confirmed-delayed", "undelayed-two-links")
+    proc = run_worker(
+        "run_deft.py",
+        str(out),
+        "2",
+        "forced-sgd",
+        "forced-adamw",
+        "forced-sgd-part",
+        "forced-sgd-resumed",
+        "forced-spike",
+        "forced-spike-part",
+        "forced-spike-resumed",
+        "forced-predict",
+        "forced-both",
+        "forced-both-part",
+        "forced-both-resumed",
+        "preserved",
+        "preserved-stale",
+        "preserved-auto",
+        "rechecked",
+        "profiled",
+        "handed-sgd",
+        "handed-sgd-part",
+        "handed-sgd-resumed",
+        "handed-two-links",
+        "handed-wfbp",
+        "confirmed-dear",
+        "confirmed-delayed",
+        "undelayed-two-links",
+    )
     if proc.returncode != 0:
         pytest.fail(f"deft runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     load = lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)  # noqa: E731
@@ -106,7 +130,9 @@ def test_step_hooks_see_the_users_settings_and_the_compensated_step_whole(deft_r
     assert post[-1][2] == pytest.approx(sum(float(v.double().sum()) for v in result["state"].values()), abs=1e-6)
     assert {decay for _, decay, _ in pre + post} == {0.05}
     for i, (after, next_before) in enumerate(zip(post, pre[1:])):
-        assert after[2] == pytest.approx(next_before[2], abs=1e-6), f"step {i}: the post-hook saw weights before the step was whole"
+        assert after[2] == pytest.approx(next_before[2], abs=1e-6), (
+            f"step {i}: the post-hook saw weights before the step was whole"
+        )
 
 
 @pytest.mark.parametrize("case, compensation", [("forced-predict", "predict"), ("forced-both", "spike+predict")])
@@ -232,7 +258,11 @@ def test_preserver_judges_stale_plans_by_the_measured_curvature(deft_runs):
         assert d["accepted"] == (abs(d["ratio"] - 1) <= 0.01 and d["curvature"] < d["stable_below"])
     # the band is the optimizer's as it is at the decision (SGD, momentum 0.9, lr 0.2 decaying by 1/(1 + 0.05 step)):
     # (1 - m) / lr
-    assert largest_stable_curvature(Stepper(0.2, 0.9), 1) <= stale[0]["stable_below"] <= largest_stable_curvature(Stepper(0.15, 0.9), 1)
+    assert (
+        largest_stable_curvature(Stepper(0.2, 0.9), 1)
+        <= stale[0]["stable_below"]
+        <= largest_stable_curvature(Stepper(0.15, 0.9), 1)
+    )
     assert [d for d in ranks[0] if d["staleness"] > 1 and d["accepted"]] == []
     assert runs[0]["plan"] == runs[1]["plan"] and max_abs_diff(runs[0]["state"], runs[1]["state"])[0] == 0.0
 
@@ -271,18 +301,31 @@ def test_profiled_run_traces_one_lane_per_link(deft_runs):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-nesterov"])
 def test_spike_compensation_is_refused_where_it_does_not_stand_in_for_the_momentum(optimizer, tmp_path):
-    import commsched
     import lightning.pytorch as pl
+
+    import commsched
 
     sys.path.insert(0, str(WORKERS))
     from run_deft import MLP
 
     strategy = commsched.DeFTStrategy(deft=commsched.DeFTOptions(compensation="spike"))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     environment = dict(os.environ)
     try:
-        with pytest.raises(commsched.CommSchedConfigError, match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: auto, none, spike"):
+        with pytest.raises(
+            commsched.CommSchedConfigError,
+            match=r"compensation='spike'.*(AdamW|SGD).*Allowed values of compensation: auto, none, spike",
+        ):
             trainer.fit(MLP(optimizer))
     finally:  # the one-process group holds MASTER_PORT, which every later worker of the suite would inherit
         if torch.distributed.is_initialized():

@@ -12,10 +12,9 @@ import random
 import pytest
 import torch
 
-from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
 from commsched.deft.iteration_model import balanced_links, choose_schedule, dear_is_faster, dear_seconds, plan_seconds
-from commsched.deft.solvers import (NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy,
-                                    recursive_knapsack)
+from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
+from commsched.deft.solvers import NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy, recursive_knapsack
 from commsched.deft.walk import WalkState, effective_step, expected_next, gradient_statistics, measured_step, plan_ratio
 from commsched.sim.timelines import dear as simulated_dear
 from commsched.sim.timelines import wfbp as simulated_wfbp
@@ -138,14 +137,19 @@ def test_plans_hold_their_invariants_and_use_both_links():
         n = rng.randint(1, 8)
         primary = [rng.uniform(0.1, 3.0) for _ in range(n)]
         mu = rng.uniform(1.1, 2.5)
-        bucket_timings = Timings(rng.uniform(0.5, 3.0), [rng.uniform(0.1, 0.8) for _ in range(n)], [primary, [c * mu for c in primary]])
+        bucket_timings = Timings(
+            rng.uniform(0.5, 3.0), [rng.uniform(0.1, 0.8) for _ in range(n)], [primary, [c * mu for c in primary]]
+        )
         numels = [rng.randint(10, 1000) for _ in range(n)]
         capacity = rng.choice([0.5, 1.0, 2.0])
         plan = plan_for(numels, bucket_timings, capacity)
         # the items' own timings (pieces of buckets) are what the capacities hold for
         share = [i.numel / numels[i.bucket] for i in plan.items]
-        items = Timings(bucket_timings.forward, [bucket_timings.backward[i.bucket] if i.start == 0 else 0 for i in plan.items],
-                        [[c[i.bucket] * f for i, f in zip(plan.items, share)] for c in bucket_timings.costs])
+        items = Timings(
+            bucket_timings.forward,
+            [bucket_timings.backward[i.bucket] if i.start == 0 else 0 for i in plan.items],
+            [[c[i.bucket] * f for i, f in zip(plan.items, share)] for c in bucket_timings.costs],
+        )
         check_plan(plan, items)
         assert all(sum(i.numel for i in plan.items if i.bucket == b) == numels[b] for b in range(n))
         assert DeFTPlan.from_json(json.loads(json.dumps(plan.to_json()))).digest() == plan.digest()
@@ -230,27 +234,38 @@ def test_the_effective_step_is_read_from_sgd_and_measured_for_others():
 
     assert effective_step(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)) == pytest.approx(0.05)
     assert effective_step(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05, momentum=0.9)) == pytest.approx(0.5)
-    assert effective_step(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.5, dampening=0.5)) == pytest.approx(0.1)
+    assert effective_step(
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.5, dampening=0.5)
+    ) == pytest.approx(0.1)
     weight = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
     sgd = torch.optim.SGD([weight], lr=0.2)
     weight.grad = torch.tensor([0.3, 0.1, -0.4])
     before = weight.detach().clone()
     sgd.step()
-    assert measured_step(float(((weight.detach() - before) * weight.grad).sum()), float((weight.grad**2).sum())) == pytest.approx(0.2)
-    adam = torch.optim.Adam([weight], lr=0.01)  # a first Adam step moves every coordinate by lr: eta = lr * sum|g| / |g|^2
+    assert measured_step(
+        float(((weight.detach() - before) * weight.grad).sum()), float((weight.grad**2).sum())
+    ) == pytest.approx(0.2)
+    adam = torch.optim.Adam(
+        [weight], lr=0.01
+    )  # a first Adam step moves every coordinate by lr: eta = lr * sum|g| / |g|^2
     before = weight.detach().clone()
     adam.step()
     g = weight.grad
     expected = 0.01 * float(g.abs().sum()) / float((g**2).sum())
-    assert measured_step(float(((weight.detach() - before) * g).sum()), float((g**2).sum())) == pytest.approx(expected, rel=1e-3)
+    assert measured_step(float(((weight.detach() - before) * g).sum()), float((g**2).sum())) == pytest.approx(
+        expected, rel=1e-3
+    )
 
 
 class PerBucketCosts:
     """A cost model that knows each bucket by its (unique) size: the simulator on measured per-bucket times."""
 
     def __init__(self, nbytes, all_reduce, reduce_scatter, all_gather):
-        self.table = {"all_reduce": dict(zip(nbytes, all_reduce)), "reduce_scatter": dict(zip(nbytes, reduce_scatter)),
-                      "all_gather": dict(zip(nbytes, all_gather))}
+        self.table = {
+            "all_reduce": dict(zip(nbytes, all_reduce)),
+            "reduce_scatter": dict(zip(nbytes, reduce_scatter)),
+            "all_gather": dict(zip(nbytes, all_gather)),
+        }
 
     def time(self, collective, nbytes, workers):
         return self.table[collective][nbytes]
@@ -268,8 +283,15 @@ def test_predictions_agree_with_the_simulator():
         numels = list(range(100, 100 + n))
         total = sum(backward) or 1.0
         # bucket b (backward order) is layer n-1-b (forward order); its forward is its share of the backward
-        layers = tuple(Layer(f"l{i}", numels[n - 1 - i], forward * (backward[n - 1 - i] / total if sum(backward) else 1 / n),
-                             backward[n - 1 - i]) for i in range(n))
+        layers = tuple(
+            Layer(
+                f"l{i}",
+                numels[n - 1 - i],
+                forward * (backward[n - 1 - i] / total if sum(backward) else 1 / n),
+                backward[n - 1 - i],
+            )
+            for i in range(n)
+        )
         workload = Workload("random", layers, 1)
         costs = PerBucketCosts(numels, all_reduce, *halves)
         buckets = [[n - 1 - b] for b in range(n)]
@@ -277,13 +299,16 @@ def test_predictions_agree_with_the_simulator():
         ddp = plan_seconds(no_delay_plan([Item(b, 0, numels[b]) for b in range(n)]), timings, numels)
         assert ddp == pytest.approx(simulated_wfbp(workload, costs, 2, buckets).iteration_s)
         assert dear_seconds(forward, backward, [halves[0]], [halves[1]]) == pytest.approx(
-            simulated_dear(workload, costs, 2, buckets).iteration_s)
+            simulated_dear(workload, costs, 2, buckets).iteration_s
+        )
 
 
 def test_dear_is_chosen_only_when_clearly_faster():
     # one bucket: nothing for DeAR to overlap, its two halves cost more than the all-reduce
     assert dear_seconds(1.0, [1.0], [[0.6]], [[0.6]]) == pytest.approx(3.2)
-    assert plan_seconds(no_delay_plan([Item(0, 0, 10)]), Timings(1.0, [1.0], [[1.0], [math.inf]]), [10]) == pytest.approx(3.0)
+    assert plan_seconds(
+        no_delay_plan([Item(0, 0, 10)]), Timings(1.0, [1.0], [[1.0], [math.inf]]), [10]
+    ) == pytest.approx(3.0)
     assert not dear_is_faster(3.0, 3.2)
     # many buckets on a slow link: DeAR hides the all-gathers under the next forward
     timings = Timings(1.0, [0.25] * 4, [[1.0] * 4, [math.inf] * 4])
@@ -329,7 +354,10 @@ def test_when_everything_fits_both_links_share_the_work():
     """The paper's smallest-knapsack-first rule would put every item on the slower link here."""
     primary = [1.0] * 8
     weights, capacities = [primary, [1.6] * 8], [20.0, 20.0]
-    for assignment in (multi_knapsack_greedy(weights, capacities, primary), multi_knapsack_exact(weights[:], capacities, primary)):
+    for assignment in (
+        multi_knapsack_greedy(weights, capacities, primary),
+        multi_knapsack_exact(weights[:], capacities, primary),
+    ):
         assert len(assignment.chosen()) == 8
         assert assignment.chosen(0) and assignment.chosen(1)
 

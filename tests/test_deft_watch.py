@@ -13,9 +13,20 @@ from commsched.deft.plan import DeFTPlan
 from conftest import WORKERS, max_abs_diff, per_link, run_worker
 from deft_replay import replay
 
-CASES = ("watched-kept", "watched-stopped", "watched-drained", "watched-stopped-part", "watched-stopped-resumed",
-         "watched-stopped-late-part", "watched-stopped-late-resumed", "watched-drained-late-part",
-         "watched-drained-late-resumed", "watched-rechecked", "watched-waiting", "watched-epoch")
+CASES = (
+    "watched-kept",
+    "watched-stopped",
+    "watched-drained",
+    "watched-stopped-part",
+    "watched-stopped-resumed",
+    "watched-stopped-late-part",
+    "watched-stopped-late-resumed",
+    "watched-drained-late-part",
+    "watched-drained-late-resumed",
+    "watched-rechecked",
+    "watched-waiting",
+    "watched-epoch",
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +38,10 @@ def deft_runs(tmp_path_factory):
     return lambda name, rank=0: torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("case, rollback, verdict", [("watched-kept", True, "kept"), ("watched-stopped", True, "stopped"),
-                                                     ("watched-drained", False, "stopped")])
+@pytest.mark.parametrize(
+    "case, rollback, verdict",
+    [("watched-kept", True, "kept"), ("watched-stopped", True, "stopped"), ("watched-drained", False, "stopped")],
+)
 def test_the_watch_keeps_or_stops_a_stale_plan_as_a_single_process_replay_does(deft_runs, case, rollback, verdict):
     """A one-step-stale plan (spike+predict) watched for 3 iterations against the 3 synchronous ones
     before it. At lr 0.2 its loss falls and it runs on; at lr 1.0 it does not, and it is stopped: rolled
@@ -44,12 +57,12 @@ def test_the_watch_keeps_or_stops_a_stale_plan_as_a_single_process_replay_does(d
     assert report["stale_refused"] == (verdict == "stopped")
     indices = [index for _, index, _ in result["history"]]
     staleness = [DeFTPlan.from_json(solved).staleness for _, index, solved in result["history"] if index is not None]
-    assert indices[:result["sync_steps"]] == [None] * result["sync_steps"]
+    assert indices[: result["sync_steps"]] == [None] * result["sync_steps"]
     if verdict == "kept":
         assert len(report["watch"]) == 1 and report["watch"][0].startswith("kept") and set(staleness) == {1}
     else:  # stale for the window, then measured again (synchronous steps), then exact
         stale_end = result["sync_steps"] + WATCH
-        assert indices[result["sync_steps"]:stale_end] == list(range(WATCH)) and indices[stale_end] is None
+        assert indices[result["sync_steps"] : stale_end] == list(range(WATCH)) and indices[stale_end] is None
         assert staleness[:WATCH] == [1] * WATCH and set(staleness[WATCH:]) == {0}
         assert len(report["watch"]) == 1 and report["watch"][0].startswith("stopped")
     diff, key = max_abs_diff(expected, result["state"])
@@ -58,12 +71,22 @@ def test_the_watch_keeps_or_stops_a_stale_plan_as_a_single_process_replay_does(d
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
     assert per_link(result["trace"]) == per_link(other["trace"])
     if verdict == "stopped":  # what the stop did matters: the other way of stopping ends elsewhere
-        assert max_abs_diff(replay(result, compensation="spike+predict", watch=(WATCH, not rollback))[0], result["state"])[0] > 1e-3
+        assert (
+            max_abs_diff(replay(result, compensation="spike+predict", watch=(WATCH, not rollback))[0], result["state"])[
+                0
+            ]
+            > 1e-3
+        )
 
 
-@pytest.mark.parametrize("whole_case, resumed_case", [("watched-stopped", "watched-stopped-resumed"),
-                                                      ("watched-stopped", "watched-stopped-late-resumed"),
-                                                      ("watched-drained", "watched-drained-late-resumed")])
+@pytest.mark.parametrize(
+    "whole_case, resumed_case",
+    [
+        ("watched-stopped", "watched-stopped-resumed"),
+        ("watched-stopped", "watched-stopped-late-resumed"),
+        ("watched-drained", "watched-drained-late-resumed"),
+    ],
+)
 def test_resumed_inside_the_watch_decides_as_the_uninterrupted_run(deft_runs, whole_case, resumed_case):
     """Saved after 2 of the 3 watched iterations, or after the last (judged at the resumed run's first
     step, before its optimizer stepped): the losses (the verdict quotes both means), the snapshot and
@@ -115,5 +138,8 @@ def test_a_stale_plan_waits_for_stale_after_steps(deft_runs):
     assert {d["waiting"] for d in epoch["decisions"] if "waiting" in d} == {True}
     one_epoch = SAMPLES // (2 * BATCH)  # 2 ranks
     assert epoch["report"]["staleness"] == 0
-    assert all(f"wait until step {one_epoch} " in d["barred"] and "no stale plan will run" in d["barred"]
-               for d in epoch["decisions"] if "waiting" in d)  # 6 steps: the run ends before the wait, and says so
+    assert all(
+        f"wait until step {one_epoch} " in d["barred"] and "no stale plan will run" in d["barred"]
+        for d in epoch["decisions"]
+        if "waiting" in d
+    )  # 6 steps: the run ends before the wait, and says so

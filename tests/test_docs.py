@@ -7,8 +7,8 @@ example of docs/adding-a-schedule.md is the file tests/test_extension.py runs.""
 from __future__ import annotations
 
 import importlib.util
-import shlex
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -60,12 +60,20 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_the_site_builds_in_strict_mode_with_its_api_reference(tmp_path):
-    missing = [name for name in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python")
-               if importlib.util.find_spec(name.split(".")[0]) is None]
+    missing = [
+        name
+        for name in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python")
+        if importlib.util.find_spec(name.split(".")[0]) is None
+    ]
     assert not missing, f"{missing} not installed: pip install -e '.[dev]' (make test does)"
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     reference = (site / "reference" / "index.html").read_text()
     for name in ("CommSchedStrategy", "FusionOptions", "DeFTOptions", "Preserver", "StopAndSave", "register_schedule"):
@@ -150,11 +158,13 @@ def test_every_python_block_of_the_docs_runs(tmp_path):
     """Each Python block is a whole program: run in a fresh namespace, in a fresh interpreter."""
     blocks = [(page, body) for page, body in code_blocks("python") if not body.startswith("--8<--")]
     assert len(blocks) >= 5, blocks
-    program = ("import sys, traceback\nfailed = []\n"
-               f"for page, body in {blocks!r}:\n"
-               "    try:\n        exec(compile(body, page, 'exec'), {'__name__': 'docs_block'})\n"
-               "    except BaseException:\n        failed.append(page + ':\\n' + body + traceback.format_exc())\n"
-               "print('\\n\\n'.join(failed)); sys.exit(1 if failed else 0)\n")
+    program = (
+        "import sys, traceback\nfailed = []\n"
+        f"for page, body in {blocks!r}:\n"
+        "    try:\n        exec(compile(body, page, 'exec'), {'__name__': 'docs_block'})\n"
+        "    except BaseException:\n        failed.append(page + ':\\n' + body + traceback.format_exc())\n"
+        "print('\\n\\n'.join(failed)); sys.exit(1 if failed else 0)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
@@ -172,9 +182,11 @@ def test_every_command_line_of_the_docs_is_accepted():
         while words:
             command, rest = Path(words[0]).name, words[1:]
             cut = rest.index("--") if "--" in rest else len(rest)
-            args, words = rest[:cut], rest[cut + 1:]
+            args, words = rest[:cut], rest[cut + 1 :]
             if command == "commsched-train":
-                trains.append((page, [a for a in args if a != "-m" and not a.startswith(("hydra.", "resume=", "data.dir="))]))
+                trains.append(
+                    (page, [a for a in args if a != "-m" and not a.startswith(("hydra.", "resume=", "data.dir="))])
+                )
             elif command == "commsched-bench":
                 benches.append((page, [a for a in args if not a.startswith("hydra.")]))
             elif command in ("commsched-cluster", "commsched-probe"):
@@ -190,7 +202,10 @@ from commsched.cluster.cli import parser as cluster_parser
 from commsched.profile.cli import probe_parser
 
 def first_of_each_sweep(overrides):  # a -m sweep's first run
-    return [o.split("=", 1)[0] + "=" + o.split("=", 1)[1].split(",")[0] if "=" in o and "[" not in o else o for o in overrides]
+    return [
+        o.split("=", 1)[0] + "=" + o.split("=", 1)[1].split(",")[0] if "=" in o and "[" not in o else o
+        for o in overrides
+    ]
 
 failed = []
 register_configs()

@@ -32,13 +32,17 @@ def test_per_rank_state_is_restored_to_its_own_rank(cases):
     the checkpoint holds every rank's, each rank gets its own back, and the resumed run's state equals
     the uninterrupted run's on every rank."""
     results = cases(3)
-    sums = [results.load("localsum-2ep", r)["comm_state"]["per_rank"]["reducers"]["local_sum"] for r in range(results.world)]
+    sums = [
+        results.load("localsum-2ep", r)["comm_state"]["per_rank"]["reducers"]["local_sum"] for r in range(results.world)
+    ]
     assert sums[0].keys() and any(not torch.equal(sums[0][k], sums[1][k]) for k in sums[0]), "ranks should differ"
     for rank in range(results.world):
         resumed = results.load("localsum-resume", rank)["comm_state"]["per_rank"]["reducers"]["local_sum"]
         diff, key = max_abs_diff(resumed, sums[rank])
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs by {diff:.3g}"
-        diff, key = max_abs_diff(results.load("localsum-resume", rank)["state"], results.load("localsum-2ep", rank)["state"])
+        diff, key = max_abs_diff(
+            results.load("localsum-resume", rank)["state"], results.load("localsum-2ep", rank)["state"]
+        )
         assert diff <= TOLERANCE
 
 

@@ -74,7 +74,9 @@ def test_parameters_identical_on_every_rank(cases, world, schedule):
 def test_validate_test_predict_equal_ddp(cases):
     results = cases(2)
     dear, ddp = results.load("dear-eval"), results.load("ddp-eval")
-    assert dear["validate_before_fit"][0]["val_loss"] == pytest.approx(ddp["validate_before_fit"][0]["val_loss"], abs=1e-6)
+    assert dear["validate_before_fit"][0]["val_loss"] == pytest.approx(
+        ddp["validate_before_fit"][0]["val_loss"], abs=1e-6
+    )
     assert dear["test"][0]["test_loss"] == pytest.approx(ddp["test"][0]["test_loss"], abs=1e-5)
     assert torch.allclose(dear["predict"], ddp["predict"], atol=1e-5)
 
@@ -143,14 +145,24 @@ def test_dears_choice_between_itself_and_wfbp_is_kept_across_a_resume(cases):
     """The checkpoint holds the verdict and where its later checks stand: the resumed epoch runs the
     kept schedule from its first step (no turns again) and counts on toward the next check."""
     results = cases(3)
-    saved = [torch.load(results.directory / f"{case}-ckpt" / "last.ckpt", weights_only=False)["commsched"]["shared"]["choices"]["fallback"]
-             for case in ("dear-fallback-1ep", "dear-fallback-resume")]
+    saved = [
+        torch.load(results.directory / f"{case}-ckpt" / "last.ckpt", weights_only=False)["commsched"]["shared"][
+            "choices"
+        ]["fallback"]
+        for case in ("dear-fallback-1ep", "dear-fallback-resume")
+    ]
     first, resumed = saved
     assert first["verdict"] is not None and resumed["verdict"] == first["verdict"]  # not decided again
-    assert resumed["rechecks"]["iterations"] == first["rechecks"]["iterations"] + 12  # the resumed epoch's 12 steps counted on
-    kept = {"reduce_scatter", "all_gather"} if first["verdict"]["keep"] else {"all_reduce"}  # DeAR's two halves, or WFBP's one
+    assert (
+        resumed["rechecks"]["iterations"] == first["rechecks"]["iterations"] + 12
+    )  # the resumed epoch's 12 steps counted on
+    kept = (
+        {"reduce_scatter", "all_gather"} if first["verdict"]["keep"] else {"all_reduce"}
+    )  # DeAR's two halves, or WFBP's one
     for rank, result in enumerate(results.all_ranks("dear-fallback-resume")):
-        assert {op for link, op, tag, *_ in result["trace"] if tag == "bucket0"} == kept, f"rank {rank}: turns taken again"
+        assert {op for link, op, tag, *_ in result["trace"] if tag == "bucket0"} == kept, (
+            f"rank {rank}: turns taken again"
+        )
         diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"
 
@@ -174,9 +186,15 @@ def test_wfbps_turns_run_on_the_layout_wfbps_own_planner_makes(cases):
         expected = dear_layouts[0]  # fixed buckets: the layout every run starts on
     bucket_of = {name: b for b, names in enumerate(expected) for name in names}
     for layout in wfbp_layouts:  # the layout cut into runs of the order gradients become ready in, as every plan is
-        assert sorted(n for bucket in layout for n in bucket) == sorted(bucket_of), f"WFBP's buckets {layout} miss parameters"
-        assert all(len({bucket_of[n] for n in bucket}) == 1 for bucket in layout), f"WFBP ran on {layout}, not {expected}"
-        assert layout != dear_layouts[-1], "WFBP ran on DeAR's buckets (or the toy gives both one layout: nothing tested)"
+        assert sorted(n for bucket in layout for n in bucket) == sorted(bucket_of), (
+            f"WFBP's buckets {layout} miss parameters"
+        )
+        assert all(len({bucket_of[n] for n in bucket}) == 1 for bucket in layout), (
+            f"WFBP ran on {layout}, not {expected}"
+        )
+        assert layout != dear_layouts[-1], (
+            "WFBP ran on DeAR's buckets (or the toy gives both one layout: nothing tested)"
+        )
     for rank, result in enumerate(runs):
         assert result["ran"] == first["ran"], f"rank {rank} ran other schedules or buckets"
         diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])

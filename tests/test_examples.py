@@ -39,7 +39,9 @@ def test_the_lightning_script_trains_under_dear_as_under_ddp(tmp_path):
     """The user's own module, data and callback; `strategy="dear"` ends where Lightning's ddp ends."""
     ends = {}
     for strategy in ("ddp", "dear"):
-        proc = run([sys.executable, str(EXAMPLES / "train_with_dear.py"), "--strategy", strategy, "--max-steps", "8"], tmp_path)
+        proc = run(
+            [sys.executable, str(EXAMPLES / "train_with_dear.py"), "--strategy", strategy, "--max-steps", "8"], tmp_path
+        )
         ends[strategy] = final_metrics(proc.stdout, strategy)
     assert ends["dear"] == ends["ddp"]
     assert (tmp_path / "outputs" / "train_with_dear").is_dir()
@@ -47,14 +49,24 @@ def test_the_lightning_script_trains_under_dear_as_under_ddp(tmp_path):
 
 def test_the_hydra_sweep_collects_one_row_per_schedule(tmp_path):
     sweep = tmp_path / "sweep"
-    run([str(EXAMPLES / "hydra_sweep.sh"), "trainer.max_steps=3", "trainer.max_epochs=1",
-         "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"], tmp_path)
+    run(
+        [
+            str(EXAMPLES / "hydra_sweep.sh"),
+            "trainer.max_steps=3",
+            "trainer.max_epochs=1",
+            "trainer.enable_progress_bar=false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
     with open(sweep / "sweep.csv") as table:
         rows = list(csv.DictReader(table))
     assert sorted(row["schedule"] for row in rows) == ["ddp", "dear", "wfbp"], rows
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="the emulated cluster needs root and iproute2")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="the emulated cluster needs root and iproute2"
+)
 def test_the_cluster_example_runs_the_script_as_two_nodes(tmp_path):
     proc = run([str(EXAMPLES / "emulated_cluster.sh"), "--max-steps", "4"], tmp_path)
     output = proc.stdout + proc.stderr

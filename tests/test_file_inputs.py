@@ -18,27 +18,38 @@ from commsched.planning.plan_file import SavedPlan
 
 BIN = Path(sys.executable).parent
 QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
-TINY = ["model=small_cnn", "model.width=4", "data.train_size=32", "data.val_size=8", "data.batch_size=4",
-        "warmup_steps=0", "trainer.limit_val_batches=0"]
+TINY = [
+    "model=small_cnn",
+    "model.width=4",
+    "data.train_size=32",
+    "data.val_size=8",
+    "data.batch_size=4",
+    "warmup_steps=0",
+    "trainer.limit_val_batches=0",
+]
 PLAN = '{"policy": "mgwfbp", "world_size": 2, "buckets": [["fc.weight"]]'
 
 
 def strict_json(path: Path) -> object:
     """`path` read as a strict parser reads it: a bare NaN or Infinity fails."""
+
     def refuse(constant: str) -> None:
         raise AssertionError(f"{path.name} holds a bare {constant}, which is not JSON")
 
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
-@pytest.mark.parametrize("extra, key, shown", [
-    (', "predicted_s": NaN', "predicted_s", "NaN"),
-    (', "predicted_s": Infinity', "predicted_s", "Infinity"),
-    (', "predicted_s": 1e999', "predicted_s", "Infinity"),
-    (', "predicted_s": -0.5', "predicted_s", "-0.5"),
-    (', "lower_bound_s": -Infinity', "lower_bound_s", "-Infinity"),
-    (', "details": {"trials": [{"step_ms": NaN}]}', "details.trials[0].step_ms", "NaN"),
-])
+@pytest.mark.parametrize(
+    "extra, key, shown",
+    [
+        (', "predicted_s": NaN', "predicted_s", "NaN"),
+        (', "predicted_s": Infinity', "predicted_s", "Infinity"),
+        (', "predicted_s": 1e999', "predicted_s", "Infinity"),
+        (', "predicted_s": -0.5', "predicted_s", "-0.5"),
+        (', "lower_bound_s": -Infinity', "lower_bound_s", "-Infinity"),
+        (', "details": {"trials": [{"step_ms": NaN}]}', "details.trials[0].step_ms", "NaN"),
+    ],
+)
 def test_a_plan_file_with_an_impossible_number_is_refused_naming_the_key(tmp_path, extra, key, shown):
     plan = tmp_path / "plan.json"
     plan.write_text(PLAN + extra + "}")
@@ -72,8 +83,13 @@ def test_a_null_prediction_loads_as_no_prediction(tmp_path):
 def test_a_plan_file_with_nan_is_refused_before_any_worker(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(PLAN + ', "predicted_s": NaN}')
-    proc = subprocess.run([str(BIN / "commsched-train"), f"hydra.run.dir={tmp_path / 'run'}", *QUIET, *TINY,
-                           f"fusion.plan_file={plan}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [str(BIN / "commsched-train"), f"hydra.run.dir={tmp_path / 'run'}", *QUIET, *TINY, f"fusion.plan_file={plan}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "fusion.plan_file" in proc.stderr and "predicted_s" in proc.stderr and "NaN" in proc.stderr
@@ -84,13 +100,16 @@ def timings(**change: object) -> str:
     return json.dumps(content, allow_nan=True)
 
 
-@pytest.mark.parametrize("change, key, shown", [
-    ({"forward": float("nan")}, "forward", "NaN"),
-    ({"backward": [1.0, float("inf")]}, "backward[1]", "Infinity"),
-    ({"costs": [[3.0, -3.0], [4.0, 4.0]]}, "costs[0][1]", "-3.0"),
-    ({"costs": [[3.0, 3.0], [4.0, "NaN"]]}, "costs[1][1]", "'NaN'"),
-    ({"reduce_scatter": [[1.0, float("-inf")]], "all_gather": [[1.0, 1.0]]}, "reduce_scatter[0][1]", "-Infinity"),
-])
+@pytest.mark.parametrize(
+    "change, key, shown",
+    [
+        ({"forward": float("nan")}, "forward", "NaN"),
+        ({"backward": [1.0, float("inf")]}, "backward[1]", "Infinity"),
+        ({"costs": [[3.0, -3.0], [4.0, 4.0]]}, "costs[0][1]", "-3.0"),
+        ({"costs": [[3.0, 3.0], [4.0, "NaN"]]}, "costs[1][1]", "'NaN'"),
+        ({"reduce_scatter": [[1.0, float("-inf")]], "all_gather": [[1.0, 1.0]]}, "reduce_scatter[0][1]", "-Infinity"),
+    ],
+)
 def test_a_timings_file_with_an_impossible_time_is_refused_naming_the_key(tmp_path, change, key, shown):
     from commsched.deft.measure import check_timings_file, load_timings
 
@@ -117,9 +136,20 @@ def test_a_good_timings_file_still_loads(tmp_path):
 def test_a_timings_file_with_nan_is_refused_before_any_worker(tmp_path):
     path = tmp_path / "timings.json"
     path.write_text('{"forward": 1.0, "backward": [NaN], "costs": [[3.0], [4.0]]}')
-    proc = subprocess.run([str(BIN / "commsched-train"), f"hydra.run.dir={tmp_path / 'run'}", *QUIET, *TINY,
-                           "schedule=deft", f"deft.timings_file={path}"], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            str(BIN / "commsched-train"),
+            f"hydra.run.dir={tmp_path / 'run'}",
+            *QUIET,
+            *TINY,
+            "schedule=deft",
+            f"deft.timings_file={path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "deft.timings_file" in proc.stderr and "backward[0]" in proc.stderr and "NaN" in proc.stderr
@@ -129,10 +159,23 @@ def test_a_timings_file_with_nan_is_refused_before_any_worker(tmp_path):
 def test_a_run_with_no_step_timed_writes_strict_json_and_says_so(tmp_path):
     """Resumed at the step it was to end at, a run times no step: its step time is missing (null in
     the files, not NaN), and the summary line says so instead of failing on it."""
+
     def train(run: str, *extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / "commsched-train"), f"hydra.run.dir={tmp_path / run}", *QUIET, *TINY,
-                               "schedule=wfbp", "trainer.max_steps=2", *extra],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        return subprocess.run(
+            [
+                str(BIN / "commsched-train"),
+                f"hydra.run.dir={tmp_path / run}",
+                *QUIET,
+                *TINY,
+                "schedule=wfbp",
+                "trainer.max_steps=2",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
 
     first = train("first")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -1,7 +1,7 @@
 """The house stays walkable: small test files (one over 500 lines has grown a second concern: split
 it by what it does; source files are split by concern, not by a count), no import loop between the package's folders and
-the modules at its root, nor between two of its files, and a map (docs/architecture.md, "Find it in 30 seconds") whose files and
-functions exist."""
+the modules at its root, nor between two of its files, and a map (docs/architecture.md, "Find it in 30 seconds") whose
+files and functions exist."""
 
 from __future__ import annotations
 
@@ -48,7 +48,11 @@ def imported(source: Path) -> set[str]:
             names |= {f"commsched.{alias.name}" for alias in node.names}  # a module, or a name of the facade
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"commsched(\.\w+)+", node.value):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"commsched(\.\w+)+", node.value)
+        ):
             names.add(node.value)
     return names
 
@@ -107,11 +111,13 @@ def loops(edges: dict[str, dict[str, set[str]]]) -> list[str]:
         while True:  # walk inside the group until a node repeats: that is a loop
             nxt = min(n for n in edges[path[-1]] if n in group)
             if nxt in seen:
-                path = path[path.index(nxt):] + [nxt]
+                path = path[path.index(nxt) :] + [nxt]
                 break
             path.append(nxt)
             seen.add(nxt)
-        found.append(" -> ".join(f"{a} ({', '.join(sorted(edges[a][b]))})" for a, b in zip(path, path[1:])) + f" -> {path[-1]}")
+        found.append(
+            " -> ".join(f"{a} ({', '.join(sorted(edges[a][b]))})" for a, b in zip(path, path[1:])) + f" -> {path[-1]}"
+        )
     return found
 
 
@@ -139,9 +145,15 @@ def modules_imported(source: Path, modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                     for alias in node.names]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"commsched(\.\w+)+", node.value):
+            names = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                for alias in node.names
+            ]
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"commsched(\.\w+)+", node.value)
+        ):
             names = [node.value]
         else:
             continue
@@ -157,8 +169,12 @@ def test_no_loop_between_the_package_modules():
     """Nor between two files: a module that imports another (even inside a function) is never imported
     back by it, directly or around a circle (a package's `__init__` re-exporting its modules counts)."""
     sources = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    edges = {name: {other: {str(source.relative_to(ROOT))} for other in modules_imported(source, set(sources)) if other != name}
-             for name, source in sources.items()}
+    edges = {
+        name: {
+            other: {str(source.relative_to(ROOT))} for other in modules_imported(source, set(sources)) if other != name
+        }
+        for name, source in sources.items()
+    }
     assert loops(edges) == []
 
 
@@ -169,8 +185,12 @@ def defined(source: Path, dotted: str) -> bool:
     """`dotted` (``decide``, ``DeARSchedule._apply``) is a `def` or `class` of `source`, a method inside its class."""
     scopes: list[ast.AST] = [ast.parse(source.read_text())]
     for name in dotted.split("."):
-        found = [node for scope in scopes for node in ast.walk(scope)
-                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name]
+        found = [
+            node
+            for scope in scopes
+            for node in ast.walk(scope)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name
+        ]
         if not found:
             return False
         scopes = found
@@ -183,7 +203,9 @@ def test_find_it_in_30_seconds_names_real_files_and_functions():
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text.split("## Find it in 30 seconds", 1)[1].split("\n## ", 1)[0]
     items = [line for line in section.splitlines() if line.startswith("- ")]
-    assert len(items) >= 6, "the list asks where DeAR's reduce-scatter starts, a bucket's update is applied, DeFT decides, ..."
+    assert len(items) >= 6, (
+        "the list asks where DeAR's reduce-scatter starts, a bucket's update is applied, DeFT decides, ..."
+    )
     missing = []
     for item in items:
         places = FIND_IT.findall(item)
@@ -220,7 +242,11 @@ def test_one_name_per_concept():
         where = str(source.relative_to(PACKAGE))
         modules.setdefault(source.stem, []).append(where)
         for node in ast.parse(source.read_text()).body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and not node.name.startswith("_") and node.name != "main":
+            if (
+                isinstance(node, (ast.ClassDef, ast.FunctionDef))
+                and not node.name.startswith("_")
+                and node.name != "main"
+            ):
                 definitions.setdefault(node.name, []).append(where)
     assert {name: where for name, where in modules.items() if len(where) > 1 and name not in SHARED_MODULE_NAMES} == {}
     assert {name: where for name, where in definitions.items() if len(where) > 1} == {}

@@ -9,8 +9,20 @@ from typing import Optional
 
 import pytest
 
-from commsched.interleaved import (BUDGET_FACTOR, MIN_MARGIN, MODEL_MARGIN, QUICK_ROUNDS, MeasuredChoice, Comparison, Rechecks, Turns, Verdict, verdict_from_samples,
-                                  favoured, relative_spread)
+from commsched.interleaved import (
+    BUDGET_FACTOR,
+    MIN_MARGIN,
+    MODEL_MARGIN,
+    QUICK_ROUNDS,
+    Comparison,
+    MeasuredChoice,
+    Rechecks,
+    Turns,
+    Verdict,
+    favoured,
+    relative_spread,
+    verdict_from_samples,
+)
 
 
 def run_turns(turns: Turns, step_s: list[float]) -> list[int]:
@@ -64,14 +76,18 @@ def test_a_gain_inside_the_noise_is_not_taken():
 def test_a_quiet_machine_still_needs_the_minimum_margin():
     verdict = verdict_from_samples([[1.0] * 5, [1.0 - MIN_MARGIN / 2] * 5])
     assert verdict.margin == MIN_MARGIN and verdict.keep == 0
-    assert verdict_from_samples([[1.0] * 5, [0.9] * 5, [0.95] * 5]).keep == 1  # the fastest candidate, when it clears the margin
+    assert (
+        verdict_from_samples([[1.0] * 5, [0.9] * 5, [0.95] * 5]).keep == 1
+    )  # the fastest candidate, when it clears the margin
 
 
 # ------------------------------------------------------------------ the model and the measurement together
 def test_the_arm_the_model_favours_is_kept_unless_the_steps_contradict_it_beyond_their_noise():
     rng = random.Random(2)
     noisy = lambda mean, n: [mean * (1 + rng.gauss(0, 0.1)) for _ in range(n)]  # 10% noise: a margin near 12%
-    leaning = verdict_from_samples([noisy(1.0, 9), noisy(1.03, 9)], predicted=[1.18, 1.0])  # model: the candidate, 18% faster
+    leaning = verdict_from_samples(
+        [noisy(1.0, 9), noisy(1.03, 9)], predicted=[1.18, 1.0]
+    )  # model: the candidate, 18% faster
     assert leaning.favoured == 1 and leaning.keep == 1  # 3% the other way is inside the noise: the model's arm
     clear = verdict_from_samples([[1.0] * 9, [1.3] * 9], predicted=[1.18, 1.0])
     assert clear.keep == 0 and clear.resolved  # 30% slower on a quiet machine: the measurement overrules
@@ -87,7 +103,9 @@ def test_a_prediction_within_the_models_margin_favours_the_default():
 
 
 def test_steps_that_lean_against_the_model_within_the_noise_are_not_resolved():
-    verdict = verdict_from_samples([[1.0, 1.1, 0.9] * 3, [1.03, 1.13, 0.93] * 3], predicted=[1.0, 0.8])  # 3% slower, 10% spread
+    verdict = verdict_from_samples(
+        [[1.0, 1.1, 0.9] * 3, [1.03, 1.13, 0.93] * 3], predicted=[1.0, 0.8]
+    )  # 3% slower, 10% spread
     assert verdict.favoured == 1 and verdict.keep == 1 and not verdict.resolved
     agree = verdict_from_samples([[1.0, 1.1, 0.9] * 3, [0.8, 0.88, 0.72] * 3], predicted=[1.0, 0.8])
     assert agree.resolved and agree.keep == 1 and "confirmed" in agree.describe(["a", "b"])
@@ -127,8 +145,11 @@ def drive(comparison: Comparison, step_s, control, limit: int = 400) -> tuple[Ve
 
 
 def test_agreement_is_quick_and_disagreement_takes_more_turns_up_to_the_budget(one_process_link):
-    quick, steps = drive(Comparison(2, 3, 3, predicted=[1.0, 0.8]), lambda arm, i: [1.0, 0.8][arm] * (1 + 0.05 * (i % 3 - 1)),
-                         one_process_link)
+    quick, steps = drive(
+        Comparison(2, 3, 3, predicted=[1.0, 0.8]),
+        lambda arm, i: [1.0, 0.8][arm] * (1 + 0.05 * (i % 3 - 1)),
+        one_process_link,
+    )
     assert quick.keep == 1 and quick.resolved and steps == QUICK_ROUNDS * 2 * 4  # agreement ends it early
     # the candidate measures 2% slower under a 10% spread (the same in every turn): never beyond the
     # noise, so the budget is spent and the model's arm kept
@@ -165,14 +186,15 @@ def test_overruling_the_model_takes_every_round_asked_for(one_process_link):
     assert verdict.keep == 0 and verdict.favoured == 1 and steps == 4 * 2 * 4
 
 
-
 def test_a_resumed_choice_keeps_its_verdict_and_counts_on_to_its_next_check(one_process_link):
     """The state a checkpoint holds: the verdict (its arm runs at once, nothing is measured again) and
     the iterations toward the next check; a check the checkpoint caught half-way starts again at once."""
     import time
 
     def make() -> MeasuredChoice:
-        return MeasuredChoice(confirm_steps=1, confirm_rounds=2, drift=10.0, drift_steps=100, warmup=1, rechecks=((6, 1),))
+        return MeasuredChoice(
+            confirm_steps=1, confirm_rounds=2, drift=10.0, drift_steps=100, warmup=1, rechecks=((6, 1),)
+        )
 
     def step(choice: MeasuredChoice) -> Optional[int]:
         switched = choice.at_boundary(one_process_link)
@@ -187,7 +209,12 @@ def test_a_resumed_choice_keeps_its_verdict_and_counts_on_to_its_next_check(one_
     resumed = make()
     resumed.load_state_dict(first.state_dict())
     assert resumed.verdict == first.verdict and resumed.arm == 1 and not resumed.deciding
-    assert [step(resumed) for _ in range(4)] == [None, None, None, 0]  # the check at 6 iterations after the verdict, not sooner
+    assert [step(resumed) for _ in range(4)] == [
+        None,
+        None,
+        None,
+        0,
+    ]  # the check at 6 iterations after the verdict, not sooner
     caught = make()
     caught.load_state_dict(resumed.state_dict())  # mid-check: the check is made again, at once
     assert step(caught) == 0 and caught.verdict == first.verdict

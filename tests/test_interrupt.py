@@ -21,16 +21,28 @@ from conftest import max_abs_diff
 
 BIN = Path(sys.executable).parent
 QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
-SMALL = ["+recipe=resnet", "model.width=4", "data.train_size=384", "data.val_size=32", "warmup_steps=0", "schedule=dear"]
+SMALL = [
+    "+recipe=resnet",
+    "model.width=4",
+    "data.train_size=384",
+    "data.val_size=32",
+    "warmup_steps=0",
+    "schedule=dear",
+]
 
 
 def start(run_dir: Path, *overrides: str, program: str = "commsched-train") -> subprocess.Popen:
     """In a session of its own, as a terminal's foreground job is: killpg reaches every process of it."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     quiet = QUIET if program == "commsched-train" else []
-    return subprocess.Popen([str(BIN / program), f"hydra.run.dir={run_dir}", *quiet, *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir.parent,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [str(BIN / program), f"hydra.run.dir={run_dir}", *quiet, *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=run_dir.parent,
+        start_new_session=True,
+    )
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -50,8 +62,13 @@ def finish(proc: subprocess.Popen) -> tuple[str, list[str]]:
 
 
 def train(run_dir: Path, *overrides: str) -> None:
-    proc = subprocess.run([str(BIN / "commsched-train"), f"hydra.run.dir={run_dir}", *QUIET, *overrides],
-                          capture_output=True, text=True, timeout=600, cwd=run_dir.parent)
+    proc = subprocess.run(
+        [str(BIN / "commsched-train"), f"hydra.run.dir={run_dir}", *QUIET, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=run_dir.parent,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -78,8 +95,10 @@ def test_ctrl_c_saves_at_a_step_every_rank_agrees_on_and_the_run_resumes_exactly
     assert got["global_step"] == expected["global_step"] == end
     diff, key = max_abs_diff(got["state_dict"], expected["state_dict"])
     assert diff <= 1e-5, f"{key} differs by {diff:.3g} after resuming from step {stopped}"
-    momenta = [{f"{i}.{name}": t for i, entry in c["optimizer_states"][0]["state"].items() for name, t in entry.items()}
-               for c in (got, expected)]
+    momenta = [
+        {f"{i}.{name}": t for i, entry in c["optimizer_states"][0]["state"].items() for name, t in entry.items()}
+        for c in (got, expected)
+    ]
     diff, key = max_abs_diff(*momenta)
     assert diff <= 1e-5, f"optimizer state {key} differs by {diff:.3g}"
 

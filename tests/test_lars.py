@@ -17,7 +17,9 @@ def test_one_lars_step_is_eq_11_with_momentum_and_weight_decay():
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.weight.grad, layer.bias.grad = torch.randn(3, 4), torch.randn(3)
     g_w, g_b = layer.weight.grad.clone(), layer.bias.grad.clone()
-    LARS(layer.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01, trust_coefficient=0.02, parallel_norms=False).step()
+    LARS(
+        layer.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01, trust_coefficient=0.02, parallel_norms=False
+    ).step()
     trust = 0.02 * weight.norm() / (g_w.norm() + 0.01 * weight.norm())
     assert torch.allclose(layer.weight, weight - 0.5 * trust * (g_w + 0.01 * weight), atol=1e-7)
     assert torch.allclose(layer.bias, bias - 0.5 * (g_b + 0.01 * bias), atol=1e-7)  # 1-d: the global rate

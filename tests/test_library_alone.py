@@ -15,7 +15,7 @@ import torch
 
 from conftest import WORKERS
 
-HIDE_LAB = '''
+HIDE_LAB = """
 import importlib.abc, sys
 
 class _NotInstalled(importlib.abc.MetaPathFinder):
@@ -25,7 +25,7 @@ class _NotInstalled(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, _NotInstalled())
-'''
+"""
 
 
 @pytest.fixture
@@ -44,8 +44,14 @@ def test_the_environment_hides_the_lab(without_lab):
 
 
 def test_dear_trains_across_two_processes_without_the_lab(without_lab, tmp_path):
-    proc = subprocess.run([sys.executable, str(WORKERS / "newcomer.py"), "2", "dear"], cwd=tmp_path, env=without_lab,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "newcomer.py"), "2", "dear"],
+        cwd=tmp_path,
+        env=without_lab,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = torch.load(tmp_path / "final-dear.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in weights.values())
@@ -63,6 +69,11 @@ def test_the_labs_commands_name_the_extra_they_need(without_lab, command):
 
 @pytest.mark.quick
 def test_train_answers_help_without_the_lab(without_lab):
-    proc = subprocess.run([str(Path(sys.executable).with_name("commsched-train")), "--help"], env=without_lab,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("commsched-train")), "--help"],
+        env=without_lab,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -28,8 +28,15 @@ def run(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedPr
 
 def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     """CI runs as root: the 2-worker benchmark over a 200 Mbit namespace, tiny model, few steps."""
-    proc = run("commsched.bench.cli", "link.rate=200mbit", "width=8", "steps=3", "warmup=1", "rounds=1",
-               f"hydra.run.dir={tmp_path}")
+    proc = run(
+        "commsched.bench.cli",
+        "link.rate=200mbit",
+        "width=8",
+        "steps=3",
+        "warmup=1",
+        "rounds=1",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
     assert [r["schedule"] for r in rows] == ["ddp", "wfbp", "dear"]
@@ -69,14 +76,17 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     assert any(e["ph"] == "X" and e["name"].startswith("all_reduce") for e in trace)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("models=[alexnet]", "models=alexnet; allowed: one of 'small_cnn'"),
-    ("schedules=[ddp,fast]", "schedules=fast"),
-    ("link.rate=fast", "link.rate=fast"),
-    ("devices=1", "devices=1"),
-    ("schedules=[ddp,topk@2]", "allowed: topk@D with 0 < D <= 1"),
-    ("schedules=[ddp,hier@0.1]", "a density after @ only for topk"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("models=[alexnet]", "models=alexnet; allowed: one of 'small_cnn'"),
+        ("schedules=[ddp,fast]", "schedules=fast"),
+        ("link.rate=fast", "link.rate=fast"),
+        ("devices=1", "devices=1"),
+        ("schedules=[ddp,topk@2]", "allowed: topk@D with 0 < D <= 1"),
+        ("schedules=[ddp,hier@0.1]", "a density after @ only for topk"),
+    ],
+)
 def test_benchmark_refuses_bad_input_before_starting_workers(tmp_path, override, field):
     proc = run("commsched.bench.cli", override, f"hydra.run.dir={tmp_path}", timeout=120)
     ended_with_an_error(proc, status=2)
@@ -89,8 +99,9 @@ def test_probe_measures_the_emulated_rate(tmp_path):
     """100 Mbit shared by both directions of the loopback: an all-gather on 2 workers moves the
     whole buffer through it once, so its fitted bandwidth must be close to 12.5 MB/s."""
     out = tmp_path / "probe.json"
-    proc = run("commsched.profile.cli", "--rate", "100mbit", "--sizes", "64k,256k,1m", "--repeats", "2",
-               "--out", str(out))
+    proc = run(
+        "commsched.profile.cli", "--rate", "100mbit", "--sizes", "64k,256k,1m", "--repeats", "2", "--out", str(out)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     link = json.loads(out.read_text())["link"]
     assert link["workers"] == 2
@@ -119,8 +130,10 @@ def test_namespace_is_removed_when_the_command_fails():
 
 @needs_netns
 def test_namespace_is_removed_when_the_run_is_terminated():
-    script = ("import sys; from commsched.cluster import netns; "
-              "netns.run_in_namespace('10mbit', [sys.executable, '-c', 'import time; time.sleep(60)'])")
+    script = (
+        "import sys; from commsched.cluster import netns; "
+        "netns.run_in_namespace('10mbit', [sys.executable, '-c', 'import time; time.sleep(60)'])"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 30
     while not netns.namespaces() and time.monotonic() < deadline:
@@ -133,12 +146,19 @@ def test_namespace_is_removed_when_the_run_is_terminated():
 
 def test_without_root_the_namespace_is_refused_with_the_reason(tmp_path):
     """Run as an unprivileged user (nobody) when we are root, so this path is exercised on CI too."""
-    code = ("from commsched.cluster import netns\n"
-            "try:\n    netns.run_in_namespace('1gbit', ['true'])\n"
-            "except PermissionError as error:\n    print('refused:', error)\n")
+    code = (
+        "from commsched.cluster import netns\n"
+        "try:\n    netns.run_in_namespace('1gbit', ['true'])\n"
+        "except PermissionError as error:\n    print('refused:', error)\n"
+    )
     command = [sys.executable, "-c", code]
     if os.geteuid() == 0:
         command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "MPLCONFIGDIR": str(tmp_path), "HOME": str(tmp_path)})
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MPLCONFIGDIR": str(tmp_path), "HOME": str(tmp_path)},
+    )
     assert "refused: emulating a slow link needs root" in proc.stdout, proc.stderr[-2000:]

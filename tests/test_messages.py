@@ -59,12 +59,15 @@ def test_compression_defaults_are_the_same_from_python_and_hydra():
     assert dataclasses.asdict(from_python) == OmegaConf.to_container(cfg.compression) == dataclasses.asdict(registered)
     assert (from_python.method, from_python.density, from_python.error_feedback) == ("auto", 0.01, True)
     paper = commsched.WFBPStrategy(compression="mstopk").options.compression
-    assert dataclasses.asdict(paper) == OmegaConf.to_container(composed("schedule=wfbp", "compression=mstopk").compression)
+    assert dataclasses.asdict(paper) == OmegaConf.to_container(
+        composed("schedule=wfbp", "compression=mstopk").compression
+    )
     assert OmegaConf.to_container(composed("schedule=wfbp").compression)["method"] == "none"
 
 
 def test_stream_defaults_are_the_same_from_python_and_hydra():
-    """`streams=auto` in Hydra and `streams="auto"` in Python search with the same options; both default to one stream."""
+    """`streams=auto` in Hydra and `streams="auto"` in Python search with the same options; both default to one
+    stream."""
     cfg = composed("schedule=dear", "streams=auto")
     from_python = commsched.DeARStrategy(streams="auto").options
     assert from_python.streams == cfg.streams == "auto"

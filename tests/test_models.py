@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from commsched import CommSchedConfigError
-from commsched.models import GPT2, GPT2Config, IMAGE_ARCHS, ImageClassifier, LanguageModel, build_backbone
+from commsched.models import GPT2, IMAGE_ARCHS, GPT2Config, ImageClassifier, LanguageModel, build_backbone
 
 
 def count(module: torch.nn.Module) -> int:

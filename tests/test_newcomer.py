@@ -25,8 +25,13 @@ ONE_PROCESS_ONLY = ("topk",)
 def newcomer(request, tmp_path_factory):
     cwd = tmp_path_factory.mktemp(f"newcomer-{request.param}")
     strategies = (*STRATEGIES, *ONE_PROCESS_ONLY) if request.param == 1 else STRATEGIES
-    proc = subprocess.run([sys.executable, str(WORKERS / "newcomer.py"), str(request.param), *strategies],
-                          capture_output=True, text=True, timeout=900, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "newcomer.py"), str(request.param), *strategies],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return cwd, proc.stdout + proc.stderr, strategies
 
@@ -45,7 +50,9 @@ def test_nothing_lands_in_the_working_directory(newcomer):
     cwd, _, strategies = newcomer
     assert sorted(p.name for p in cwd.iterdir()) == sorted(["lightning_logs", *(f"final-{s}.pt" for s in strategies)])
     versions = sorted((cwd / "lightning_logs").iterdir(), key=lambda p: int(p.name.split("_")[1]))
-    assert len(versions) == len(strategies) - len(QUIET)  # one run folder per fit with a logger; the commsched files are inside
+    assert len(versions) == len(strategies) - len(
+        QUIET
+    )  # one run folder per fit with a logger; the commsched files are inside
     planned = versions[strategies.index("dear-planned")]
     assert (planned / "commsched_plan.json").is_file() and (planned / "commsched_profile" / "profile.json").is_file()
     assert not any(p.name.startswith(".partial") for p in planned.rglob("*"))
@@ -59,4 +66,6 @@ def test_each_fit_ends_with_a_summary_of_what_commsched_did(newcomer):
         assert any("a median step of" in line and "the training loop waited" in line for line in lines), output[-4000:]
         assert any("continue with: trainer.fit(model, ckpt_path=" in line for line in lines), output[-4000:]
     assert "commsched dear: files in " in output and "commsched_plan.json, commsched_profile/profile.json" in output
-    assert "not saved: the run has no folder (no logger, no checkpoints)" in output  # the quiet fit still says what it decided
+    assert (
+        "not saved: the run has no folder (no logger, no checkpoints)" in output
+    )  # the quiet fit still says what it decided

@@ -22,7 +22,9 @@ def calls(tmp_path_factory) -> dict:
     if proc.returncode != 0:
         pytest.fail(f"runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     calls = {(s, r): json.loads((out / f"{s}.rank{r}.json").read_text()) for s in SCHEDULES for r in (0, 1)}
-    calls["checkpoints"] = {s: torch.load(next((out / f"{s}-ckpt").glob("*.ckpt")), weights_only=False) for s in ("ddp", "topk")}
+    calls["checkpoints"] = {
+        s: torch.load(next((out / f"{s}-ckpt").glob("*.ckpt")), weights_only=False) for s in ("ddp", "topk")
+    }
     return calls
 
 
@@ -38,7 +40,9 @@ def test_the_hooks_run_as_under_ddp(calls, schedule):
     """topk: DGC's corrections step the SGD with momentum and weight decay 0, which no hook sees."""
     for rank in (0, 1):
         seen, reference = calls[(schedule, rank)], calls[("ddp", rank)]
-        assert [(kind, groups, terms) for kind, groups, _, terms in seen] == [(kind, groups, terms) for kind, groups, _, terms in reference]
+        assert [(kind, groups, terms) for kind, groups, _, terms in seen] == [
+            (kind, groups, terms) for kind, groups, _, terms in reference
+        ]
         for i, ((kind, _, weights, _), (_, _, expected, _)) in enumerate(zip(seen, reference)):
             assert weights == pytest.approx(expected, abs=1e-5), f"call {i} ({kind}) read other weights than under ddp"
 

@@ -59,8 +59,11 @@ def chain_reference(tmp_path_factory):
     proc = run_worker("run_failure.py", "chain-reference", str(out), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = torch.load(out / "reference.ckpt", weights_only=True)
-    buffers = {k: v for k, v in torch.load(out / "after-forward-4.ckpt", weights_only=True)["state_dict"].items() if ".running_" in k
-               or k.endswith("num_batches_tracked")}
+    buffers = {
+        k: v
+        for k, v in torch.load(out / "after-forward-4.ckpt", weights_only=True)["state_dict"].items()
+        if ".running_" in k or k.endswith("num_batches_tracked")
+    }
     reference["state_dict"].update(buffers)
     return reference
 
@@ -77,7 +80,9 @@ def test_a_dear_step_interrupted_part_way_is_taken_back(tmp_path, chain_referenc
     saved, output = _saved_after_failure(tmp_path, "gather-dies")
     assert "the last optimizer step was taken back (1 of 3 buckets had applied it" in output, output[-3000:]
     # Lightning counted step 3 before it was taken back: the checkpoint says so, and a resume from it is warned
-    assert saved["global_step"] == 4 and saved[state.AFTER_FAILURE_KEY].startswith("the last optimizer step was taken back")
+    assert saved["global_step"] == 4 and saved[state.AFTER_FAILURE_KEY].startswith(
+        "the last optimizer step was taken back"
+    )
     for key, value in chain_reference["state_dict"].items():
         assert torch.allclose(saved["state_dict"][key], value, atol=1e-6, rtol=0), key
     for ours, theirs in zip(_momenta(saved), _momenta(chain_reference), strict=True):
@@ -89,7 +94,9 @@ def test_without_rollback_copies_the_mixed_model_is_said_for_what_it_is(tmp_path
     assert "1 of 3 buckets hold the last optimizer step's update and the others do not" in output, output[-3000:]
     first = "layers.0.weight"
     assert not torch.allclose(saved["state_dict"][first], chain_reference["state_dict"][first], atol=1e-6, rtol=0)
-    assert torch.allclose(saved["state_dict"]["layers.5.weight"], chain_reference["state_dict"]["layers.5.weight"], atol=1e-6, rtol=0)
+    assert torch.allclose(
+        saved["state_dict"]["layers.5.weight"], chain_reference["state_dict"]["layers.5.weight"], atol=1e-6, rtol=0
+    )
 
 
 def test_a_resume_from_a_checkpoint_saved_after_a_failure_is_warned(caplog):
@@ -98,4 +105,6 @@ def test_a_resume_from_a_checkpoint_saved_after_a_failure_is_warned(caplog):
         state.warn_if_saved_after_failure({"global_step": 4, state.AFTER_FAILURE_KEY: held})
         state.warn_if_saved_after_failure({"global_step": 4})  # an ordinary checkpoint: nothing said
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "its step count (4) includes a step its weights do not hold" in said[0] and held in said[0]
+    assert (
+        len(said) == 1 and "its step count (4) includes a step its weights do not hold" in said[0] and held in said[0]
+    )

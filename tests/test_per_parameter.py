@@ -16,7 +16,13 @@ from schedulefree import SGDScheduleFree
 
 from commsched.errors import CommSchedConfigError
 from commsched.schedules.deferred_step import snapshot_hyperparams
-from commsched.schedules.per_parameter import (KNOWN_PER_PARAMETER, check_splits_exactly, per_parameter_classes, step_mode, step_with)
+from commsched.schedules.per_parameter import (
+    KNOWN_PER_PARAMETER,
+    check_splits_exactly,
+    per_parameter_classes,
+    step_mode,
+    step_with,
+)
 
 
 def _class(name: str) -> type:
@@ -52,6 +58,7 @@ def test_the_mode_by_class():
 
     class MySGD(torch.optim.SGD):  # a subclass may change the step: not trusted by its base class
         pass
+
     assert not step_mode(MySGD(params, lr=0.1), ()).split
     assert step_mode(MySGD(params, lr=0.1), (MySGD,)).split  # declared, and the check passes
     with pytest.raises(CommSchedConfigError, match="prodigyopt.prodigy.Prodigy does not step each parameter alone"):
@@ -78,8 +85,11 @@ def test_a_deferred_step_uses_its_own_hyperparameters_and_keeps_what_it_wrote():
         seen.append(group["lr"])
         group["d"] = group["d"] * 2  # group-level state, as Prodigy's d
         group["count"].add_(1)  # group-level state changed in place
+
     written = step_with(optimizer, hyper, step)
     assert seen == [0.5] and written == {"d", "count"}
     group = optimizer.param_groups[0]
     assert group["lr"] == 0.25 and group["d"] == 2.0 and float(group["count"]) == 1.0
-    assert float(group["scale"]) == 1.0 and group["scale"] is not hyper[0]["scale"]  # untouched: the run's own tensor back
+    assert (
+        float(group["scale"]) == 1.0 and group["scale"] is not hyper[0]["scale"]
+    )  # untouched: the run's own tensor back

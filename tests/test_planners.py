@@ -10,13 +10,13 @@ import random
 
 import pytest
 import torch
-from conftest import max_abs_diff, per_link
 
 from commsched.fusion.dear_model import DearInstance, min_backward, min_forward, plan_dear_model
 from commsched.fusion.mgwfbp import chain_end, plan_exact, plan_greedy
 from commsched.options import TuningOptions
 from commsched.planning.bayes import BucketSizeTuner
 from commsched.sim import AlphaBeta, Layer, Workload, builtin, timelines
+from conftest import max_abs_diff, per_link
 
 
 def partitions(n: int):
@@ -106,11 +106,22 @@ def test_dear_model_prediction_is_the_simulated_time_and_beats_fixed_buckets(wor
 
 
 def test_planners_cover_every_layer_with_gradients_once():
-    workload = Workload("w", (Layer("a", 100, 0.01, 0.02), Layer("relu", 0, 0.001, 0.001), Layer("b", 300, 0.01, 0.02),
-                              Layer("c", 50, 0.02, 0.04)), 1)
+    workload = Workload(
+        "w",
+        (
+            Layer("a", 100, 0.01, 0.02),
+            Layer("relu", 0, 0.001, 0.001),
+            Layer("b", 300, 0.01, 0.02),
+            Layer("c", 50, 0.02, 0.04),
+        ),
+        1,
+    )
     network = AlphaBeta(1e-3, 1e-9)
-    for buckets in (timelines.mgwfbp_buckets(workload, network, 2), timelines.mgwfbp_buckets(workload, network, 2, exact=False),
-                    timelines.dear_model_buckets(workload, network, 2)[0]):
+    for buckets in (
+        timelines.mgwfbp_buckets(workload, network, 2),
+        timelines.mgwfbp_buckets(workload, network, 2, exact=False),
+        timelines.dear_model_buckets(workload, network, 2)[0],
+    ):
         assert sorted(i for b in buckets for i in b) == [0, 2, 3]
         assert [max(b) for b in buckets] == sorted((max(b) for b in buckets), reverse=True)  # backward order
 
@@ -134,6 +145,7 @@ def test_bayes_spends_the_budget_when_every_size_is_a_new_layout():
 
 def test_bayes_measures_each_layout_once_and_stops_when_nothing_new_is_proposed():
     """Like a model whose gradients fit in 8 MB: every size from 8 MB up is the same single bucket."""
+
     def layout(mb: float) -> int:
         return -1 if mb >= 8 else round(math.log2(mb))  # below 8 MB: buckets of about 1, 2, 4 or 8 MB
 
@@ -221,14 +233,21 @@ def test_the_default_fusions_measured_choice_is_kept_across_a_resume(cases):
     """The checkpoint holds the verdict, both layouts and where the later checks stand: the resumed
     run keeps the layout without profiling or taking turns again, and counts on toward its next check."""
     results = cases(3)
-    first, resumed = (torch.load(results.directory / f"{case}-ckpt" / "last.ckpt", weights_only=False)["commsched"]["plan"]
-                      for case in ("wfbp-auto", "wfbp-auto-resume"))
+    first, resumed = (
+        torch.load(results.directory / f"{case}-ckpt" / "last.ckpt", weights_only=False)["commsched"]["plan"]
+        for case in ("wfbp-auto", "wfbp-auto-resume")
+    )
     assert first["auto"] is not None and resumed["auto"]["verdict"] == first["auto"]["verdict"]
-    assert resumed["auto"]["candidate"] == first["auto"]["candidate"] and resumed["auto"]["fixed"] == first["auto"]["fixed"]
+    assert (
+        resumed["auto"]["candidate"] == first["auto"]["candidate"]
+        and resumed["auto"]["fixed"] == first["auto"]["fixed"]
+    )
     assert resumed["auto"]["rechecks"]["iterations"] == first["auto"]["rechecks"]["iterations"] + 12
     assert resumed["decided"] == first["decided"]
     for rank, result in enumerate(results.all_ranks("wfbp-auto-resume")):
-        assert len(set(result["layouts"])) == 1, f"rank {rank}: the layout changed after the resume: {result['layouts']}"
+        assert len(set(result["layouts"])) == 1, (
+            f"rank {rank}: the layout changed after the resume: {result['layouts']}"
+        )
         diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])
         assert diff <= TOLERANCE, f"rank {rank}: {key} differs from ddp by {diff:.3g}"
 

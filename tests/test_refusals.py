@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
-import pytest
-
-import commsched
 import lightning.pytorch as pl
-from commsched import CommSchedConfigError, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
+import commsched
+from commsched import CommSchedConfigError, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 from conftest import ended_with_an_error, run_worker
 
 
@@ -36,17 +35,32 @@ def test_every_argument_has_a_default():
         ({"bucket_cap_mb": math.nan}, "{cls}(bucket_cap_mb={v})", math.nan, "a number > 0"),
         ({"bucket_cap_mb": "25"}, "{cls}(bucket_cap_mb={v})", "25", "number"),
         ({"bucket_cap_mb": True}, "{cls}(bucket_cap_mb={v})", True, "number"),
-        ({"fusion": "mgwfbp2"}, "{cls}(fusion={v})", "mgwfbp2", "'fixed', 'layers', 'mgwfbp', 'mgwfbp-greedy', 'dear-model', 'bayes'"),
+        (
+            {"fusion": "mgwfbp2"},
+            "{cls}(fusion={v})",
+            "mgwfbp2",
+            "'fixed', 'layers', 'mgwfbp', 'mgwfbp-greedy', 'dear-model', 'bayes'",
+        ),
         ({"fusion": 3}, "{cls}(fusion={v})", 3, "FusionOptions"),
         ({"fusion": FusionOptions(profile_steps=0)}, "FusionOptions(profile_steps={v})", 0, ">= 1"),
         ({"fusion": FusionOptions(profile_warmup_steps=-1)}, "FusionOptions(profile_warmup_steps={v})", -1, ">= 0"),
         ({"fusion": FusionOptions(bucket_layers=1.5)}, "FusionOptions(bucket_layers={v})", 1.5, "integer"),
-        ({"fusion": FusionOptions(plan_file="/nonexistent/plan.json")}, "FusionOptions(plan_file={v})", "/nonexistent/plan.json", "a plan JSON"),
+        (
+            {"fusion": FusionOptions(plan_file="/nonexistent/plan.json")},
+            "FusionOptions(plan_file={v})",
+            "/nonexistent/plan.json",
+            "a plan JSON",
+        ),
         ({"tuning": TuningOptions(trials=0)}, "TuningOptions(trials={v})", 0, ">= 1"),
         ({"tuning": TuningOptions(trial_steps=2.5)}, "TuningOptions(trial_steps={v})", 2.5, "integer"),
         ({"tuning": TuningOptions(warmup_steps=-1)}, "TuningOptions(warmup_steps={v})", -1, ">= 0"),
         ({"tuning": TuningOptions(min_mb=0)}, "TuningOptions(min_mb={v})", 0, "> 0"),
-        ({"tuning": TuningOptions(first_mb=500)}, "TuningOptions(first_mb={v})", 500, "within tuning.min_mb..tuning.max_mb"),
+        (
+            {"tuning": TuningOptions(first_mb=500)},
+            "TuningOptions(first_mb={v})",
+            500,
+            "within tuning.min_mb..tuning.max_mb",
+        ),
         ({"profile": -2}, "ProfileOptions(steps={v})", -2, ">= 0"),
         ({"profile": ProfileOptions(probe="yes")}, "ProfileOptions(probe={v})", "yes", "True or False"),
         ({"links": LinkOptions(primary_backend="mpi")}, "LinkOptions(primary_backend={v})", "mpi", "'gloo', 'nccl'"),
@@ -59,7 +73,12 @@ def test_every_argument_has_a_default():
         ({"deft": DeFTOptions(capacity=0)}, "DeFTOptions(capacity={v})", 0, "a number > 0"),
         ({"deft": DeFTOptions(warmup_steps=-1)}, "DeFTOptions(warmup_steps={v})", -1, ">= 0"),
         ({"deft": DeFTOptions(cost_repeats=0)}, "DeFTOptions(cost_repeats={v})", 0, ">= 1"),
-        ({"deft": DeFTOptions(fallback="sometimes")}, "DeFTOptions(fallback={v})", "sometimes", "'when_faster', 'when_undelayed', 'never'"),
+        (
+            {"deft": DeFTOptions(fallback="sometimes")},
+            "DeFTOptions(fallback={v})",
+            "sometimes",
+            "'when_faster', 'when_undelayed', 'never'",
+        ),
         ({"deft": "fast"}, "{cls}(deft={v})", "fast", "DeFTOptions"),
     ],
 )
@@ -69,15 +88,23 @@ def test_bad_argument_names_field_and_allowed_values(cls, kwargs, spelled, value
     with pytest.raises(CommSchedConfigError) as error:
         cls(**kwargs)
     message = str(error.value)
-    assert message.startswith(f"commsched: invalid {spelled.format(cls=cls.__name__, v=repr(value))}; allowed: "), message
+    assert message.startswith(f"commsched: invalid {spelled.format(cls=cls.__name__, v=repr(value))}; allowed: "), (
+        message
+    )
     assert allowed in message
 
 
-@pytest.mark.parametrize("kwargs, fix", [
-    ({"compression": commsched.CompressionOptions(density=0)}, "Fix: e.g. CompressionOptions(density=0.01) (the default)."),
-    ({"fusion": "greedy"}, "Fix: did you mean {cls}(fusion='mgwfbp-greedy')?"),
-    ({"fusion": FusionOptions(profile_steps=0)}, "Fix: e.g. FusionOptions(profile_steps=5) (the default)."),
-])
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        (
+            {"compression": commsched.CompressionOptions(density=0)},
+            "Fix: e.g. CompressionOptions(density=0.01) (the default).",
+        ),
+        ({"fusion": "greedy"}, "Fix: did you mean {cls}(fusion='mgwfbp-greedy')?"),
+        ({"fusion": FusionOptions(profile_steps=0)}, "Fix: e.g. FusionOptions(profile_steps=5) (the default)."),
+    ],
+)
 def test_a_refusal_says_how_to_fix_it(kwargs, fix):
     with pytest.raises(CommSchedConfigError) as error:
         commsched.WFBPStrategy(**kwargs)
@@ -91,15 +118,21 @@ def test_density_is_refused_in_the_same_words_whatever_is_wrong():
 
 
 def test_a_network_interface_this_machine_lacks_is_refused_before_any_worker():
-    with pytest.raises(CommSchedConfigError, match=r"invalid LinkOptions\(secondary_ifname='eth9'\); allowed: a network "
-                       r"interface of this machine: lo"):
+    with pytest.raises(
+        CommSchedConfigError,
+        match=r"invalid LinkOptions\(secondary_ifname='eth9'\); allowed: a network "
+        r"interface of this machine: lo",
+    ):
         commsched.DeFTStrategy(links=LinkOptions(secondary_ifname="eth9"))
     commsched.DeFTStrategy(links=LinkOptions(secondary_ifname="lo"))
 
 
 def test_an_unknown_argument_is_refused_with_the_closest_known_one():
-    with pytest.raises(CommSchedConfigError, match=r"DeARStrategy\(\) has no argument 'bucket_cap'; allowed: schedule, fusion, "
-                       r"bucket_cap_mb, .* Fix: did you mean DeARStrategy\(bucket_cap_mb=...\)\?"):
+    with pytest.raises(
+        CommSchedConfigError,
+        match=r"DeARStrategy\(\) has no argument 'bucket_cap'; allowed: schedule, fusion, "
+        r"bucket_cap_mb, .* Fix: did you mean DeARStrategy\(bucket_cap_mb=...\)\?",
+    ):
         commsched.DeARStrategy(bucket_cap=2)
     with pytest.raises(CommSchedConfigError, match="has no argument 'find_unused_parameters'"):
         commsched.DeARStrategy(find_unused_parameters=True)
@@ -127,16 +160,19 @@ def test_refused_in_workers_with_clear_error(mode, message, tmp_path):
     assert message in output
 
 
-@pytest.mark.parametrize("kwargs, allowed", [
-    ({"eps": 0}, "(0, 1)"),
-    ({"eps": 1.5}, "(0, 1)"),
-    ({"max_tries": 0}, ">= 1"),
-    ({"growth": 1.0}, "> 1"),
-    ({"batch_size": 0}, ">= 1"),
-    ({"max_staleness": -1}, ">= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, allowed",
+    [
+        ({"eps": 0}, "(0, 1)"),
+        ({"eps": 1.5}, "(0, 1)"),
+        ({"max_tries": 0}, ">= 1"),
+        ({"growth": 1.0}, "> 1"),
+        ({"batch_size": 0}, ">= 1"),
+        ({"max_staleness": -1}, ">= 0"),
+    ],
+)
 def test_preserver_refuses_bad_settings(kwargs, allowed):
     with pytest.raises(CommSchedConfigError) as error:
         commsched.Preserver(**kwargs)
-    (name, value), = kwargs.items()
+    ((name, value),) = kwargs.items()
     assert f"invalid Preserver({name}={value!r})" in str(error.value) and allowed in str(error.value)

@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from lightning.pytorch.strategies import StrategyRegistry
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from lightning.pytorch.strategies import StrategyRegistry
 
 import commsched
 from commsched import CommSchedConfigError
-from commsched.cli.config import own_nodes, register_configs, train_schedule_names, train_config, train_schema, validate
+from commsched.cli.config import own_nodes, register_configs, train_config, train_schedule_names, train_schema, validate
 from commsched.options import DeAROptions, DeFTOptions, non_negative_int, option
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "custom_schedule.py"
@@ -42,12 +42,17 @@ def test_python_gives_the_schedule_its_validated_options(example):
     assert settings is strategy.options.schedule_options  # what the schedule reads as self.settings
     with pytest.raises(CommSchedConfigError, match=r"after_backward\.in_flight=-1; allowed: an integer >= 0"):
         commsched.STRATEGIES["after_backward"](schedule_options=example.AfterBackwardOptions(in_flight=-1))
-    with pytest.raises(CommSchedConfigError, match=r"schedule_options=\{'in_flight': 2\}\); allowed: a after_backward.AfterBackwardOptions"):
+    with pytest.raises(
+        CommSchedConfigError,
+        match=r"schedule_options=\{'in_flight': 2\}\); allowed: a after_backward.AfterBackwardOptions",
+    ):
         commsched.STRATEGIES["after_backward"](schedule_options={"in_flight": 2})
 
 
 def test_a_schedule_without_options_of_its_own_refuses_them():
-    with pytest.raises(CommSchedConfigError, match="schedule_options=.*allowed: None: schedule wfbp declares no options of its own"):
+    with pytest.raises(
+        CommSchedConfigError, match="schedule_options=.*allowed: None: schedule wfbp declares no options of its own"
+    ):
         commsched.WFBPStrategy(schedule_options=DeAROptions())
 
 
@@ -101,8 +106,11 @@ def test_registering_refuses_options_an_inherited_settings_for_would_drop():
         name = "wfbp_with_options"
         options_class = Extra
 
-    with pytest.raises(CommSchedConfigError, match=r"options_class Extra would never reach the schedule: the settings_for it "
-                                                    r"inherits from WFBPSchedule builds WFBPSchedule's own settings"):
+    with pytest.raises(
+        CommSchedConfigError,
+        match=r"options_class Extra would never reach the schedule: the settings_for it "
+        r"inherits from WFBPSchedule builds WFBPSchedule's own settings",
+    ):
         commsched.register_schedule(WFBPWithOptions)
 
     class WFBPHandingThemOver(WFBPWithOptions):
@@ -136,7 +144,11 @@ def test_the_command_line_has_a_node_named_after_the_schedule(example):
     assert train.after_backward == example.AfterBackwardOptions(in_flight=2)
     for schedule in ("after_backward", "wfbp"):  # checked whichever schedule runs, as dear.* and deft.* are
         with pytest.raises(CommSchedConfigError, match=r"after_backward\.in_flight=-1; allowed: an integer >= 0"):
-            validate(train_config(composed("plugins=[after_backward]", f"schedule={schedule}", "after_backward.in_flight=-1")))
+            validate(
+                train_config(
+                    composed("plugins=[after_backward]", f"schedule={schedule}", "after_backward.in_flight=-1")
+                )
+            )
 
 
 def test_a_schedule_named_like_a_node_of_the_configuration_is_refused():
@@ -156,8 +168,11 @@ def test_a_schedule_named_like_a_node_of_the_configuration_is_refused():
             pass
 
     try:
-        with pytest.raises(CommSchedConfigError, match=r"schedule 'seed' \(registered by a plugin\) has options of its own, "
-                                                        r"and its name is a node of the configuration already \(.*seed"):
+        with pytest.raises(
+            CommSchedConfigError,
+            match=r"schedule 'seed' \(registered by a plugin\) has options of its own, "
+            r"and its name is a node of the configuration already \(.*seed",
+        ):
             own_nodes(True)
     finally:
         commsched.SCHEDULES.pop("seed")

@@ -8,8 +8,7 @@ import random
 import pytest
 
 from commsched.errors import CommSchedConfigError
-from commsched.sim import SIM_SCHEDULES, AlphaBeta, Fitted, Layer, Line, Workload, builtin, simulate
-from commsched.sim import cli, timelines
+from commsched.sim import SIM_SCHEDULES, AlphaBeta, Fitted, Layer, Line, Workload, builtin, cli, simulate, timelines
 
 BUILTINS = {name: builtin(name) for name in ("resnet50", "vgg16", "gpt2")}
 RING_10G = AlphaBeta.from_rate(10e9, 50e-6)
@@ -37,8 +36,9 @@ def random_buckets(rng: random.Random, workload: Workload) -> list[list[int]]:
 
 
 def uniform_workload(layers: int, t_ff: float, t_bp: float, nbytes: float) -> Workload:
-    return Workload("uniform", tuple(
-        Layer(f"l{i}", int(nbytes / layers), t_ff / layers, t_bp / layers) for i in range(layers)), 1)
+    return Workload(
+        "uniform", tuple(Layer(f"l{i}", int(nbytes / layers), t_ff / layers, t_bp / layers) for i in range(layers)), 1
+    )
 
 
 @pytest.mark.parametrize("name", SIM_SCHEDULES)
@@ -178,17 +178,25 @@ def test_cli_writes_table_csv_plot_and_traces(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "resnet50" in printed and "dear" in printed
     rows = list(csv.DictReader((tmp_path / "simulate.csv").open()))
-    assert [(r["workers"], r["schedule"]) for r in rows] == [("2", "wfbp"), ("2", "dear"), ("64", "wfbp"), ("64", "dear")]
+    assert [(r["workers"], r["schedule"]) for r in rows] == [
+        ("2", "wfbp"),
+        ("2", "dear"),
+        ("64", "wfbp"),
+        ("64", "dear"),
+    ]
     assert (tmp_path / "speedup.png").stat().st_size > 0
     assert (tmp_path / "trace_dear_P2.json").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["--schedules", "wfbp,fast"], "--schedules"),
-    (["--workers", "2,zero"], "--workers"),
-    (["--workload", "alexnet"], "--workload"),
-    (["--bandwidth", "fast"], "rate"),
-])
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--schedules", "wfbp,fast"], "--schedules"),
+        (["--workers", "2,zero"], "--workers"),
+        (["--workload", "alexnet"], "--workload"),
+        (["--bandwidth", "fast"], "rate"),
+    ],
+)
 def test_cli_bad_input_names_the_field(argv: list[str], field: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -260,7 +268,9 @@ def test_the_simulator_counts_the_one_dimensional_values_sent_whole():
     assert sent_bytes(4_000_000, 0.01, 40_000) == 8 * k + 40_000
     work = Workload("one", (Layer("only", 4_000_000, 0.005, 0.010, 40_000),), batch_size=1)
     inter = AlphaBeta(alpha=1e-4, beta=1e-8)
-    assert simulate("topk", work, inter, 16, density=0.01).iteration_s == pytest.approx(0.015 + 15 * (1e-4 + (8 * k + 40_000) * 1e-8))
+    assert simulate("topk", work, inter, 16, density=0.01).iteration_s == pytest.approx(
+        0.015 + 15 * (1e-4 + (8 * k + 40_000) * 1e-8)
+    )
     resnet = builtin("resnet50")
     whole = sum(layer.whole_nbytes for layer in resnet.layers)
     assert 0.001 < whole / resnet.nbytes < 0.01  # ResNet-50: 0.2% of its elements are one-dimensional
@@ -268,8 +278,20 @@ def test_the_simulator_counts_the_one_dimensional_values_sent_whole():
 
 
 def test_simulate_cli_takes_the_compression_options(capsys):
-    cli.main(["--workload", "vgg16", "--schedules", "wfbp,topk,hitopk,hier_dense", "--workers", "16,2048",
-              "--density", "0.001", "--gpus-per-node", "8"])
+    cli.main(
+        [
+            "--workload",
+            "vgg16",
+            "--schedules",
+            "wfbp,topk,hitopk,hier_dense",
+            "--workers",
+            "16,2048",
+            "--density",
+            "0.001",
+            "--gpus-per-node",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     assert "hitopk" in out and "2048" in out
     with pytest.raises(SystemExit):

@@ -42,8 +42,15 @@ def _iterate(stepper: Stepper, curvature: float, staleness: int, steps: int = 40
     return abs(history[-1])
 
 
-@pytest.mark.parametrize("stepper", [Stepper(0.05, 0.9, weight_decay=5e-4), Stepper(0.1, 0.5, dampening=0.2),
-                                     Stepper(0.02, 0.9, nesterov=True), Stepper(0.3)])
+@pytest.mark.parametrize(
+    "stepper",
+    [
+        Stepper(0.05, 0.9, weight_decay=5e-4),
+        Stepper(0.1, 0.5, dampening=0.2),
+        Stepper(0.02, 0.9, nesterov=True),
+        Stepper(0.3),
+    ],
+)
 @pytest.mark.parametrize("staleness", [0, 1, 2, 3])
 def test_stability_band_matches_the_iterated_optimizer(stepper, staleness):
     edge = largest_stable_curvature(stepper, staleness)
@@ -52,8 +59,9 @@ def test_stability_band_matches_the_iterated_optimizer(stepper, staleness):
     assert spectral_radius(stepper, 0.9 * edge, staleness) < 1 < spectral_radius(stepper, 1.1 * edge, staleness)
 
 
-def _iterate_reference(lr: float, momentum: float, decay: float, curvature: float, staleness: int, compensation: str,
-                       steps: int = 3000) -> float:
+def _iterate_reference(
+    lr: float, momentum: float, decay: float, curvature: float, staleness: int, compensation: str, steps: int = 3000
+) -> float:
     """|x| after `steps` of the single-process reference's compensated stale SGD (`stale_reference.StaleSGD`,
     written from the paper apart from the product) on f(x) = curvature x^2 / 2."""
     x = torch.ones(1, dtype=torch.float64)
@@ -86,7 +94,13 @@ def test_compensation_widens_the_one_step_stale_band_at_momentum_0_9():
     stepper = Stepper(0.05, 0.9)
     bands = {c: largest_stable_curvature(stepper, 1, c) for c in ("none", "spike", "predict", "spike+predict")}
     assert bands["none"] == pytest.approx(0.1 / 0.05, rel=1e-6)
-    assert bands["none"] < bands["spike"] < bands["predict"] < bands["spike+predict"] < largest_stable_curvature(stepper, 0) / 10
+    assert (
+        bands["none"]
+        < bands["spike"]
+        < bands["predict"]
+        < bands["spike+predict"]
+        < largest_stable_curvature(stepper, 0) / 10
+    )
     assert bands["spike+predict"] / bands["none"] == pytest.approx(3.45, abs=0.05)
 
 
@@ -106,11 +120,16 @@ def test_top_curvature_of_known_hessians():
     x = torch.nn.Parameter(torch.randn(12, dtype=torch.float64))
     assert top_curvature(0.5 * x @ hessian @ x, [x], iterations=200, tolerance=1e-9) == pytest.approx(7.5, rel=1e-3)
     # the most negative eigenvalue dominates: the top one is still found
-    flipped = q @ torch.diag(torch.tensor([2.0, 1.0, 0.5, 0.0, -1, -3, -5, -9, -7, -2, -1, -0.5], dtype=torch.float64)) @ q.T
+    flipped = (
+        q @ torch.diag(torch.tensor([2.0, 1.0, 0.5, 0.0, -1, -3, -5, -9, -7, -2, -1, -0.5], dtype=torch.float64)) @ q.T
+    )
     assert top_curvature(0.5 * x @ flipped @ x, [x], iterations=400, tolerance=1e-10) == pytest.approx(2.0, rel=1e-2)
     # least squares over two parameter tensors: H = 2 X^T X / n
     data = torch.randn(64, 5, dtype=torch.float64)
-    w, b = torch.nn.Parameter(torch.randn(5, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    w, b = (
+        torch.nn.Parameter(torch.randn(5, dtype=torch.float64)),
+        torch.nn.Parameter(torch.zeros(1, dtype=torch.float64)),
+    )
     loss = ((data @ w + b - 1.0) ** 2).mean()
     design = torch.cat([data, torch.ones(64, 1, dtype=torch.float64)], 1)
     truth = float(torch.linalg.eigvalsh(2 * design.T @ design / 64).max())
@@ -146,8 +165,10 @@ def test_stale_reference_reproduces_the_digits_table_and_the_guard_rejects_the_h
     torch.set_num_threads(1)
 
     def accuracy(lr: float, momentum: float, staleness: int) -> float:
-        return statistics.mean(train(lr, momentum, staleness, epochs=3, seed=seed, width=8, model_name="resnet18").accuracy
-                               for seed in range(3))
+        return statistics.mean(
+            train(lr, momentum, staleness, epochs=3, seed=seed, width=8, model_name="resnet18").accuracy
+            for seed in range(3)
+        )
 
     assert accuracy(0.05, 0.9, 0) - accuracy(0.05, 0.9, 1) > 0.05
     assert abs(accuracy(0.1, 0.5, 0) - accuracy(0.1, 0.5, 1)) < 0.02
@@ -162,7 +183,10 @@ def _gradients(params: list[torch.Tensor], steps: int = 6) -> list[list[torch.Te
 
 
 def _fresh() -> list[torch.Tensor]:
-    return [torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(1))), torch.nn.Parameter(torch.ones(5))]
+    return [
+        torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(1))),
+        torch.nn.Parameter(torch.ones(5)),
+    ]
 
 
 def _torchs_and_reference_weights(torch_options: dict, momentum: float, compensation: str) -> tuple[list, list]:

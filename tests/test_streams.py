@@ -36,7 +36,11 @@ def test_units_tile_every_bucket_and_go_round_robin(streams, unit_bytes, world):
     plan = build_plan(model, world, lambda infos: plan_fixed(infos, cap_bytes=2000))
     units = plan_units(plan, Striping(streams, unit_bytes / 2**20))
     flat = [u for bucket_units in units for u in bucket_units]
-    assert [u.stream for u in flat] == [i % streams for i in range(len(flat))] if streams > 1 else all(u.stream == 0 for u in flat)
+    assert (
+        [u.stream for u in flat] == [i % streams for i in range(len(flat))]
+        if streams > 1
+        else all(u.stream == 0 for u in flat)
+    )
     for bucket, mine in zip(plan.buckets, units):
         covered = torch.zeros(bucket.buffer.numel(), dtype=torch.int64)
         for u in mine:
@@ -80,8 +84,12 @@ def capped_network(s: Striping, two_level_gain: float = 1.0) -> float:
 def bowl(seed: int):
     draw = random.Random(seed)
     s0, u0, a, b = draw.uniform(0, 4), draw.uniform(-1, 5), draw.uniform(0.05, 0.5), draw.uniform(0.02, 0.2)
-    return lambda s: (1 + a * (math.log2(s.streams) - s0) ** 2 + (b * (math.log2(s.unit_mb) - u0) ** 2 if s.streams > 1 else 0)
-                      + (0.3 if s.streams == 1 else 0))
+    return lambda s: (
+        1
+        + a * (math.log2(s.streams) - s0) ** 2
+        + (b * (math.log2(s.unit_mb) - u0) ** 2 if s.streams > 1 else 0)
+        + (0.3 if s.streams == 1 else 0)
+    )
 
 
 def searched(cost, space: Space, seed: int, trials: int = 25) -> float:
@@ -142,7 +150,9 @@ def stepped(ranks: list[StreamControl], steps: int) -> list[list[Striping]]:
     return ran
 
 
-SMALL_SEARCH = StreamOptions(warmup_steps=1, trial_steps=2, budget_steps=12, max_streams=4, min_unit_mb=1.0, max_unit_mb=4.0)
+SMALL_SEARCH = StreamOptions(
+    warmup_steps=1, trial_steps=2, budget_steps=12, max_streams=4, min_unit_mb=1.0, max_unit_mb=4.0
+)
 CONFIRMING = 2 * SMALL_SEARCH.confirm_rounds * 2
 """Steps after the search while its best and one stream take turns: 2 arms, the rounds, a switch step and one timed."""
 
@@ -174,14 +184,36 @@ def test_the_closing_line_says_which_configuration_ran():
     assert StreamControl(1, StreamOptions()).finish() is None
     assert StreamControl(4, StreamOptions(unit_mb=4.0)).finish() == "streams: 4 streams, 4 MB units (fixed)"
     fresh = StreamControl("auto", SMALL_SEARCH)
-    assert fresh.finish() == ("streams search unfinished after 0 of ~6 trials: ran 1 stream; nothing measured yet; "
-                              "resume or run longer to finish it") and fresh.files() == []
+    assert (
+        fresh.finish()
+        == (
+            "streams search unfinished after 0 of ~6 trials: ran 1 stream; nothing measured yet; "
+            "resume or run longer to finish it"
+        )
+        and fresh.files() == []
+    )
 
 
 # ------------------------------------------------------------------ real runs
-CASES = ["ddp-s1", "wfbp-s3", "dear-s3", "wfbp-auto", "dear-auto", "wfbp-s4-delayed", "dear-s4-delayed",
-         "ddp-s1-part", "ddp-s1-resumed", "dear-auto-part", "dear-auto-resumed", "wfbp-auto-drift", "wfbp-s3-profiled",
-         "ddp-s1-cut", "ddp-s1-cut-resumed", "dear-auto-cut", "dear-auto-cut-resumed"]
+CASES = [
+    "ddp-s1",
+    "wfbp-s3",
+    "dear-s3",
+    "wfbp-auto",
+    "dear-auto",
+    "wfbp-s4-delayed",
+    "dear-s4-delayed",
+    "ddp-s1-part",
+    "ddp-s1-resumed",
+    "dear-auto-part",
+    "dear-auto-resumed",
+    "wfbp-auto-drift",
+    "wfbp-s3-profiled",
+    "ddp-s1-cut",
+    "ddp-s1-cut-resumed",
+    "dear-auto-cut",
+    "dear-auto-cut-resumed",
+]
 
 
 @pytest.fixture(scope="module")
@@ -260,15 +292,21 @@ def test_a_search_cut_short_goes_on_from_its_trials_on_resume(runs):
     """dear-auto-cut checkpointed at step 6 with 2 of its 4 trials measured (it ran on to step 8, a
     third); resumed from there, the search measures the third again, then a fourth, and chooses."""
     cut, resumed = runs("dear-auto-cut"), runs("dear-auto-cut-resumed")
-    assert resumed["trials"][:2] == cut["trials"][:2] and len(resumed["trials"]) == 4  # the budget kept, not spent again
+    assert (
+        resumed["trials"][:2] == cut["trials"][:2] and len(resumed["trials"]) == 4
+    )  # the budget kept, not spent again
     assert [t["streams"] for t in resumed["trials"]].count(1) == 1  # trial 1's one stream not measured again
     measured = [Striping.from_json(t) for t in resumed["trials"]]
     assert len(set(measured)) == 4 and measured[2] == Striping.from_json(cut["trials"][2])  # where it stopped
-    assert "commsched streams: resuming the search at trial 3 of about 4 (4 steps of its budget left)" in resumed["said"]
+    assert (
+        "commsched streams: resuming the search at trial 3 of about 4 (4 steps of its budget left)" in resumed["said"]
+    )
     for rank in (0, 1):
         assert runs("dear-auto-cut-resumed", rank)["trials"] == resumed["trials"]
         assert runs("dear-auto-cut-resumed", rank)["chosen"] == resumed["chosen"] is not None
-        diff, key = max_abs_diff(runs("dear-auto-cut-resumed", rank)["state"], runs("ddp-s1-cut-resumed", rank)["state"])
+        diff, key = max_abs_diff(
+            runs("dear-auto-cut-resumed", rank)["state"], runs("ddp-s1-cut-resumed", rank)["state"]
+        )
         assert diff <= 1e-5, f"rank {rank}: {key} differs from ddp resumed by {diff:.3g}"
     assert per_link(runs("dear-auto-cut-resumed", 0)["trace"]) == per_link(runs("dear-auto-cut-resumed", 1)["trace"])
 
@@ -277,8 +315,10 @@ def test_a_run_shorter_than_the_search_says_which_configuration_it_ran(runs):
     cut = runs("dear-auto-cut")
     assert cut["chosen"] is None and len(cut["trials"]) == 3
     ran, best = Striping.from_json(cut["striping"]).describe(), min(cut["trials"], key=lambda t: t["step_s"])
-    assert cut["finish"].startswith(f"streams search unfinished after 3 of ~4 trials: ran {ran}; "
-                                    f"best measured {Striping.from_json(best).describe()} ({best['step_s'] * 1e3:.1f} ms/step")
+    assert cut["finish"].startswith(
+        f"streams search unfinished after 3 of ~4 trials: ran {ran}; "
+        f"best measured {Striping.from_json(best).describe()} ({best['step_s'] * 1e3:.1f} ms/step"
+    )
     assert cut["finish"].endswith("resume or run longer to finish it")
     assert runs("dear-auto-cut", 1)["finish"] == cut["finish"]  # every rank can say it
     assert cut["finish"] not in cut["said"]  # not said on its own: the caller prints it, in its closing summary
@@ -312,7 +352,9 @@ def test_a_slower_network_after_the_search_reopens_it_from_one_stream(runs):
     assert first >= 4 and trials[first - 1]["technique"] != "start"
     reopened = trials[first:]
     assert any(t["streams"] == 1 for t in reopened)
-    assert min(t["step_s"] for t in reopened) > 2 * min(t["step_s"] for t in trials[:first])  # measured after the slow-down
+    assert min(t["step_s"] for t in reopened) > 2 * min(
+        t["step_s"] for t in trials[:first]
+    )  # measured after the slow-down
 
 
 def test_bad_stream_values_are_refused_before_spawning():
@@ -338,13 +380,28 @@ def test_hydra_runs_the_search_and_leaves_its_trials_beside_the_run(tmp_path):
     from test_cli_everyday import SMALL, train
 
     run = tmp_path / "run"
-    proc = train(run, *SMALL, "schedule=dear", "streams=auto", "stream_options.budget_steps=6", "stream_options.trial_steps=2", "stream_options.warmup_steps=1",
-                 "stream_options.max_streams=3", "stream_options.min_unit_mb=0.01", "stream_options.max_unit_mb=0.04",
-                 "trainer.devices=2", "trainer.max_steps=21", "checkpoint.enabled=false", "fusion=fixed")
+    proc = train(
+        run,
+        *SMALL,
+        "schedule=dear",
+        "streams=auto",
+        "stream_options.budget_steps=6",
+        "stream_options.trial_steps=2",
+        "stream_options.warmup_steps=1",
+        "stream_options.max_streams=3",
+        "stream_options.min_unit_mb=0.01",
+        "stream_options.max_unit_mb=0.04",
+        "trainer.devices=2",
+        "trainer.max_steps=21",
+        "checkpoint.enabled=false",
+        "fusion=fixed",
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert "commsched streams: trial 1/~3 (start): 1 stream: " in output
-    assert "commsched streams: chose" in output or "commsched streams: on alternating steps" in output  # (best: one stream, or confirmed)
+    assert (
+        "commsched streams: chose" in output or "commsched streams: on alternating steps" in output
+    )  # (best: one stream, or confirmed)
     saved = json.loads((run / "commsched_streams.json").read_text())
     assert saved["chosen"] is not None and len(saved["trials"]) == 3
     assert (run / "commsched_streams.png").stat().st_size > 0

@@ -35,7 +35,9 @@ def test_trains_the_model_ddp_trains(runs, schedule, optimizer):
         got = runs(f"{schedule}-{optimizer}", rank)
         diff, where = max_abs_diff(got["state"], reference["state"])
         assert diff <= 1e-5, f"{schedule} with {optimizer}, rank {rank}: {diff:.2e} from ddp at {where}"
-        assert got["reads"] == pytest.approx(reference["reads"], abs=1e-5), "a global hook read other weights than under ddp"
+        assert got["reads"] == pytest.approx(reference["reads"], abs=1e-5), (
+            "a global hook read other weights than under ddp"
+        )
 
 
 def test_the_reference_moves(runs):

@@ -88,7 +88,12 @@ def test_printing_a_pending_tensor_applies_nothing_and_says_it_is_pending(layer)
     before = layer.weight.detach().clone()
     recorder = Recorder()
     recorder.mark(0, [layer.weight, *optimizer.state[layer.weight].values()])
-    shown = [repr(layer.weight), str(layer.weight), f"{layer.weight}", repr(optimizer.state[layer.weight]["momentum_buffer"])]
+    shown = [
+        repr(layer.weight),
+        str(layer.weight),
+        f"{layer.weight}",
+        repr(optimizer.state[layer.weight]["momentum_buffer"]),
+    ]
     assert recorder.calls == [] and type(layer.weight) is not nn.Parameter
     assert all("pending; the update of bucket 0" in text for text in shown), shown
     assert shown[0].startswith(repr(nn.Parameter(before))), "the values it holds now, as a parameter prints them"
@@ -97,8 +102,19 @@ def test_printing_a_pending_tensor_applies_nothing_and_says_it_is_pending(layer)
     assert "pending" not in repr(layer.weight)
 
 
-@pytest.mark.parametrize("how", [lambda w: w.shape, lambda w: w.dtype, lambda w: w.device, lambda w: w.requires_grad,
-                                 lambda w: w.numel(), lambda w: w.size(0), lambda w: hash(w), lambda w: w.dim()])
+@pytest.mark.parametrize(
+    "how",
+    [
+        lambda w: w.shape,
+        lambda w: w.dtype,
+        lambda w: w.device,
+        lambda w: w.requires_grad,
+        lambda w: w.numel(),
+        lambda w: w.size(0),
+        lambda w: hash(w),
+        lambda w: w.dim(),
+    ],
+)
 def test_metadata_is_not_a_touch(layer, how):
     recorder = Recorder()
     recorder.mark(0, [layer.weight])

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commsched.errors import PeerFailureError
 from commsched.comm.works import Issuer, Pending
+from commsched.errors import PeerFailureError
 
 
 @pytest.fixture
@@ -64,6 +64,7 @@ def test_a_second_stage_is_not_issued_after_its_first_stage_failed(one_process_g
     def launch() -> dist.Work:
         launched.append(1)
         return dist.all_reduce(torch.ones(1), async_op=True)
+
     try:
         second = issuer.request(Pending("second stage"), launch, after=first, offload=queued)
         with pytest.raises(PeerFailureError, match="the first stage failed"):
@@ -81,8 +82,9 @@ def test_continuations_asked_for_at_random_moments_all_run_in_order(one_process_
     try:
         for i in range(300):
             tensor = torch.full((4,), float(i))
-            pending = issuer.request(Pending(f"all_reduce {i}"), lambda t=tensor: dist.all_reduce(t, async_op=True),
-                                     offload=True)
+            pending = issuer.request(
+                Pending(f"all_reduce {i}"), lambda t=tensor: dist.all_reduce(t, async_op=True), offload=True
+            )
             ran: list[int] = []
             for k in range(3):
                 if rng.random() < 0.5:
@@ -98,7 +100,9 @@ def test_a_local_error_in_a_continuation_is_named_for_what_it_is(one_process_gro
     """A shape error in the local sum after a collective is this process's bug, not a dead peer."""
     issuer = Issuer("test", timeout_s=60)
     try:
-        pending = issuer.request(Pending("all_reduce of bucket 0"), lambda: dist.all_reduce(torch.ones(3), async_op=True))
+        pending = issuer.request(
+            Pending("all_reduce of bucket 0"), lambda: dist.all_reduce(torch.ones(3), async_op=True)
+        )
         pending.then(lambda: torch.ones(3) + torch.ones(4))
         with pytest.raises(RuntimeError) as raised:
             pending.wait()
@@ -109,8 +113,14 @@ def test_a_local_error_in_a_continuation_is_named_for_what_it_is(one_process_gro
         issuer.stop()
 
 
-@pytest.mark.parametrize("error, local", [(ValueError("bad shape"), True), (AssertionError("invariant"), True),
-                                          (dist.DistBackendError("Connection closed by peer"), False)])
+@pytest.mark.parametrize(
+    "error, local",
+    [
+        (ValueError("bad shape"), True),
+        (AssertionError("invariant"), True),
+        (dist.DistBackendError("Connection closed by peer"), False),
+    ],
+)
 def test_a_launch_that_raises_is_local_unless_the_backend_raised(one_process_group, error, local):
     def launch():
         raise error
@@ -143,7 +153,9 @@ def test_a_collective_is_traced_and_counted_when_it_is_sent_not_when_asked_for(o
     while not trace and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [(r.link, r.op, r.tag) for r in trace] == [("primary", "all_reduce", "second")]
-    failing = link._request("all_reduce", "refused", torch.ones(2), lambda: (_ for _ in ()).throw(ValueError("bad")), 2.0)
+    failing = link._request(
+        "all_reduce", "refused", torch.ones(2), lambda: (_ for _ in ()).throw(ValueError("bad")), 2.0
+    )
     with pytest.raises(ValueError):
         failing.wait()
     assert [r.tag for r in trace] == ["second"]

@@ -1,8 +1,8 @@
 """commsched: Lightning strategies that schedule gradient communication.
 
 ``import commsched`` registers the strategies with Lightning, so ``Trainer(strategy="dear")`` and
-``Trainer(strategy="wfbp")`` and ``Trainer(strategy="deft")`` work; the classes and options are exported for explicit configuration,
-e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``. A new schedule is a subclass of
+``Trainer(strategy="wfbp")`` and ``Trainer(strategy="deft")`` work; the classes and options are exported for explicit
+configuration, e.g. ``Trainer(strategy=commsched.DeARStrategy(bucket_cap_mb=10))``. A new schedule is a subclass of
 `commsched.Schedule` passed to `commsched.register_schedule`.
 
 ``import commsched`` itself imports neither torch nor Lightning: the strategies are registered when
@@ -15,20 +15,36 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from commsched.registration import register_entries, when_lightning_loads
 from commsched.errors import CommSchedConfigError, PeerFailureError, ScheduleError
-from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
-                               StreamOptions, TuningOptions)
+from commsched.options import (
+    CompressionOptions,
+    DeAROptions,
+    DeFTOptions,
+    FusionOptions,
+    LinkOptions,
+    PreserverOptions,
+    ProfileOptions,
+    StreamOptions,
+    TuningOptions,
+)
+from commsched.registration import register_entries, when_lightning_loads
 
 __version__ = "0.2.0"
 
 _NEEDS_LIGHTNING = {
-    "CommSchedStrategy": "commsched.runtime.strategy", "DeARStrategy": "commsched.runtime.builtin_strategies",
-    "WFBPStrategy": "commsched.runtime.builtin_strategies", "DeFTStrategy": "commsched.runtime.builtin_strategies",
-    "register_schedule": "commsched.runtime.registry", "STRATEGIES": "commsched.runtime.registry",
-    "StopAndSave": "commsched.runtime.interrupt", "StoppedBySignal": "commsched.runtime.interrupt",
-    "SCHEDULES": "commsched.schedules", "Schedule": "commsched.schedules", "Handover": "commsched.schedules",
-    "Preserver": "commsched.deft.preserver", "ResumableDataLoader": "commsched.data.resumable",
+    "CommSchedStrategy": "commsched.runtime.strategy",
+    "DeARStrategy": "commsched.runtime.builtin_strategies",
+    "WFBPStrategy": "commsched.runtime.builtin_strategies",
+    "DeFTStrategy": "commsched.runtime.builtin_strategies",
+    "register_schedule": "commsched.runtime.registry",
+    "STRATEGIES": "commsched.runtime.registry",
+    "StopAndSave": "commsched.runtime.interrupt",
+    "StoppedBySignal": "commsched.runtime.interrupt",
+    "SCHEDULES": "commsched.schedules",
+    "Schedule": "commsched.schedules",
+    "Handover": "commsched.schedules",
+    "Preserver": "commsched.deft.preserver",
+    "ResumableDataLoader": "commsched.data.resumable",
 }
 
 
@@ -46,7 +62,29 @@ def __getattr__(name: str) -> Any:
 when_lightning_loads(register_entries)
 
 __all__ = [
-    "CommSchedConfigError", "CompressionOptions", "CommSchedStrategy", "DeAROptions", "DeARStrategy", "DeFTOptions", "DeFTStrategy", "FusionOptions", "Handover",
-    "LinkOptions", "PeerFailureError", "Preserver", "PreserverOptions", "ProfileOptions", "ResumableDataLoader", "SCHEDULES", "STRATEGIES", "Schedule", "ScheduleError",
-    "StopAndSave", "StoppedBySignal", "StreamOptions", "TuningOptions", "WFBPStrategy", "register_schedule",
+    "CommSchedConfigError",
+    "CompressionOptions",
+    "CommSchedStrategy",
+    "DeAROptions",
+    "DeARStrategy",
+    "DeFTOptions",
+    "DeFTStrategy",
+    "FusionOptions",
+    "Handover",
+    "LinkOptions",
+    "PeerFailureError",
+    "Preserver",
+    "PreserverOptions",
+    "ProfileOptions",
+    "ResumableDataLoader",
+    "SCHEDULES",
+    "STRATEGIES",
+    "Schedule",
+    "ScheduleError",
+    "StopAndSave",
+    "StoppedBySignal",
+    "StreamOptions",
+    "TuningOptions",
+    "WFBPStrategy",
+    "register_schedule",
 ]

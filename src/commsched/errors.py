@@ -2,8 +2,10 @@
 
 A refusal names the setting as the user wrote it, what is allowed, and how to fix it:
 
-    commsched: invalid CompressionOptions(density=0); allowed: a number in (0, 1]. Fix: e.g. CompressionOptions(density=0.01) (the default).
-    commsched: invalid compression.density=0; allowed: a number in (0, 1]. Fix: e.g. compression.density=0.01 (the default).
+    commsched: invalid CompressionOptions(density=0); allowed: a number in (0, 1].
+        Fix: e.g. CompressionOptions(density=0.01) (the default).
+    commsched: invalid compression.density=0; allowed: a number in (0, 1].
+        Fix: e.g. compression.density=0.01 (the default).
 
 The first is what a Python user sees, the second what ``commsched-train`` prints: the same error is
 raised by the same check in both, and rendered when it is read, in the syntax of the entry point
@@ -21,9 +23,17 @@ Syntax = Literal["python", "hydra"]
 _syntax: list[Syntax] = ["python"]
 
 PYTHON_OWNERS = {
-    "fusion": "FusionOptions", "tuning": "TuningOptions", "profile": "ProfileOptions", "links": "LinkOptions",
-    "link": "LinkOptions", "deft": "DeFTOptions", "preserver": "PreserverOptions", "compression": "CompressionOptions",
-    "stream_options": "StreamOptions", "Preserver": "Preserver", "dear": "DeAROptions",
+    "fusion": "FusionOptions",
+    "tuning": "TuningOptions",
+    "profile": "ProfileOptions",
+    "links": "LinkOptions",
+    "link": "LinkOptions",
+    "deft": "DeFTOptions",
+    "preserver": "PreserverOptions",
+    "compression": "CompressionOptions",
+    "stream_options": "StreamOptions",
+    "Preserver": "Preserver",
+    "dear": "DeAROptions",
 }
 """A setting path's first part -> the class a Python user passes it to."""
 HYDRA_GROUPS = {"links": "link", "Preserver": "preserver"}
@@ -71,10 +81,25 @@ class CommSchedConfigError(ValueError):
     """A setting commsched cannot work with. Raised with a free-text message, or with the refused
     `field`, its `value`, what is `allowed` and a `fix`, rendered in the user's syntax when read."""
 
-    def __init__(self, message: str = "", *, field: Optional[str] = None, value: Any = _UNSET,
-                 allowed: Optional[str] = None, fix: Optional[object] = None, owner: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        field: Optional[str] = None,
+        value: Any = _UNSET,
+        allowed: Optional[str] = None,
+        fix: Optional[object] = None,
+        owner: Optional[str] = None,
+    ) -> None:
         super().__init__(message)
-        self.message, self.field, self.value, self.allowed, self.fix, self.owner = message, field, value, allowed, fix, owner
+        self.message, self.field, self.value, self.allowed, self.fix, self.owner = (
+            message,
+            field,
+            value,
+            allowed,
+            fix,
+            owner,
+        )
 
     def __reduce__(self) -> Any:
         return _rebuild, (self.message, self.field, self.value, self.allowed, self.fix, self.owner)
@@ -92,7 +117,8 @@ class CommSchedConfigError(ValueError):
 
 @contextmanager
 def owned_by(owner: str) -> Iterator[None]:
-    """Refusals of top-level arguments raised inside name the class they were passed to (``DeARStrategy(streams=17)``)."""
+    """Refusals of top-level arguments raised inside name the class they were passed to
+    (``DeARStrategy(streams=17)``)."""
     try:
         yield
     except CommSchedConfigError as error:
@@ -101,8 +127,9 @@ def owned_by(owner: str) -> Iterator[None]:
         raise
 
 
-def _rebuild(message: str, field: Optional[str], value: Any, allowed: Optional[str], fix: Optional[object],
-             owner: Optional[str]) -> CommSchedConfigError:
+def _rebuild(
+    message: str, field: Optional[str], value: Any, allowed: Optional[str], fix: Optional[object], owner: Optional[str]
+) -> CommSchedConfigError:
     return CommSchedConfigError(message, field=field, value=value, allowed=allowed, fix=fix, owner=owner)
 
 
@@ -138,8 +165,9 @@ class Either:
         return self.hydra if _syntax[0] == "hydra" else self.python
 
 
-def bad_value(field: str, value: Any, allowed: str | Iterable[Any], fix: Optional[object] = None,
-              default: Any = _UNSET) -> CommSchedConfigError:
+def bad_value(
+    field: str, value: Any, allowed: str | Iterable[Any], fix: Optional[object] = None, default: Any = _UNSET
+) -> CommSchedConfigError:
     """The error for `field=value`. Given choices, a close one is offered as the fix; given the
     field's `default`, the fix names it."""
     if not isinstance(allowed, str):
@@ -158,5 +186,6 @@ def unknown_argument(owner: str, name: str, known: Iterable[str]) -> CommSchedCo
     known = list(known)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     fix = f"did you mean {owner}({close[0]}=...)?" if close else None
-    return CommSchedConfigError(f"commsched: {owner}() has no argument {name!r}; allowed: {', '.join(known)}."
-                                + (f" Fix: {fix}" if fix else ""))
+    return CommSchedConfigError(
+        f"commsched: {owner}() has no argument {name!r}; allowed: {', '.join(known)}." + (f" Fix: {fix}" if fix else "")
+    )

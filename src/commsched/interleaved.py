@@ -56,7 +56,8 @@ class Verdict:
     keep: int
     medians_s: list[float]
     margin: float
-    """The relative difference the measurement needed to overrule the model (from the spread of the steps, at least `MIN_MARGIN`)."""
+    """The relative difference the measurement needed to overrule the model (from the spread of the steps, at least
+    `MIN_MARGIN`)."""
     steps: int
     """Training steps the comparison took, switches included."""
     predicted_s: Optional[list[float]] = None
@@ -83,26 +84,40 @@ class Verdict:
         wfbp 486; measured dear 420 and wfbp 471 (noise margin 4%, 64 steps): dear kept"."""
         order = sorted(range(len(names)), key=lambda arm: arm != self.keep)
         if self.predicted_s is not None:
-            predicted = "predicted " + " and ".join(
-                f"{names[a]} {self.predicted_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}" for i, a in enumerate(order)) + "; "
+            predicted = (
+                "predicted "
+                + " and ".join(
+                    f"{names[a]} {self.predicted_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}"
+                    for i, a in enumerate(order)
+                )
+                + "; "
+            )
         else:
             predicted = "no model; "
         measured = "measured " + " and ".join(
-            f"{names[a]} {self.medians_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}" for i, a in enumerate(order))
+            f"{names[a]} {self.medians_s[a] * 1e3:.1f}{' ms/step' if i == 0 else ''}" for i, a in enumerate(order)
+        )
         model = self.predicted_s
-        clear = model is not None and any(model[self.favoured] < model[a] * (1.0 - MODEL_MARGIN)
-                                          for a in range(len(model)) if a != self.favoured)
+        clear = model is not None and any(
+            model[self.favoured] < model[a] * (1.0 - MODEL_MARGIN) for a in range(len(model)) if a != self.favoured
+        )
         if self.keep != self.favoured:
-            why = (f"the measurement overruled the model's {names[self.favoured]}" if clear else
-                   f"measured faster than {names[self.favoured]} beyond the noise"
-                   + (" (the model saw no clear difference)" if model is not None else ""))
+            why = (
+                f"the measurement overruled the model's {names[self.favoured]}"
+                if clear
+                else f"measured faster than {names[self.favoured]} beyond the noise"
+                + (" (the model saw no clear difference)" if model is not None else "")
+            )
         elif not self.resolved:
             why = "within the noise after the budget of turns: " + ("the model's choice" if clear else "the default")
         elif clear:
             why = "the model's choice, confirmed"
         else:
             why = "the default, confirmed" if self.keep == 0 else "confirmed"
-        return f"{predicted}{measured} (noise margin {self.margin:.0%}, {self.steps} steps): {names[self.keep]} kept, {why}"
+        return (
+            f"{predicted}{measured} (noise margin {self.margin:.0%}, {self.steps} steps): "
+            f"{names[self.keep]} kept, {why}"
+        )
 
 
 def relative_spread(samples: Sequence[Sequence[float]]) -> float:
@@ -113,15 +128,20 @@ def relative_spread(samples: Sequence[Sequence[float]]) -> float:
 
 
 def favoured(predicted: Optional[Sequence[float]], min_gain: float = MODEL_MARGIN) -> int:
-    """The arm the model favours: its fastest, if predicted faster than the default by more than `min_gain`, else the default."""
+    """The arm the model favours: its fastest, if predicted faster than the default by more than `min_gain`, else the
+    default."""
     if predicted is None or len(predicted) < 2 or not all(math.isfinite(p) and p > 0 for p in predicted):
         return 0
     best = min(range(len(predicted)), key=predicted.__getitem__)
     return best if predicted[best] < predicted[0] * (1.0 - min_gain) else 0
 
 
-def verdict_from_samples(samples: Sequence[Sequence[float]], steps: int = 0, predicted: Optional[Sequence[float]] = None,
-           min_margin: float = MIN_MARGIN) -> Verdict:
+def verdict_from_samples(
+    samples: Sequence[Sequence[float]],
+    steps: int = 0,
+    predicted: Optional[Sequence[float]] = None,
+    min_margin: float = MIN_MARGIN,
+) -> Verdict:
     """Arm 0 is the default. The arm the model favours (`favoured`) is kept unless another arm's median
     step is faster than its own by more than `margin`: two standard errors of the relative difference
     of two medians of n steps each (2 x 1.2533 x sqrt(2 / n) x the steps' relative spread)."""
@@ -135,8 +155,15 @@ def verdict_from_samples(samples: Sequence[Sequence[float]], steps: int = 0, pre
     prior = favoured(predicted)
     best = min(range(len(samples)), key=lambda arm: (medians[arm], arm != prior))
     overruled = best != prior and medians[best] < medians[prior] * (1.0 - margin)
-    return Verdict(best if overruled else prior, medians, margin, steps, list(predicted) if predicted is not None else None,
-                   prior, resolved=overruled or best == prior)
+    return Verdict(
+        best if overruled else prior,
+        medians,
+        margin,
+        steps,
+        list(predicted) if predicted is not None else None,
+        prior,
+        resolved=overruled or best == prior,
+    )
 
 
 @dataclass
@@ -227,8 +254,14 @@ class Comparison:
     given). Every rank calls `at_boundary` at every iteration start, then `conclude` once `done`:
     None means another round was added."""
 
-    def __init__(self, arms: int, steps_per_turn: int, rounds: int, predicted: Optional[Sequence[float]] = None,
-                 max_rounds: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        arms: int,
+        steps_per_turn: int,
+        rounds: int,
+        predicted: Optional[Sequence[float]] = None,
+        max_rounds: Optional[int] = None,
+    ) -> None:
         self.rounds = rounds
         self.turns = Turns(arms=arms, steps_per_turn=steps_per_turn, rounds=min(rounds, QUICK_ROUNDS))
         self.predicted = list(predicted) if predicted is not None else None
@@ -311,11 +344,24 @@ class MeasuredChoice:
     the run (`RECHECK_AFTER`) and when the steps drift. Every rank calls `at_boundary` at every
     iteration start and runs the arm it returns; `verdict` holds the last choice's measurements."""
 
-    def __init__(self, confirm_steps: int, confirm_rounds: int, drift: float, drift_steps: int, warmup: int = 5,
-                 predict: Optional[Callable[[], Optional[Sequence[float]]]] = None,
-                 rechecks: Sequence[tuple[int, int]] = RECHECK_AFTER, max_rounds: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        confirm_steps: int,
+        confirm_rounds: int,
+        drift: float,
+        drift_steps: int,
+        warmup: int = 5,
+        predict: Optional[Callable[[], Optional[Sequence[float]]]] = None,
+        rechecks: Sequence[tuple[int, int]] = RECHECK_AFTER,
+        max_rounds: Optional[int] = None,
+    ) -> None:
         self.confirm_steps, self.confirm_rounds, self.drift, self.drift_steps, self.warmup = (
-            confirm_steps, confirm_rounds, drift, drift_steps, warmup)
+            confirm_steps,
+            confirm_rounds,
+            drift,
+            drift_steps,
+            warmup,
+        )
         self.max_rounds = max_rounds
         self.predict = predict
         self.arm = 1  # the candidate runs until it is measured
@@ -365,8 +411,11 @@ class MeasuredChoice:
         """Communication state, equal on every rank (verdicts are reached together): the verdict, the
         iterations its later checks count, the drifts that re-opened it. Turns under way are not kept:
         a resumed run takes them again (a first choice from its warm-up, a later check at once)."""
-        return {"verdict": self.verdict.to_json() if self.verdict is not None else None, "reopened": self.reopened,
-                "rechecks": self.rechecks.state_dict(checking=self._comparison is not None and self.verdict is not None)}
+        return {
+            "verdict": self.verdict.to_json() if self.verdict is not None else None,
+            "reopened": self.reopened,
+            "rechecks": self.rechecks.state_dict(checking=self._comparison is not None and self.verdict is not None),
+        }
 
     def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
         """A checkpoint's choice, kept as it was decided (its arm runs from the first step, its later

@@ -36,8 +36,13 @@ def register_entries() -> None:
 
     for name, params in [*((n, {}) for n in BUILTIN_SCHEDULES), ("topk", TOPK)]:
         if name not in StrategyRegistry:
-            StrategyRegistry.register(name, partial(_strategy, "wfbp" if name == "topk" else name), override=True,
-                                      description=f"commsched's {name} strategy (loaded when first used)", **params)
+            StrategyRegistry.register(
+                name,
+                partial(_strategy, "wfbp" if name == "topk" else name),
+                override=True,
+                description=f"commsched's {name} strategy (loaded when first used)",
+                **params,
+            )
 
 
 def _strategy(schedule: str, **options: Any) -> Any:
@@ -63,8 +68,9 @@ class _AfterLoading(importlib.abc.MetaPathFinder):
     def __init__(self, name: str, then: Callable[[], None]) -> None:
         self.name, self.then = name, then
 
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
-                  ) -> Optional[importlib.machinery.ModuleSpec]:
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
@@ -90,8 +96,12 @@ class _ThenRun(importlib.abc.Loader):
         try:
             self.then()
         except Exception as error:  # Lightning itself must still import; the names are registered on first use
-            warnings.warn(f"commsched: registering the strategies with Lightning failed ({error!r}); "
-                          "they are registered when a commsched name is first used", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"commsched: registering the strategies with Lightning failed ({error!r}); "
+                "they are registered when a commsched name is first used",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def __getattr__(self, name: str):  # get_resource_reader, is_package, get_code, ...: the real loader's
         return getattr(self.loader, name)

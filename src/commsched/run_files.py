@@ -4,9 +4,9 @@ A run's plan, profile and stream trials belong beside its logs: in the folder of
 first logger (``lightning_logs/version_N`` by default, the Hydra run directory under
 ``commsched-train``), or ``default_root_dir`` when the Trainer has no logger but saves checkpoints
 there or was given that folder. A run with none of them (``logger=False, enable_checkpointing=False``
-in the working directory) has no folder, and Lightning writes nothing: then neither does commsched, unless a file was asked for by name (a
-profile's ``out_dir``); the closing summary still says what was decided. Only rank 0 writes, and every file
-appears whole (written beside its final name, then renamed), so a reader never sees half a file
+in the working directory) has no folder, and Lightning writes nothing: then neither does commsched, unless a file
+was asked for by name (a profile's ``out_dir``); the closing summary still says what was decided. Only rank 0
+writes, and every file appears whole (written beside its final name, then renamed), so a reader never sees half a file
 and ranks on a shared filesystem never interleave. JSON is strict: a non-finite number (a step
 that was never timed) is written as ``null``, since ``NaN`` is not JSON and strict parsers reject it.
 """

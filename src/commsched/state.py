@@ -26,7 +26,6 @@ import torch.distributed as dist
 from commsched.errors import CommSchedConfigError
 from commsched.say import say
 
-
 KEY = "commsched"
 VERSION = 2
 AFTER_FAILURE_KEY = "commsched_after_failure"
@@ -37,9 +36,11 @@ what they hold, in a sentence (a resume from it is warned)."""
 def warn_if_saved_after_failure(checkpoint: dict[str, Any]) -> None:
     held = checkpoint.get(AFTER_FAILURE_KEY)
     if held:
-        say(f"commsched: this checkpoint was saved after a run failed, and its step count ({checkpoint.get('global_step')}) "
-            f"includes a step its weights do not hold ({held}): resuming from it skips that step's update; the last "
-            "checkpoint saved before the failure resumes exactly")
+        say(
+            "commsched: this checkpoint was saved after a run failed, and its step count "
+            f"({checkpoint.get('global_step')}) includes a step its weights do not hold ({held}): resuming from it "
+            "skips that step's update; the last checkpoint saved before the failure resumes exactly"
+        )
 
 
 def to_cpu(state: Any) -> Any:
@@ -71,8 +72,14 @@ def gather_to_rank0(mine: Any, world_size: int) -> Optional[list[Any]]:
 
 
 def entry(schedule: str, world_size: int, plan: Any, shared: Any, per_rank: Optional[list[Any]]) -> dict[str, Any]:
-    return {"version": VERSION, "schedule": schedule, "world_size": world_size, "plan": plan,
-            "shared": to_cpu(shared), "per_rank": per_rank}
+    return {
+        "version": VERSION,
+        "schedule": schedule,
+        "world_size": world_size,
+        "plan": plan,
+        "shared": to_cpu(shared),
+        "per_rank": per_rank,
+    }
 
 
 class Restored:
@@ -85,7 +92,12 @@ class Restored:
         saved_world = saved.get("world_size")
         same_world = saved_world in (None, world_size)
         resharded = summed_residuals(per_rank) if not same_world and per_rank is not None else None
-        if not same_world and per_rank is not None and any(has_tensors(state) for state in per_rank) and resharded is None:
+        if (
+            not same_world
+            and per_rank is not None
+            and any(has_tensors(state) for state in per_rank)
+            and resharded is None
+        ):
             raise CommSchedConfigError(
                 f"commsched: this checkpoint was written by {saved_world} processes and holds per-rank communication "
                 f"state of schedule '{saved.get('schedule')}' (delayed gradients or residuals that differ per rank); "
@@ -97,16 +109,25 @@ class Restored:
             raise CommSchedConfigError(
                 f"commsched: this checkpoint holds communication state of schedule '{saved.get('schedule')}' (delayed "
                 f"gradients or residuals) that schedule '{schedule}' cannot take: resuming would drop it. Resume with "
-                f"schedule '{saved.get('schedule')}', or load only the weights (e.g. LightningModule.load_from_checkpoint).")
+                f"schedule '{saved.get('schedule')}', or load only the weights "
+                "(e.g. LightningModule.load_from_checkpoint)."
+            )
         if not same_schedule and (saved.get("shared") or per_rank):
-            say(f"commsched: the checkpoint's decisions of schedule '{saved.get('schedule')}' are not used by '{schedule}'")
+            say(
+                f"commsched: the checkpoint's decisions of schedule '{saved.get('schedule')}' "
+                f"are not used by '{schedule}'"
+            )
         self.plan: Any = saved.get("plan") if same_world else None
         self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
         self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}
         if resharded and same_schedule:
-            kinds = " and ".join({"residual": "error-feedback residuals", "momentum": "velocities"}[kind] for kind in resharded)
-            say(f"commsched: the checkpoint's {kinds} of {saved_world} processes are re-sharded over "
-                f"{world_size}: their sum is kept, each rank takes its share")
+            kinds = " and ".join(
+                {"residual": "error-feedback residuals", "momentum": "velocities"}[kind] for kind in resharded
+            )
+            say(
+                f"commsched: the checkpoint's {kinds} of {saved_world} processes are re-sharded over "
+                f"{world_size}: their sum is kept, each rank takes its share"
+            )
             self.mine = {"reducers": {RESIDUAL_TOTAL: resharded}}
 
 
@@ -142,6 +163,7 @@ def refuse_unknown(schedule: str, state: dict[str, Any], known: Iterable[str]) -
         raise CommSchedConfigError(
             f"commsched: the checkpoint holds communication state {sorted(unknown)} that schedule '{schedule}' as "
             "configured now does not keep: resuming would drop it. Resume with the options that wrote it, or load "
-            "only the weights (e.g. LightningModule.load_from_checkpoint).")
+            "only the weights (e.g. LightningModule.load_from_checkpoint)."
+        )
     if unknown:
         say(f"commsched: the checkpoint's {sorted(unknown)} are not used by schedule '{schedule}'")

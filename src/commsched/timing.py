@@ -33,10 +33,16 @@ class StepTimer(pl.Callback):
         self._last: tuple[float, float, float, float] | None = None
         self._seen = 0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         wire = getattr(trainer.strategy, "wire_bytes", None)  # None: not a commsched strategy
-        now = (time.perf_counter(), time.process_time(), sum(wire.values()) if wire is not None else float("nan"),
-               sum(sent for name, sent in wire.items() if name.startswith("intra")) if wire is not None else float("nan"))
+        now = (
+            time.perf_counter(),
+            time.process_time(),
+            sum(wire.values()) if wire is not None else float("nan"),
+            sum(sent for name, sent in wire.items() if name.startswith("intra")) if wire is not None else float("nan"),
+        )
         if not getattr(trainer.strategy, "settled", True):
             self.deciding_steps += 1
             self._seen, self._last = 0, None

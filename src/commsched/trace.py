@@ -39,10 +39,17 @@ def chrome_trace(spans: Iterable[Span]) -> dict:
         events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
     for span in spans:
-        events.append({
-            "ph": "X", "name": span.name, "cat": span.lane, "pid": span.rank, "tid": lanes[(span.rank, span.lane)],
-            "ts": span.start * 1e6, "dur": max(span.seconds, 0.0) * 1e6,
-        })
+        events.append(
+            {
+                "ph": "X",
+                "name": span.name,
+                "cat": span.lane,
+                "pid": span.rank,
+                "tid": lanes[(span.rank, span.lane)],
+                "ts": span.start * 1e6,
+                "dur": max(span.seconds, 0.0) * 1e6,
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

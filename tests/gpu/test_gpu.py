@@ -18,9 +18,28 @@ from deft_replay import replay  # noqa: E402
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU suite needs one")]
 
-CASES = ["ddp", "wfbp", "dear", "deft", "deft-plan", "dear-profiled", "dear-mgwfbp", "wfbp-dear-model", "dear-bayes",
-         "topk-whole", "mstopk-whole", "topk-sparse", "wfbp-streams", "dear-streams", "dear-streams-auto",
-         "ddp-adamw", "wfbp-adamw", "dear-adamw", "deft-adamw", "dear-streams-adamw"]
+CASES = [
+    "ddp",
+    "wfbp",
+    "dear",
+    "deft",
+    "deft-plan",
+    "dear-profiled",
+    "dear-mgwfbp",
+    "wfbp-dear-model",
+    "dear-bayes",
+    "topk-whole",
+    "mstopk-whole",
+    "topk-sparse",
+    "wfbp-streams",
+    "dear-streams",
+    "dear-streams-auto",
+    "ddp-adamw",
+    "wfbp-adamw",
+    "dear-adamw",
+    "deft-adamw",
+    "dear-streams-adamw",
+]
 EXACT = [c for c in CASES if c not in ("ddp", "ddp-adamw", "topk-sparse")]
 WORLDS = [1] + ([2] if GPUS >= 2 else [])
 
@@ -79,8 +98,15 @@ def test_profiled_times_are_completion_times(runs):
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def watched_runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"gpu-watched-{request.param}")
-    proc = run_worker("run_deft.py", str(out), str(request.param), "watched-kept", "watched-stopped", timeout=900,
-                      env={"COMMSCHED_TEST_ACCELERATOR": "gpu"})
+    proc = run_worker(
+        "run_deft.py",
+        str(out),
+        str(request.param),
+        "watched-kept",
+        "watched-stopped",
+        timeout=900,
+        env={"COMMSCHED_TEST_ACCELERATOR": "gpu"},
+    )
     if proc.returncode != 0:
         pytest.fail(f"watched runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)

@@ -4,12 +4,11 @@ from a config, no download) and the project's own ResNet, both as `backbone` + `
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
 
 NUM_CLASSES = 5
 

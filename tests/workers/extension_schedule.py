@@ -27,7 +27,9 @@ class LocalSumAllReduce(AllReduce):
         self.total = torch.zeros_like(bucket.buffer)
 
     def start(self, tag: str, start: int = 0, numel: Any = None):
-        self.total.add_(self.bucket.buffer, alpha=self.link.world_size)  # this rank's gradient / P, before the all-reduce
+        self.total.add_(
+            self.bucket.buffer, alpha=self.link.world_size
+        )  # this rank's gradient / P, before the all-reduce
         return super().start(tag, start, numel)
 
     def state_dict(self) -> ReducerState:

@@ -12,14 +12,18 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
-import commsched
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import (
-    BackboneFinetuning, EMAWeightAveraging, ModelCheckpoint, ModelPruning, StochasticWeightAveraging,
+    BackboneFinetuning,
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    ModelPruning,
+    StochasticWeightAveraging,
 )
 from lightning.pytorch.strategies import DDPStrategy
+
+import commsched
 
 sys.path.insert(0, str(Path(__file__).parent))
 from callback_models import Classifier, WeightReader  # noqa: E402
@@ -52,8 +56,10 @@ def strategy_for(kind: str):
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
     if kind == "deft":  # room for everything: DDP's updates over two links
-        return commsched.DeFTStrategy(bucket_cap_mb=2000 / 2**20,
-                                      deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=1, cost_repeats=1))
+        return commsched.DeFTStrategy(
+            bucket_cap_mb=2000 / 2**20,
+            deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=1, cost_repeats=1),
+        )
     if kind == "dear":  # DeAR itself throughout (its overlap under callbacks is what is tested), never WFBP
         return commsched.DeARStrategy(bucket_cap_mb=2000 / 2**20, dear=commsched.DeAROptions(fallback="never"))
     return commsched.WFBPStrategy(bucket_cap_mb=2000 / 2**20)  # several buckets even on these tiny models
@@ -61,8 +67,12 @@ def strategy_for(kind: str):
 
 def optimizer_state_by_name(model: pl.LightningModule, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {f"{names[id(p)]}.{k}": v.detach().clone() for p, state in optimizer.state.items()
-            for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return {
+        f"{names[id(p)]}.{k}": v.detach().clone()
+        for p, state in optimizer.state.items()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    }
 
 
 def run(out: Path, case: str, world: int) -> None:
@@ -72,10 +82,19 @@ def run(out: Path, case: str, world: int) -> None:
     model = model_class(arch, samples=SAMPLES_PER_RANK * world, lr_schedule=callback != "finetune")
     callbacks = callbacks_for(callback, out, case)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy_for(kind), max_epochs=EPOCHS,
-        limit_val_batches=1, val_check_interval=0.5, num_sanity_val_steps=0, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=callback.startswith("ckpt"),
-        callbacks=callbacks, default_root_dir=out / case,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy_for(kind),
+        max_epochs=EPOCHS,
+        limit_val_batches=1,
+        val_check_interval=0.5,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=callback.startswith("ckpt"),
+        callbacks=callbacks,
+        default_root_dir=out / case,
     )
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer.fit(model)

@@ -13,13 +13,12 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
-import commsched  # noqa: F401  (registers "dear" and "wfbp")
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
+import commsched  # noqa: F401  (registers "dear" and "wfbp")
 from commsched import DeAROptions, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,7 +39,9 @@ def make_strategy(kind: str, **options):
     # 600-byte buckets: several buckets, sizes that no world size divides; DeAR never hands its iterations
     # to WFBP unless a case asks (these cases test DeAR itself)
     never = {"dear": DeAROptions(fallback="never")} if kind == "dear" else {}
-    return commsched.CommSchedStrategy(schedule=kind, **{"bucket_cap_mb": 600 / 2**20, "trace_collectives": True, **never, **options})
+    return commsched.CommSchedStrategy(
+        schedule=kind, **{"bucket_cap_mb": 600 / 2**20, "trace_collectives": True, **never, **options}
+    )
 
 
 class PlanWatcher(pl.Callback):
@@ -72,9 +73,20 @@ class PlanWatcher(pl.Callback):
             self.comm_state = trainer.strategy.schedule.state_dict()
 
 
-def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epochs: int = 1,
-        clip: str = "norm", precision: str = "32-true", resume_from: str | None = None, unfreeze: bool = False,
-        replan_at: int | None = None, **strategy_overrides) -> None:
+def fit(
+    out: Path,
+    name: str,
+    world: int,
+    kind: str,
+    optimizer: str = "sgd",
+    epochs: int = 1,
+    clip: str = "norm",
+    precision: str = "32-true",
+    resume_from: str | None = None,
+    unfreeze: bool = False,
+    replan_at: int | None = None,
+    **strategy_overrides,
+) -> None:
     pl.seed_everything(1234, verbose=False)
     model_class = UnfreezingToyNet if unfreeze else ToyNet
     model = model_class(optimizer=optimizer, batch_size=BATCH, train_size=STEPS_PER_EPOCH * ACCUMULATE * BATCH * world)
@@ -84,10 +96,21 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
     watcher = PlanWatcher(replan_at)
     ckpt = ModelCheckpoint(dirpath=out / f"{name}-ckpt", save_last=True, save_top_k=0)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, precision=precision,
-        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5, gradient_clip_algorithm=clip,
-        limit_val_batches=2, val_check_interval=0.5, num_sanity_val_steps=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt, watcher],
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=epochs,
+        precision=precision,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm=clip,
+        limit_val_batches=2,
+        val_check_interval=0.5,
+        num_sanity_val_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ckpt, watcher],
         default_root_dir=out / name,
     )
     ckpt_path = str(out / f"{resume_from}-ckpt" / "last.ckpt") if resume_from else None
@@ -115,11 +138,17 @@ def fit(out: Path, name: str, world: int, kind: str, optimizer: str = "sgd", epo
 
 
 # the toy's gradients are ~2 KB: tune between 200 B and 2 KB so that trials give different buckets
-BAYES = {"fusion": "bayes", "tuning": TuningOptions(trials=3, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20,
-                                                     max_mb=2000 / 2**20, first_mb=600 / 2**20)}
+BAYES = {
+    "fusion": "bayes",
+    "tuning": TuningOptions(
+        trials=3, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20, max_mb=2000 / 2**20, first_mb=600 / 2**20
+    ),
+}
 
 # fusion="auto" within one 12-step epoch: 1 + 2 profiled steps, then 2 turns each of 1 + 1 steps
-AUTO = FusionOptions(policy="auto", profile_warmup_steps=1, profile_steps=2, confirm_steps=1, confirm_rounds=2, confirm_max_rounds=2)
+AUTO = FusionOptions(
+    policy="auto", profile_warmup_steps=1, profile_steps=2, confirm_steps=1, confirm_rounds=2, confirm_max_rounds=2
+)
 
 QUICK_FALLBACK = DeAROptions(confirm_steps=1, confirm_rounds=1, confirm_max_rounds=1)
 
@@ -156,9 +185,15 @@ CASES = {
     # the same choice made in the first epoch, checkpointed, resumed: kept, not measured again
     # (fixed buckets and one round of turns: the choice is made by step 9 of the 12)
     "dear-fallback-1ep": ("dear", {"epochs": 1, "fusion": "fixed", "dear": QUICK_FALLBACK}),
-    "dear-fallback-resume": ("dear", {"epochs": 2, "resume_from": "dear-fallback-1ep", "fusion": "fixed", "dear": QUICK_FALLBACK}),
+    "dear-fallback-resume": (
+        "dear",
+        {"epochs": 2, "resume_from": "dear-fallback-1ep", "fusion": "fixed", "dear": QUICK_FALLBACK},
+    ),
     # DeAR's buckets planned for DeAR, WFBP's turns on the layout WFBP's own planner makes
-    "dear-auto-fallback": ("dear", {"epochs": 2, "fusion": AUTO, "dear": DeAROptions(confirm_steps=1, confirm_rounds=2)}),
+    "dear-auto-fallback": (
+        "dear",
+        {"epochs": 2, "fusion": AUTO, "dear": DeAROptions(confirm_steps=1, confirm_rounds=2)},
+    ),
     "wfbp-auto-resume": ("wfbp", {"epochs": 2, "resume_from": "wfbp-auto", "fusion": AUTO}),
     "wfbp-2ep": ("wfbp", {"epochs": 2}),
     "dear-1ep": ("dear", {"epochs": 1}),
@@ -169,7 +204,10 @@ CASES = {
     "wfbp-from-ddp": ("wfbp", {"epochs": 2, "resume_from": "ddp-1ep"}),
     "dear-eval": ("dear", {}),
     "dear-unfreeze": ("dear", {"unfreeze": True}),
-    "dear-replan": ("dear", {"fusion": FusionOptions(policy="mgwfbp", profile_steps=2, profile_warmup_steps=1), "replan_at": 6}),
+    "dear-replan": (
+        "dear",
+        {"fusion": FusionOptions(policy="mgwfbp", profile_steps=2, profile_warmup_steps=1), "replan_at": 6},
+    ),
     "wfbp-1ep": ("wfbp", {"epochs": 1}),
     "wfbp-resume": ("wfbp", {"epochs": 2, "resume_from": "wfbp-1ep"}),
     # a schedule added from outside (workers/extension_schedule.py) with per-rank state

@@ -17,18 +17,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import commsched
-import lightning.pytorch as pl
 from commsched import StopAndSave, StoppedBySignal
-from commsched.data import ResumableDataLoader
 from commsched.cli.quiet import quiet_lightning
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from commsched.data import ResumableDataLoader
 
 WORLD = 2
 SAMPLES = 96  # 12 steps of 4 per epoch on each of 2 ranks
@@ -104,9 +104,21 @@ class LoaderStates(pl.Callback):
             self.states.append((batch_idx, dict(loader.state_dict())))
 
 
-def fit(out: Path, case: str, *, loader: str = "resumable", steps: int = WHOLE, epochs: Optional[int] = None,
-        callbacks: Optional[list] = None, checkpoint: Optional[dict] = None, resume: Optional[Path] = None,
-        logger: Any = False, strategy: str = "dear", workers: int = 0, in_hook: bool = False) -> dict:
+def fit(
+    out: Path,
+    case: str,
+    *,
+    loader: str = "resumable",
+    steps: int = WHOLE,
+    epochs: Optional[int] = None,
+    callbacks: Optional[list] = None,
+    checkpoint: Optional[dict] = None,
+    resume: Optional[Path] = None,
+    logger: Any = False,
+    strategy: str = "dear",
+    workers: int = 0,
+    in_hook: bool = False,
+) -> dict:
     pl.seed_everything(7, verbose=False)
     data = Counted()
     cls = ResumableDataLoader if loader == "resumable" else DataLoader
@@ -117,16 +129,32 @@ def fit(out: Path, case: str, *, loader: str = "resumable", steps: int = WHOLE, 
         # twelve runs of the case alone, dear or ddp); what is tested here is resuming under the
         # workers' prefetching, not fork safety.
         context = "forkserver" if workers else None
-        return cls(data, batch_size=BATCH, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
-                   multiprocessing_context=context)
+        return cls(
+            data,
+            batch_size=BATCH,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            multiprocessing_context=context,
+        )
 
     model = Net(make)
     states = LoaderStates()
     checkpoints = [ModelCheckpoint(**checkpoint)] if checkpoint is not None else []
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, max_epochs=epochs,
-                         logger=logger, default_root_dir=out / case, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, enable_checkpointing=bool(checkpoints),
-                         callbacks=[*(callbacks or []), states, *checkpoints])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=epochs,
+        logger=logger,
+        default_root_dir=out / case,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        enable_checkpointing=bool(checkpoints),
+        callbacks=[*(callbacks or []), states, *checkpoints],
+    )
     stopped = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -136,10 +164,16 @@ def fit(out: Path, case: str, *, loader: str = "resumable", steps: int = WHOLE, 
             stopped = {"step": stop.step, "saved": stop.saved}
     files = sorted(str(p.relative_to(out / case)) for p in (out / case).rglob("*.ckpt"))
     return {
-        "stopped": stopped, "global_step": trainer.global_step, "files": files, "seen": model.seen,
+        "stopped": stopped,
+        "global_step": trainer.global_step,
+        "files": files,
+        "seen": model.seen,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "loads": dict(data.loads), "warnings": [str(w.message) for w in caught],
-        "loader_states": states.states, "loader_type": states.loader_type, "sampler_type": states.sampler_type,
+        "loads": dict(data.loads),
+        "warnings": [str(w.message) for w in caught],
+        "loader_states": states.states,
+        "loader_type": states.loader_type,
+        "sampler_type": states.sampler_type,
         "dirpath": str(checkpoints[0].dirpath) if checkpoints else None,
         "stop_path": str(next((c.path for c in trainer.callbacks if isinstance(c, StopAndSave)), "")),
         "run_folder": str(commsched.run_files.folder_of(trainer)),
@@ -152,37 +186,89 @@ def main() -> None:
     results: dict[str, Any] = {}
 
     # One `last`: a ModelCheckpoint that keeps it, and StopAndSave beside it.
-    results["epoch-cadence"] = fit(out, "epoch-cadence", steps=20, callbacks=[StopAndSave()],
-                                   checkpoint=dict(dirpath=out / "epoch-cadence" / "ckpt", save_last=True, save_top_k=0))
-    results["step-cadence"] = fit(out, "step-cadence", steps=20, callbacks=[StopAndSave()],
-                                  checkpoint=dict(dirpath=out / "step-cadence" / "ckpt", save_last=True, save_top_k=0,
-                                                  every_n_train_steps=7))
-    results["top-k"] = fit(out, "top-k", steps=-1, epochs=2, callbacks=[StopAndSave()],
-                           checkpoint=dict(dirpath=out / "top-k" / "ckpt", save_last=True))
-    results["ddp"] = fit(out, "ddp", steps=20, strategy="ddp", callbacks=[StopAndSave()],
-                         checkpoint=dict(dirpath=out / "ddp" / "ckpt", save_last=True, save_top_k=0))
+    results["epoch-cadence"] = fit(
+        out,
+        "epoch-cadence",
+        steps=20,
+        callbacks=[StopAndSave()],
+        checkpoint=dict(dirpath=out / "epoch-cadence" / "ckpt", save_last=True, save_top_k=0),
+    )
+    results["step-cadence"] = fit(
+        out,
+        "step-cadence",
+        steps=20,
+        callbacks=[StopAndSave()],
+        checkpoint=dict(dirpath=out / "step-cadence" / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=7),
+    )
+    results["top-k"] = fit(
+        out,
+        "top-k",
+        steps=-1,
+        epochs=2,
+        callbacks=[StopAndSave()],
+        checkpoint=dict(dirpath=out / "top-k" / "ckpt", save_last=True),
+    )
+    results["ddp"] = fit(
+        out,
+        "ddp",
+        steps=20,
+        strategy="ddp",
+        callbacks=[StopAndSave()],
+        checkpoint=dict(dirpath=out / "ddp" / "ckpt", save_last=True, save_top_k=0),
+    )
 
     # StopAndSave() finds the folder: the ModelCheckpoint's (here the logger's version folder), else the run's.
-    results["logged"] = fit(out, "logged", steps=8, callbacks=[StopAndSave()], logger=CSVLogger(out / "logged" / "logs"),
-                            checkpoint=dict(save_last=True, save_top_k=0))
-    results["logged-resumed"] = fit(out, "logged", steps=12, callbacks=[StopAndSave()], logger=CSVLogger(out / "logged" / "logs"),
-                                    checkpoint=dict(save_last=True, save_top_k=0),
-                                    resume=Path(results["logged"]["stop_path"]))
+    results["logged"] = fit(
+        out,
+        "logged",
+        steps=8,
+        callbacks=[StopAndSave()],
+        logger=CSVLogger(out / "logged" / "logs"),
+        checkpoint=dict(save_last=True, save_top_k=0),
+    )
+    results["logged-resumed"] = fit(
+        out,
+        "logged",
+        steps=12,
+        callbacks=[StopAndSave()],
+        logger=CSVLogger(out / "logged" / "logs"),
+        checkpoint=dict(save_last=True, save_top_k=0),
+        resume=Path(results["logged"]["stop_path"]),
+    )
     results["alone"] = fit(out, "alone", steps=8, callbacks=[StopAndSave()], logger=CSVLogger(out / "alone" / "logs"))
 
     # Stopped mid-epoch by Ctrl-C and resumed, against the run that was not stopped.
     for loader, workers, in_hook in (("resumable", 0, False), ("resumable", 2, True), ("plain", 0, False)):
         name = f"{loader}-w{workers}"
         keep = dict(save_last=True, save_top_k=0)
-        results[f"{name}-whole"] = fit(out, f"{name}-whole", loader=loader, workers=workers, in_hook=in_hook,
-                                       checkpoint=dict(dirpath=out / f"{name}-whole", **keep))
+        results[f"{name}-whole"] = fit(
+            out,
+            f"{name}-whole",
+            loader=loader,
+            workers=workers,
+            in_hook=in_hook,
+            checkpoint=dict(dirpath=out / f"{name}-whole", **keep),
+        )
         stopped = results[f"{name}-stopped"] = fit(
-            out, f"{name}-stopped", loader=loader, workers=workers, in_hook=in_hook, callbacks=[Interrupt(SIGNAL_AT), StopAndSave()],
-            checkpoint=dict(dirpath=out / f"{name}-stopped", **keep))
+            out,
+            f"{name}-stopped",
+            loader=loader,
+            workers=workers,
+            in_hook=in_hook,
+            callbacks=[Interrupt(SIGNAL_AT), StopAndSave()],
+            checkpoint=dict(dirpath=out / f"{name}-stopped", **keep),
+        )
         assert stopped["stopped"] is not None, f"{name}: the run was not stopped"
-        results[f"{name}-resumed"] = fit(out, f"{name}-resumed", loader=loader, workers=workers, in_hook=in_hook,
-                                         callbacks=[StopAndSave()], checkpoint=dict(dirpath=out / f"{name}-resumed", **keep),
-                                         resume=Path(stopped["stopped"]["saved"]))
+        results[f"{name}-resumed"] = fit(
+            out,
+            f"{name}-resumed",
+            loader=loader,
+            workers=workers,
+            in_hook=in_hook,
+            callbacks=[StopAndSave()],
+            checkpoint=dict(dirpath=out / f"{name}-resumed", **keep),
+            resume=Path(stopped["stopped"]["saved"]),
+        )
 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.save(results, out / f"results.rank{rank}.pt")

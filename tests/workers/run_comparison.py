@@ -29,7 +29,9 @@ def check(rank: int, out: str) -> None:
         if comparison.done:
             verdict = comparison.conclude(links.control)
         now += 1.0  # every step of either arm takes one second: only the model can choose
-    Path(out, f"verdict.rank{rank}.json").write_text(json.dumps({"keep": verdict.keep, "predicted": verdict.predicted_s}))
+    Path(out, f"verdict.rank{rank}.json").write_text(
+        json.dumps({"keep": verdict.keep, "predicted": verdict.predicted_s})
+    )
 
 
 if __name__ == "__main__":

@@ -13,20 +13,22 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
-import commsched
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import commsched
 from run_deft import MLP, SEED
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*Checkpoint directory.*exists.*")
 
+
 def plain(**options) -> commsched.CompressionOptions:
     """Error feedback alone (the reference in test_compression.py): no DGC correction, no density warm-up."""
-    return commsched.CompressionOptions(momentum_correction=False, decay_before_accumulation=False, sparsity_warmup_steps=0, **options)
+    return commsched.CompressionOptions(
+        momentum_correction=False, decay_before_accumulation=False, sparsity_warmup_steps=0, **options
+    )
 
 
 CASES = {
@@ -52,8 +54,13 @@ CASES = {
     "dgc-resumed": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, "dgc-part"),
     "dgc-nesterov": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
     "dgc-clipped": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
-    "dgc-masked": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0, momentum_masking=True), 12, None),
-    # the density's warm-up: 1 for steps 0-3, 0.25 for 4-7, then 0.1 (sampled threshold: the same elements as torch.topk)
+    "dgc-masked": (
+        commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0, momentum_masking=True),
+        12,
+        None,
+    ),
+    # the density's warm-up: 1 for steps 0-3, 0.25 for 4-7, then 0.1 (sampled threshold: the same elements as
+    # torch.topk)
     "dgc-warmup": (commsched.CompressionOptions(method="sampled", density=0.1, sparsity_warmup_steps=8), 12, None),
     "dgc-resharded": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 5, "dgc-part"),
     "dense-from-dgc": (None, 12, "dgc-part"),  # velocities a dense run cannot take: refused, not dropped
@@ -61,8 +68,13 @@ CASES = {
     "adamw-default": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
     "adamw-plain": (plain(method="topk", density=0.1), 12, None),
 }
-OPTIMIZER = {"dgc-nesterov": "sgd-nesterov", "dgc-part": "sgd-groups", "dense-from-dgc": "sgd-groups",
-             "adamw-default": "adamw", "adamw-plain": "adamw"}
+OPTIMIZER = {
+    "dgc-nesterov": "sgd-nesterov",
+    "dgc-part": "sgd-groups",
+    "dense-from-dgc": "sgd-groups",
+    "adamw-default": "adamw",
+    "adamw-plain": "adamw",
+}
 CLIP = {"dgc-clipped": 0.05, "adamw-default": 0.05, "adamw-plain": 0.05}  # Trainer(gradient_clip_val=...)
 
 
@@ -73,10 +85,18 @@ def fit(out: Path, name: str, world: int) -> None:
     model = MLP(optimizer)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     strategy = commsched.WFBPStrategy(compression=compression, fusion="fixed", trace_collectives=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
-                         gradient_clip_val=CLIP.get(name),
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out / name,
-                         callbacks=[ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        gradient_clip_val=CLIP.get(name),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out / name,
+        callbacks=[ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)],
+    )
     ckpt = str(out / f"{resume_from}-ckpt" / f"epoch=0-step={CASES[resume_from][1]}.ckpt") if resume_from else None
     try:
         trainer.fit(model, ckpt_path=ckpt)
@@ -84,8 +104,16 @@ def fit(out: Path, name: str, world: int) -> None:
         torch.save({"refused": str(error)}, out / f"{name}.rank{trainer.global_rank}.pt")
         return
     schedule = trainer.strategy.last_schedule
-    residuals = {name: tensor for reducer in schedule.reducers for name, tensor in reducer.state_dict().get("residual", {}).items()}
-    velocities = {name: tensor for reducer in schedule.reducers for name, tensor in reducer.state_dict().get("momentum", {}).items()}
+    residuals = {
+        name: tensor
+        for reducer in schedule.reducers
+        for name, tensor in reducer.state_dict().get("residual", {}).items()
+    }
+    velocities = {
+        name: tensor
+        for reducer in schedule.reducers
+        for name, tensor in reducer.state_dict().get("momentum", {}).items()
+    }
     result = {
         "initial": initial,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -94,7 +122,9 @@ def fit(out: Path, name: str, world: int) -> None:
         "velocities": velocities,
         "optimizer": optimizer,
         "clip": CLIP.get(name),
-        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in trainer.optimizers[0].param_groups],
+        "param_groups": [
+            {k: v for k, v in group.items() if k != "params"} for group in trainer.optimizers[0].param_groups
+        ],
         "steps": steps,
         "world": world,
         "seed": SEED,

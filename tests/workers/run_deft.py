@@ -16,16 +16,15 @@ import time
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import TensorDataset
 
 import commsched
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
-
 from commsched.data.base import ResumableLoader
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -73,9 +72,15 @@ def make_optimizer(name: str, params) -> dict:
     elif name in ("sgd-groups", "sgd-nesterov"):  # weights decayed, biases not, with another momentum (DGC's cases)
         params = list(params)
         nesterov = name == "sgd-nesterov"
-        opt = torch.optim.SGD([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.05},
-                               {"params": [p for p in params if p.dim() <= 1], "momentum": 0.5}],
-                              lr=0.2, momentum=0.9, nesterov=nesterov)
+        opt = torch.optim.SGD(
+            [
+                {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.05},
+                {"params": [p for p in params if p.dim() <= 1], "momentum": 0.5},
+            ],
+            lr=0.2,
+            momentum=0.9,
+            nesterov=nesterov,
+        )
     else:
         opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
@@ -109,9 +114,21 @@ CASES = {
     "forced-both-part": ("sgd-groups", 9, None, None, 1.0),
     "forced-both-resumed": ("sgd-groups", 17, "forced-both-part", None, 1.0),
     "preserved": ("sgd", 12, None, 0, 1.0),
-    "preserved-stale": ("sgd", 12, None, 0, 1.0),  # one iteration of staleness allowed, uncompensated: judged by curvature
+    "preserved-stale": (
+        "sgd",
+        12,
+        None,
+        0,
+        1.0,
+    ),  # one iteration of staleness allowed, uncompensated: judged by curvature
     "preserved-auto": ("sgd", 12, None, 0, 1.0),  # max_staleness=1, the compensation's default ("auto")
-    "undelayed-two-links": ("sgd", 12, None, None, 50.0),  # room for everything on both links: no delay, the plan itself
+    "undelayed-two-links": (
+        "sgd",
+        12,
+        None,
+        None,
+        50.0,
+    ),  # room for everything on both links: no delay, the plan itself
     "rechecked": ("sgd", 16, None, 8, 0.5),
     "profiled": ("sgd", 12, None, None, 1.0),  # the profile covers measured and planned steps
     # measured (no timings file), nothing delayed, handed to DeAR's decoupling after the measured steps
@@ -124,7 +141,13 @@ CASES = {
     "handed-wfbp": ("sgd", 12, None, None, None),
     # the same prediction, but WFBP's real steps are slow (a callback sleeps in them): timing both overrules it
     "confirmed-dear": ("sgd", 20, None, None, None),  # 3 steps, then WFBP and DeAR twice each for 1 + 2 steps
-    "confirmed-delayed": ("sgd", 32, None, None, 1.0),  # a delayed plan and DeAR take turns (twice each, more within the noise): the plan comes back
+    "confirmed-delayed": (
+        "sgd",
+        32,
+        None,
+        None,
+        1.0,
+    ),  # a delayed plan and DeAR take turns (twice each, more within the noise): the plan comes back
     # a one-step-stale plan (compensation "auto") watched for WATCH iterations: its loss fell, or did not
     # (then it is stopped, rolled back or not, and DeFT measures and solves again without staleness);
     # 13 steps: float rounding grows by about 1.5x a step at the hot learning rate
@@ -198,52 +221,109 @@ def fit(out: Path, name: str, world: int) -> None:
     timings_file.write_text(json.dumps(timings(buckets)))
     if name == "handed-two-links":
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets)}))
-        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
-                                        timings_file=str(timings_file), confirm_steps=0)
+        options = commsched.DeFTOptions(
+            warmup_steps=1,
+            measure_steps=2,
+            cost_repeats=1,
+            capacity=None,
+            timings_file=str(timings_file),
+            confirm_steps=0,
+        )
     elif name in ("handed-wfbp", "confirmed-dear", "confirmed-delayed"):
         timings_file.write_text(json.dumps({**timings(buckets), **halves(buckets, seconds=30.0)}))
-        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
-                                        timings_file=str(timings_file), confirm_steps=0 if name == "handed-wfbp" else 2)
+        options = commsched.DeFTOptions(
+            warmup_steps=1,
+            measure_steps=2,
+            cost_repeats=1,
+            capacity=capacity,
+            timings_file=str(timings_file),
+            confirm_steps=0 if name == "handed-wfbp" else 2,
+        )
     elif name == "undelayed-two-links":
-        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
-                                        timings_file=str(timings_file), fallback="never")
+        options = commsched.DeFTOptions(
+            warmup_steps=1,
+            measure_steps=2,
+            cost_repeats=1,
+            capacity=capacity,
+            timings_file=str(timings_file),
+            fallback="never",
+        )
     elif name.startswith("handed"):
-        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None,
-                                        fallback="when_undelayed")
+        options = commsched.DeFTOptions(
+            warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=None, fallback="when_undelayed"
+        )
     else:
-        options = commsched.DeFTOptions(warmup_steps=1, measure_steps=2, cost_repeats=1, capacity=capacity,
-                                        timings_file=str(timings_file),
-                                        compensation="auto" if name.startswith("watched") else COMPENSATION.get((name.split("-") + [""])[1], "none"))
+        options = commsched.DeFTOptions(
+            warmup_steps=1,
+            measure_steps=2,
+            cost_repeats=1,
+            capacity=capacity,
+            timings_file=str(timings_file),
+            compensation="auto"
+            if name.startswith("watched")
+            else COMPENSATION.get((name.split("-") + [""])[1], "none"),
+        )
     profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
     # Cases without a Preserver of their own run their forced plans unguarded, as asked.
-    strategy = commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=options, trace_collectives=True, profile=profile,
-                                      preserver=commsched.PreserverOptions(enabled=preserve is not None))
+    strategy = commsched.DeFTStrategy(
+        bucket_cap_mb=BUCKET_MB,
+        deft=options,
+        trace_collectives=True,
+        profile=profile,
+        preserver=commsched.PreserverOptions(enabled=preserve is not None),
+    )
     callbacks = [ModelCheckpoint(dirpath=out / f"{name}-ckpt", every_n_train_steps=1, save_top_k=-1)]
     staleness, margin = (1, 1.0) if name == "preserved-stale" else (0, 0.0)
     # stale plans start at once here (the default waits one epoch), except where the case is the wait
-    preserver = (commsched.Preserver(max_staleness=1, stale_after_steps=0) if name == "preserved-auto" else
-                 commsched.Preserver(max_staleness=1, watch_steps=WATCH, rollback=not name.startswith("watched-drained"),
-                                     recheck_every_n_steps=preserve,
-                                     stale_after_steps={"watched-waiting": 6, "watched-epoch": None}.get(name, 0))
-                 if name.startswith("watched") else
-                 commsched.Preserver(recheck_every_n_steps=preserve, max_staleness=staleness, curvature_margin=margin,
-                                     stale_after_steps=0)
-                 if preserve is not None else None)
+    preserver = (
+        commsched.Preserver(max_staleness=1, stale_after_steps=0)
+        if name == "preserved-auto"
+        else commsched.Preserver(
+            max_staleness=1,
+            watch_steps=WATCH,
+            rollback=not name.startswith("watched-drained"),
+            recheck_every_n_steps=preserve,
+            stale_after_steps={"watched-waiting": 6, "watched-epoch": None}.get(name, 0),
+        )
+        if name.startswith("watched")
+        else commsched.Preserver(
+            recheck_every_n_steps=preserve, max_staleness=staleness, curvature_margin=margin, stale_after_steps=0
+        )
+        if preserve is not None
+        else None
+    )
     if preserver is not None:
         callbacks.append(preserver)
     if name == "confirmed-dear":
         callbacks.append(SlowUnder("wfbp", 0.3))
     history = PlanHistory()
     callbacks.append(history)
-    if name.startswith("handed") or name == "confirmed-dear":  # DeAR stays exact (and keeps its overlap) whatever a callback reads
+    if (
+        name.startswith("handed") or name == "confirmed-dear"
+    ):  # DeAR stays exact (and keeps its overlap) whatever a callback reads
         callbacks.append(ReadsWeights())
-    trainer = pl.Trainer(accelerator=ACCELERATOR, devices=world, strategy=strategy, max_steps=steps, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                         default_root_dir=out / name, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator=ACCELERATOR,
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=out / name,
+        num_sanity_val_steps=0,
+    )
     ckpt = str(out / f"{resume_from}-ckpt" / f"epoch=0-step={CASES[resume_from][1]}.ckpt") if resume_from else None
     hooks: list = []
-    handles = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: record("pre", opt, hooks)),
-               register_optimizer_step_post_hook(lambda opt, args, kwargs: record("post", opt, hooks))] if name == "forced-spike" else []
+    handles = (
+        [
+            register_optimizer_step_pre_hook(lambda opt, args, kwargs: record("pre", opt, hooks)),
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: record("post", opt, hooks)),
+        ]
+        if name == "forced-spike"
+        else []
+    )
     try:
         trainer.fit(model, ckpt_path=ckpt)
     finally:
@@ -275,10 +355,11 @@ def record(kind: str, optimizer: torch.optim.Optimizer, calls: list) -> None:
 
 
 def commsched_bucket_count(model: nn.Module) -> int:
-    """Buckets the strategy will build: every parameter in backward order, closed at BUCKET_MB (first at 1 MiB as DDP)."""
+    """Buckets the strategy will build: every parameter in backward order, closed at BUCKET_MB (first at 1 MiB as
+    DDP)."""
     from commsched.comm.buckets import build_plan
-    from commsched.planning.policy import PlanPolicy
     from commsched.options import FusionOptions
+    from commsched.planning.policy import PlanPolicy
 
     planner = PlanPolicy(FusionOptions(bucket_cap_mb=BUCKET_MB), commsched.TuningOptions()).planner()
     return len(build_plan(model, 1, planner).buckets)

@@ -24,11 +24,23 @@ def main() -> None:
     timings = out / "timings.json"
     timings.write_text(json.dumps({"forward": 1.0, "backward": [1.0], "costs": [[3.0], [4.0]]}))  # one bucket
     pl.seed_everything(0, verbose=False)
-    deft = commsched.DeFTOptions(warmup_steps=2, measure_steps=2, cost_repeats=1, capacity=0.25, timings_file=str(timings))
+    deft = commsched.DeFTOptions(
+        warmup_steps=2, measure_steps=2, cost_repeats=1, capacity=0.25, timings_file=str(timings)
+    )
     strategy = commsched.DeFTStrategy(deft=deft, preserver=commsched.PreserverOptions(enabled=guard == "default"))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=8, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=8,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=out,
+    )
     trainer.fit(ToyNet())
     if trainer.is_global_zero:
         print(json.dumps(trainer.strategy.last_schedule.report()))

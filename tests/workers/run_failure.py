@@ -17,11 +17,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 import commsched
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from exit_report import report_issuer_threads, watch_workers_slowly  # noqa: E402
@@ -50,8 +50,14 @@ class Chain(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.BatchNorm1d(32, affine=False), torch.nn.Tanh(),
-                                          torch.nn.Linear(32, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 4, bias=False))
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(8, 32, bias=False),
+            torch.nn.BatchNorm1d(32, affine=False),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 32, bias=False),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 4, bias=False),
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -96,16 +102,38 @@ class DiesBetweenGathers(pl.Callback):
 def chain_run(mode: str, out: str) -> None:
     """The `gather-*` modes and their reference."""
     pl.seed_everything(0, verbose=False)
-    if mode == "chain-reference":  # the weights after 3 steps; the buffers after the 4th forward, which the failure interrupts
-        strategy, callbacks, steps = "ddp", [ModelCheckpoint(dirpath=out, filename="reference", every_n_train_steps=3)], 4
+    if (
+        mode == "chain-reference"
+    ):  # the weights after 3 steps; the buffers after the 4th forward, which the failure interrupts
+        strategy, callbacks, steps = (
+            "ddp",
+            [ModelCheckpoint(dirpath=out, filename="reference", every_n_train_steps=3)],
+            4,
+        )
     else:
-        strategy = commsched.DeARStrategy(bucket_cap_mb=1e-4, timeout=timedelta(seconds=15), dear=commsched.DeAROptions(
-            fallback="never", rollback=not mode.endswith("no-rollback")))
-        callbacks = [OnExceptionCheckpoint(dirpath=out)] + ([DiesBetweenGathers()] if os.environ.get("LOCAL_RANK") == "1" else [])
+        strategy = commsched.DeARStrategy(
+            bucket_cap_mb=1e-4,
+            timeout=timedelta(seconds=15),
+            dear=commsched.DeAROptions(fallback="never", rollback=not mode.endswith("no-rollback")),
+        )
+        callbacks = [OnExceptionCheckpoint(dirpath=out)] + (
+            [DiesBetweenGathers()] if os.environ.get("LOCAL_RANK") == "1" else []
+        )
         steps = 20
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, default_root_dir=out)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        default_root_dir=out,
+    )
     trainer.fit(Chain())
     if mode == "chain-reference":
         trainer.save_checkpoint(Path(out) / "after-forward-4.ckpt")
@@ -137,9 +165,17 @@ def main() -> None:
     strategy = commsched.DeARStrategy(timeout=timedelta(seconds=15))
     callbacks = [OnExceptionCheckpoint(dirpath=sys.argv[2])] if mode.endswith("-saved") else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=20, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=20,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
         default_root_dir=sys.argv[2],
     )
     trainer.fit(model_for(mode))

@@ -16,12 +16,12 @@ import time
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 
 import commsched
-import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from toy import ToyNet  # noqa: E402
@@ -33,31 +33,65 @@ NO_DELAY = commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2,
 CASES = {
     "ddp": lambda: DDPStrategy(find_unused_parameters=True),
     "wfbp": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True),
-    "dear": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True, dear=commsched.DeAROptions(fallback="never")),
+    "dear": lambda: commsched.DeARStrategy(
+        bucket_cap_mb=BUCKET_MB, trace_collectives=True, dear=commsched.DeAROptions(fallback="never")
+    ),
     "deft": lambda: commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=NO_DELAY, trace_collectives=True),
-    "deft-plan": lambda: commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True,
-                                                deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2,
-                                                                           cost_repeats=1, fallback="never")),
-    "dear-profiled": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, profile=commsched.ProfileOptions(steps=6, probe=True)),
-    "dear-mgwfbp": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, fusion=commsched.FusionOptions(
-        policy="mgwfbp", profile_steps=2, profile_warmup_steps=1)),
-    "wfbp-dear-model": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, fusion=commsched.FusionOptions(
-        policy="dear-model", profile_steps=2, profile_warmup_steps=1)),
-    "dear-bayes": lambda: commsched.DeARStrategy(fusion="bayes", tuning=commsched.TuningOptions(
-        trials=2, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20, max_mb=2000 / 2**20, first_mb=600 / 2**20)),
+    "deft-plan": lambda: commsched.DeFTStrategy(
+        bucket_cap_mb=BUCKET_MB,
+        trace_collectives=True,
+        deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1, fallback="never"),
+    ),
+    "dear-profiled": lambda: commsched.DeARStrategy(
+        bucket_cap_mb=BUCKET_MB, profile=commsched.ProfileOptions(steps=6, probe=True)
+    ),
+    "dear-mgwfbp": lambda: commsched.DeARStrategy(
+        bucket_cap_mb=BUCKET_MB,
+        fusion=commsched.FusionOptions(policy="mgwfbp", profile_steps=2, profile_warmup_steps=1),
+    ),
+    "wfbp-dear-model": lambda: commsched.WFBPStrategy(
+        bucket_cap_mb=BUCKET_MB,
+        fusion=commsched.FusionOptions(policy="dear-model", profile_steps=2, profile_warmup_steps=1),
+    ),
+    "dear-bayes": lambda: commsched.DeARStrategy(
+        fusion="bayes",
+        tuning=commsched.TuningOptions(
+            trials=2, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20, max_mb=2000 / 2**20, first_mb=600 / 2**20
+        ),
+    ),
     # sparse exchanges on the device: at density 1 they must equal ddp; at 0.1 the residuals stay on CUDA
     "topk-whole": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=1.0)),
-    "mstopk-whole": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="mstopk", density=1.0)),
+    "mstopk-whole": lambda: commsched.WFBPStrategy(
+        compression=commsched.CompressionOptions(method="mstopk", density=1.0)
+    ),
     "topk-sparse": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=0.1)),
     # several NCCL communicators, each on its own CUDA stream; and the search switching between them
-    "wfbp-streams": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, streams=4, trace_collectives=True,
-                                                   stream_options=commsched.StreamOptions(unit_mb=160 / 2**20)),
-    "dear-streams": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, streams=3, trace_collectives=True,
-                                                   stream_options=commsched.StreamOptions(unit_mb=160 / 2**20)),
-    "dear-streams-auto": lambda: commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, streams="auto", trace_collectives=True,
-                                                        stream_options=commsched.StreamOptions(
-                                                            unit_mb=160 / 2**20, min_unit_mb=160 / 2**20, max_unit_mb=640 / 2**20,
-                                                            max_streams=4, trial_steps=2, budget_steps=8, warmup_steps=1)),
+    "wfbp-streams": lambda: commsched.WFBPStrategy(
+        bucket_cap_mb=BUCKET_MB,
+        streams=4,
+        trace_collectives=True,
+        stream_options=commsched.StreamOptions(unit_mb=160 / 2**20),
+    ),
+    "dear-streams": lambda: commsched.DeARStrategy(
+        bucket_cap_mb=BUCKET_MB,
+        streams=3,
+        trace_collectives=True,
+        stream_options=commsched.StreamOptions(unit_mb=160 / 2**20),
+    ),
+    "dear-streams-auto": lambda: commsched.DeARStrategy(
+        bucket_cap_mb=BUCKET_MB,
+        streams="auto",
+        trace_collectives=True,
+        stream_options=commsched.StreamOptions(
+            unit_mb=160 / 2**20,
+            min_unit_mb=160 / 2**20,
+            max_unit_mb=640 / 2**20,
+            max_streams=4,
+            trial_steps=2,
+            budget_steps=8,
+            warmup_steps=1,
+        ),
+    ),
 }
 STEPS = 12
 
@@ -66,15 +100,28 @@ def fit(out: Path, case: str, world: int) -> None:
     pl.seed_everything(1234, verbose=False)
     model = ToyNet(optimizer="adamw" if case.endswith("adamw") else "sgd", batch_size=4, train_size=STEPS * 4 * world)
     strategy = CASES[case.removesuffix("-adamw")]()  # "<case>-adamw": the same strategy, the model under AdamW
-    trainer = pl.Trainer(accelerator="gpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
-                         gradient_clip_val=0.5, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out / case)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        gradient_clip_val=0.5,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=out / case,
+    )
     trainer.fit(model)
-    result = {"state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-              "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
-              "profile": getattr(trainer.strategy, "profile", None),
-              "residual_devices": residual_devices(trainer),
-              "optimizer": type(trainer.optimizers[0]).__name__}
+    result = {
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
+        "profile": getattr(trainer.strategy, "profile", None),
+        "residual_devices": residual_devices(trainer),
+        "optimizer": type(trainer.optimizers[0]).__name__,
+    }
     torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
     if case == "dear-profiled":
         clock(out, trainer, result["profile"])
@@ -84,8 +131,7 @@ def residual_devices(trainer: pl.Trainer) -> list[str]:
     """Where each sparse reducer keeps its error-feedback residuals (empty for dense exchanges)."""
     schedule = getattr(trainer.strategy, "last_schedule", None)
     reducers = getattr(schedule, "reducers", []) if schedule is not None else []
-    return [str(tensor.device) for reducer in reducers
-            for tensor in reducer.state_dict().get("residual", {}).values()]
+    return [str(tensor.device) for reducer in reducers for tensor in reducer.state_dict().get("residual", {}).values()]
 
 
 def clock(out: Path, trainer: pl.Trainer, profile: dict) -> None:
@@ -102,8 +148,10 @@ def clock(out: Path, trainer: pl.Trainer, profile: dict) -> None:
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
         measured.append(statistics.median(times[1:]))
-    torch.save({"profiled": [b["all_reduce_s"] for b in profile["buckets"]], "clock": measured},
-               out / f"clock.rank{trainer.global_rank}.pt")
+    torch.save(
+        {"profiled": [b["all_reduce_s"] for b in profile["buckets"]], "clock": measured},
+        out / f"clock.rank{trainer.global_rank}.pt",
+    )
 
 
 def main() -> None:

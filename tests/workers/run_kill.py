@@ -20,12 +20,12 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-
-import commsched
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+
+import commsched
 
 sys.path.insert(0, str(Path(__file__).parent))
 from exit_report import report_issuer_threads, watch_workers_slowly  # noqa: E402
@@ -34,7 +34,6 @@ from toy import ToyNet  # noqa: E402
 STEPS, DIES_AT = 6, 3
 TIMEOUT = timedelta(seconds=15)
 watch_workers_slowly()
-
 
 
 def strategy_for(schedule: str):
@@ -47,7 +46,9 @@ def strategy_for(schedule: str):
     if schedule == "deft":
         return commsched.DeFTStrategy(timeout=TIMEOUT)
     if schedule == "topk":  # sparse: residuals to carry across the resume
-        return commsched.WFBPStrategy(timeout=TIMEOUT, compression=commsched.CompressionOptions(method="topk", density=0.1))
+        return commsched.WFBPStrategy(
+            timeout=TIMEOUT, compression=commsched.CompressionOptions(method="topk", density=0.1)
+        )
     if schedule == "streams":
         return commsched.WFBPStrategy(timeout=TIMEOUT, streams=4)
     raise ValueError(schedule)
@@ -81,12 +82,29 @@ def main() -> None:
     schedule, point, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     atexit.register(report_issuer_threads)
     pl.seed_everything(0, verbose=False)
-    saving = ModelCheckpoint(dirpath=out / "checkpoints", filename="step{step}", auto_insert_metric_name=False,
-                             every_n_train_steps=2, save_top_k=-1)
-    callbacks = [saving] + ([Dies(point)] if os.environ.get("LOCAL_RANK") == "1" and point not in ("none", "resume") else [])
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_for(schedule), max_steps=STEPS, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=callbacks, default_root_dir=out)
+    saving = ModelCheckpoint(
+        dirpath=out / "checkpoints",
+        filename="step{step}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=2,
+        save_top_k=-1,
+    )
+    callbacks = [saving] + (
+        [Dies(point)] if os.environ.get("LOCAL_RANK") == "1" and point not in ("none", "resume") else []
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy_for(schedule),
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        default_root_dir=out,
+    )
     model = ToyNet(train_size=16)  # two steps an epoch: every checkpoint is at an epoch's end
     trainer.fit(model, ckpt_path=out / "checkpoints" / "step2.ckpt" if point == "resume" else None)
     if point in ("none", "resume") and trainer.global_rank == 0:

@@ -33,9 +33,16 @@ WORLD, PER_NODE = 4, 2
 
 def check(rank: int, out: str) -> None:
     trace: list = []
-    links = Links([LinkSpec("primary", "gloo"), LinkSpec("secondary", "gloo", streams=2),
-                   LinkSpec("intra", "gloo", groups=node_groups(WORLD, PER_NODE)),
-                   LinkSpec("inter", "gloo", groups=local_rank_groups(WORLD, PER_NODE))], timedelta(seconds=60), trace)
+    links = Links(
+        [
+            LinkSpec("primary", "gloo"),
+            LinkSpec("secondary", "gloo", streams=2),
+            LinkSpec("intra", "gloo", groups=node_groups(WORLD, PER_NODE)),
+            LinkSpec("inter", "gloo", groups=local_rank_groups(WORLD, PER_NODE)),
+        ],
+        timedelta(seconds=60),
+        trace,
+    )
     continuation_runs_by_itself(links, rank)
     second_stages_keep_their_place(links, rank)
     long_chains_do_not_recurse(links)
@@ -86,8 +93,9 @@ def second_stages_keep_their_place(links: Links, rank: int) -> None:
 
 def long_chains_do_not_recurse(links: Links) -> None:
     tensors = [torch.ones(4) for _ in range(3000)]
-    chain = links["primary"].in_order([partial(lambda t, after: links["primary"].all_reduce(t, "chain", after=after), t)
-                                       for t in tensors])
+    chain = links["primary"].in_order(
+        [partial(lambda t, after: links["primary"].all_reduce(t, "chain", after=after), t) for t in tensors]
+    )
     chain.wait(len(tensors) - 1)
     assert all(torch.all(t == WORLD) for t in tensors)
 

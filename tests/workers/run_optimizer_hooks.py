@@ -19,16 +19,16 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 import commsched
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 
 warnings.filterwarnings("ignore")
 STEPS = 6
@@ -53,8 +53,14 @@ class MLP(pl.LightningModule):
     def record(self, kind: str, optimizer: torch.optim.Optimizer) -> None:
         weights = sum(float(p.detach().sum()) for group in optimizer.param_groups for p in group["params"])
         group = optimizer.param_groups[0]
-        self.calls.append([kind, [len(group["params"]) for group in optimizer.param_groups], weights,
-                           [group["momentum"], group["weight_decay"]]])
+        self.calls.append(
+            [
+                kind,
+                [len(group["params"]) for group in optimizer.param_groups],
+                weights,
+                [group["momentum"], group["weight_decay"]],
+            ]
+        )
 
 
 def fit(schedule: str, out: Path) -> None:
@@ -67,14 +73,32 @@ def fit(schedule: str, out: Path) -> None:
     options = {"dear": commsched.DeAROptions(fallback="never")} if schedule == "dear" else {}
     if schedule == "topk":
         options = {"compression": commsched.CompressionOptions(method="topk", density=0.5, sparsity_warmup_steps=0)}
-    strategy = DDPStrategy() if schedule == "ddp" else commsched.STRATEGIES[schedule.replace("topk", "wfbp")](
-        bucket_cap_mb=0.0001, **options)
-    saves = [ModelCheckpoint(dirpath=out / f"{schedule}-ckpt", every_n_train_steps=STEPS)] if schedule in ("ddp", "topk") else []
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=bool(saves), callbacks=saves, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=out / f"{schedule}-run")
-    handles = [register_optimizer_step_pre_hook(lambda opt, args, kwargs: model.record("global pre", opt)),
-               register_optimizer_step_post_hook(lambda opt, args, kwargs: model.record("global post", opt))]
+    strategy = (
+        DDPStrategy()
+        if schedule == "ddp"
+        else commsched.STRATEGIES[schedule.replace("topk", "wfbp")](bucket_cap_mb=0.0001, **options)
+    )
+    saves = (
+        [ModelCheckpoint(dirpath=out / f"{schedule}-ckpt", every_n_train_steps=STEPS)]
+        if schedule in ("ddp", "topk")
+        else []
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=bool(saves),
+        callbacks=saves,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out / f"{schedule}-run",
+    )
+    handles = [
+        register_optimizer_step_pre_hook(lambda opt, args, kwargs: model.record("global pre", opt)),
+        register_optimizer_step_post_hook(lambda opt, args, kwargs: model.record("global post", opt)),
+    ]
     try:
         trainer.fit(model, DataLoader(data, batch_size=4))
     finally:

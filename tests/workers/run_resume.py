@@ -11,15 +11,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
-import commsched
 import lightning.pytorch as pl
-from commsched.data import SyntheticImageData
-from commsched.models import ImageClassifier
-from commsched.cli.quiet import quiet_lightning
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+
+import commsched
+from commsched.cli.quiet import quiet_lightning
+from commsched.data import SyntheticImageData
+from commsched.models import ImageClassifier
 
 
 def fit(out: Path, schedule: str, name: str, steps: int, resume: str | None = None) -> None:
@@ -27,10 +27,18 @@ def fit(out: Path, schedule: str, name: str, steps: int, resume: str | None = No
     model = ImageClassifier("resnet18", num_classes=10, width=4)
     data = SyntheticImageData(batch_size=16, train_size=192, val_size=32)  # 6 steps per epoch on 2 ranks
     strategy = DDPStrategy() if schedule == "ddp" else commsched.STRATEGIES[schedule](bucket_cap_mb=0.05)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         callbacks=[ModelCheckpoint(dirpath=out / name, save_last=True, save_top_k=0)],
-                         default_root_dir=out / f"{name}-run")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=out / name, save_last=True, save_top_k=0)],
+        default_root_dir=out / f"{name}-run",
+    )
     trainer.fit(model, datamodule=data, ckpt_path=str(out / resume / "last.ckpt") if resume else None)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{name}.pt")

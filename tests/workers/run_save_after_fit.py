@@ -23,9 +23,14 @@ from toy import ToyNet  # noqa: E402
 warnings.filterwarnings("ignore")
 STEPS = 8
 CASES = {
-    "topk": lambda: commsched.WFBPStrategy(bucket_cap_mb=600 / 2**20, compression=commsched.CompressionOptions(method="topk", density=0.1)),
-    "streams": lambda: commsched.WFBPStrategy(bucket_cap_mb=600 / 2**20, streams="auto",
-                                              stream_options=commsched.StreamOptions(trial_steps=1, warmup_steps=1, confirm_rounds=1)),
+    "topk": lambda: commsched.WFBPStrategy(
+        bucket_cap_mb=600 / 2**20, compression=commsched.CompressionOptions(method="topk", density=0.1)
+    ),
+    "streams": lambda: commsched.WFBPStrategy(
+        bucket_cap_mb=600 / 2**20,
+        streams="auto",
+        stream_options=commsched.StreamOptions(trial_steps=1, warmup_steps=1, confirm_rounds=1),
+    ),
 }
 
 
@@ -36,9 +41,18 @@ def main() -> None:
         model = ToyNet(batch_size=4, train_size=4 * 2 * STEPS)
         folder = out / case
         saves = ModelCheckpoint(dirpath=folder / "ckpt", save_last=True, every_n_train_steps=STEPS)
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CASES[case](), max_steps=STEPS, logger=False,
-                             callbacks=[saves], enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=0, default_root_dir=folder)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=CASES[case](),
+            max_steps=STEPS,
+            logger=False,
+            callbacks=[saves],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=folder,
+        )
         trainer.fit(model)
         trainer.save_checkpoint(folder / "manual.ckpt")
 

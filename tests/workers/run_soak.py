@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 import commsched
-import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from toy import ToyNet  # noqa: E402
@@ -37,8 +37,9 @@ def strategy_for(schedule: str):
     if schedule == "dear":
         return commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, dear=commsched.DeAROptions(fallback="never"))
     if schedule == "streams":
-        return commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, streams=4,
-                                      stream_options=commsched.StreamOptions(unit_mb=160 / 2**20))
+        return commsched.WFBPStrategy(
+            bucket_cap_mb=BUCKET_MB, streams=4, stream_options=commsched.StreamOptions(unit_mb=160 / 2**20)
+        )
     return DDPStrategy(find_unused_parameters=True)
 
 
@@ -78,16 +79,33 @@ def main() -> None:
     schedule, steps, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     pl.seed_everything(0, verbose=False)
     delays = RandomDelays(int(os.environ.get("LOCAL_RANK", "0")))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_for(schedule), max_steps=steps, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[delays], default_root_dir=out)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy_for(schedule),
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[delays],
+        default_root_dir=out,
+    )
     model = ToyNet(train_size=400)
     started = time.perf_counter()
     trainer.fit(model)
     elapsed = time.perf_counter() - started
-    torch.save({"sums": delays.sums, "steps": trainer.global_step, "seconds": elapsed,
-                "final": {k: v.detach().clone() for k, v in model.state_dict().items()}},
-               out / f"{schedule}.rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "sums": delays.sums,
+            "steps": trainer.global_step,
+            "seconds": elapsed,
+            "final": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        },
+        out / f"{schedule}.rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

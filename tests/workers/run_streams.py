@@ -19,13 +19,13 @@ import time
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 
 import commsched
 import commsched.comm.links
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from toy import ToyNet  # noqa: E402
@@ -34,10 +34,30 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 BUCKET_MB = 2000 / 2**20
 UNIT_MB = 160 / 2**20
-SEARCH = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
-                                 trial_steps=2, budget_steps=8, drift=0.0, confirm_rounds=1)
-DRIFTING = commsched.StreamOptions(unit_mb=UNIT_MB, warmup_steps=1, min_unit_mb=UNIT_MB, max_unit_mb=4 * UNIT_MB, max_streams=4,
-                                   trial_steps=2, budget_steps=8, drift=0.5, drift_steps=4, retune_steps=6, confirm_rounds=1)
+SEARCH = commsched.StreamOptions(
+    unit_mb=UNIT_MB,
+    warmup_steps=1,
+    min_unit_mb=UNIT_MB,
+    max_unit_mb=4 * UNIT_MB,
+    max_streams=4,
+    trial_steps=2,
+    budget_steps=8,
+    drift=0.0,
+    confirm_rounds=1,
+)
+DRIFTING = commsched.StreamOptions(
+    unit_mb=UNIT_MB,
+    warmup_steps=1,
+    min_unit_mb=UNIT_MB,
+    max_unit_mb=4 * UNIT_MB,
+    max_streams=4,
+    trial_steps=2,
+    budget_steps=8,
+    drift=0.5,
+    drift_steps=4,
+    retune_steps=6,
+    confirm_rounds=1,
+)
 STEPS = 14
 CUT_AT, CUT_STEPS = 6, 8
 SUFFIXES = ("-delayed", "-resumed", "-part", "-cut", "-drift", "-profiled")
@@ -61,7 +81,9 @@ def case_strategy(case: str):
         return DDPStrategy(find_unused_parameters=True)
     cls = {"wfbp": commsched.WFBPStrategy, "dear": commsched.DeARStrategy}[schedule]
     count = "auto" if streams == "auto" else int(streams.removeprefix("s"))
-    options = DRIFTING if case.endswith("-drift") else SEARCH if count == "auto" else commsched.StreamOptions(unit_mb=UNIT_MB)
+    options = (
+        DRIFTING if case.endswith("-drift") else SEARCH if count == "auto" else commsched.StreamOptions(unit_mb=UNIT_MB)
+    )
     profile = commsched.ProfileOptions(steps=8) if case.endswith("-profiled") else 0
     return cls(bucket_cap_mb=BUCKET_MB, streams=count, stream_options=options, trace_collectives=True, profile=profile)
 
@@ -111,17 +133,41 @@ def resumed_from(out: Path, case: str) -> Path | None:
 
 def fit(out: Path, case: str) -> None:
     pl.seed_everything(1234, verbose=False)
-    steps = DRIFT_STEPS if case.endswith("-drift") else STEPS - 4 if case.endswith("-part") else CUT_STEPS if case.endswith("-cut") else STEPS
+    steps = (
+        DRIFT_STEPS
+        if case.endswith("-drift")
+        else STEPS - 4
+        if case.endswith("-part")
+        else CUT_STEPS
+        if case.endswith("-cut")
+        else STEPS
+    )
     model = ToyNet(optimizer="sgd", batch_size=4, train_size=max(steps, STEPS) * 4 * 2)
     groups = CountGroups()
     strategy = case_strategy(case)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         gradient_clip_val=0.5, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=out / case,
-                         callbacks=[groups, ModelCheckpoint(dirpath=out / case / "ckpt", save_last=True, save_top_k=0),
-                                    *([SlowerLater()] if case.endswith("-drift") else []),
-                                    *([ModelCheckpoint(dirpath=out / case / "mid", filename="mid", every_n_train_steps=CUT_AT,
-                                                       save_top_k=-1)] if case.endswith("-cut") else [])])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        gradient_clip_val=0.5,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=out / case,
+        callbacks=[
+            groups,
+            ModelCheckpoint(dirpath=out / case / "ckpt", save_last=True, save_top_k=0),
+            *([SlowerLater()] if case.endswith("-drift") else []),
+            *(
+                [ModelCheckpoint(dirpath=out / case / "mid", filename="mid", every_n_train_steps=CUT_AT, save_top_k=-1)]
+                if case.endswith("-cut")
+                else []
+            ),
+        ],
+    )
     if case.endswith("-delayed"):
         delay_every_request(trainer.global_rank)
     said = Said()
@@ -131,15 +177,24 @@ def fit(out: Path, case: str) -> None:
         trainer.fit(model, ckpt_path=str(resume) if resume else None)
     finally:
         logging.getLogger("commsched").removeHandler(said)
-    result = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-              "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
-              "groups_alive": groups.alive}
+    result = {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "trace": [tuple(vars(r).values()) for r in getattr(trainer.strategy, "collective_trace", [])],
+        "groups_alive": groups.alive,
+    }
     schedule = getattr(trainer.strategy, "last_schedule", None)
     if schedule is not None and schedule.streams is not None:
         control = schedule.streams
-        result.update(striping=control.striping.to_json(), chosen=control.chosen.to_json() if control.chosen else None,
-                      trials=control.trials, wire_bytes=trainer.strategy.wire_bytes, profile=trainer.strategy.profile,
-                      finish=control.finish(), files=[str(p) for p in control.files()], said=said.lines)
+        result.update(
+            striping=control.striping.to_json(),
+            chosen=control.chosen.to_json() if control.chosen else None,
+            trials=control.trials,
+            wire_bytes=trainer.strategy.wire_bytes,
+            profile=trainer.strategy.profile,
+            finish=control.finish(),
+            files=[str(p) for p in control.files()],
+            said=said.lines,
+        )
     torch.save(result, out / f"{case}.rank{trainer.global_rank}.pt")
 
 

@@ -24,14 +24,14 @@ import time
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import commsched
-import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -68,8 +68,10 @@ class TouchyNet(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.7),
-                                                         "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.7), "interval": "step"},
+        }
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(3)
@@ -142,13 +144,26 @@ def run(out: Path, case: str, world: int) -> None:
     pl.seed_everything(11, verbose=False)
     model = TouchyNet(variant)
     callbacks = callbacks_for(variant)
-    strategy = (DDPStrategy(find_unused_parameters=False) if kind == "ddp"
-                else commsched.DeARStrategy(bucket_cap_mb=700 / 2**20, trace_collectives=True,
-                                            dear=commsched.DeAROptions(fallback="never")))  # DeAR's touches, never WFBP
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         gradient_clip_val=0.5 if variant in ("readers", "rankzero") else None, callbacks=callbacks,
-                         default_root_dir=out / f"{case}-run")
+    strategy = (
+        DDPStrategy(find_unused_parameters=False)
+        if kind == "ddp"
+        else commsched.DeARStrategy(
+            bucket_cap_mb=700 / 2**20, trace_collectives=True, dear=commsched.DeAROptions(fallback="never")
+        )
+    )  # DeAR's touches, never WFBP
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        gradient_clip_val=0.5 if variant in ("readers", "rankzero") else None,
+        callbacks=callbacks,
+        default_root_dir=out / f"{case}-run",
+    )
     trainer.fit(model)
     schedule = getattr(trainer.strategy, "last_schedule", None)
     result = {

@@ -14,13 +14,12 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import commsched
-import lightning.pytorch as pl
-
 from commsched.data.base import ResumableLoader
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -78,16 +77,37 @@ def main(out: Path) -> None:
     pl.seed_everything(5, verbose=False)
     whole = WholeDataLoss()
     preserver = commsched.Preserver()
-    strategy = commsched.DeFTStrategy(deft=commsched.DeFTOptions(warmup_steps=WARMUP, measure_steps=MEASURE, cost_repeats=1,
-                                                                 capacity=None, fallback="never"))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=WARMUP + MEASURE + AFTER, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[whole, preserver], default_root_dir=out / "run")
+    strategy = commsched.DeFTStrategy(
+        deft=commsched.DeFTOptions(
+            warmup_steps=WARMUP, measure_steps=MEASURE, cost_repeats=1, capacity=None, fallback="never"
+        )
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=WARMUP + MEASURE + AFTER,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[whole, preserver],
+        default_root_dir=out / "run",
+    )
     trainer.fit(LeastSquares())
     if trainer.global_rank == 0:
-        torch.save({"walk": preserver.decisions[-1]["walk"], "read_at": WARMUP + MEASURE - 1, "loss": whole.loss,
-                    "gradient_norm2": whole.gradient_norm2, "lr": LR, "momentum": MOMENTUM, "after": AFTER},
-                   out / "walk.pt")
+        torch.save(
+            {
+                "walk": preserver.decisions[-1]["walk"],
+                "read_at": WARMUP + MEASURE - 1,
+                "loss": whole.loss,
+                "gradient_norm2": whole.gradient_norm2,
+                "lr": LR,
+                "momentum": MOMENTUM,
+                "after": AFTER,
+            },
+            out / "walk.pt",
+        )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def digits(resolution: int = 8, seed: int = 0, val_fraction: float = 0.2) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def digits(
+    resolution: int = 8, seed: int = 0, val_fraction: float = 0.2
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """scikit-learn's digits (8x8, resized to `resolution`), three channels, split with a fixed seed."""
     from sklearn.datasets import load_digits
 
@@ -47,10 +49,19 @@ def digits(resolution: int = 8, seed: int = 0, val_fraction: float = 0.2) -> tup
 def bn_net(width: int = 16) -> nn.Module:
     """Three conv-BatchNorm-ReLU blocks and a linear head: small enough for a test, deep enough to sharpen."""
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(2 * width, 4 * width, 3, padding=1, bias=False), nn.BatchNorm2d(4 * width), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(4 * width * 4, 10),
+        nn.Conv2d(3, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(2 * width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * width, 4 * width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(4 * width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * width * 4, 10),
     )
 
 
@@ -83,8 +94,17 @@ class StaleSGD:
     """SGD with momentum and weight decay (torch's update, written out) whose gradient is `staleness`
     steps late, with one of `COMPENSATIONS`."""
 
-    def __init__(self, params: list[torch.Tensor], lr: float, momentum: float, weight_decay: float, staleness: int,
-                 compensation: str = "none", dc_lambda: float = 0.04, dc_lambda0: float = 2.0) -> None:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        staleness: int,
+        compensation: str = "none",
+        dc_lambda: float = 0.04,
+        dc_lambda0: float = 2.0,
+    ) -> None:
         if compensation not in COMPENSATIONS:
             raise ValueError(f"compensation: one of {COMPENSATIONS}, not {compensation!r}")
         self.params, self.lr, self.momentum, self.weight_decay = params, lr, momentum, weight_decay
@@ -108,8 +128,8 @@ class StaleSGD:
     def step(self, grads: list[torch.Tensor], weights_then: list[torch.Tensor]) -> None:
         m, late = self.momentum, self.staleness
         spike = self.compensation.startswith("spike") and late > 0 and m > 0
-        a = (1 - m ** late) / (1 - m) if spike else 0.0
-        b = m ** late if spike else 1.0
+        a = (1 - m**late) / (1 - m) if spike else 0.0
+        b = m**late if spike else 1.0
         for i, (p, g, then) in enumerate(zip(self.params, grads, weights_then)):
             if self.compensation == "dc":
                 g = g + self.dc_lambda * g * g * (p - then)
@@ -137,9 +157,13 @@ class StaleAdamW:
     first-moment weight it missed, 1 - beta1^D, and the first moment keeps only (1 - beta1) beta1^D of
     it, so that its total weight is the synchronous one. The same interface as `StaleSGD`."""
 
-    def __init__(self, params: list[torch.Tensor], lr: float, weight_decay: float, staleness: int, compensation: str = "none") -> None:
+    def __init__(
+        self, params: list[torch.Tensor], lr: float, weight_decay: float, staleness: int, compensation: str = "none"
+    ) -> None:
         if compensation not in ("none", "predict", "spike", "spike+predict"):
-            raise ValueError(f"compensation under AdamW: 'none', 'predict', 'spike' or 'spike+predict', not {compensation!r}")
+            raise ValueError(
+                f"compensation under AdamW: 'none', 'predict', 'spike' or 'spike+predict', not {compensation!r}"
+            )
         self.params, self.staleness, self.compensation = params, staleness, compensation
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         self.last_update = [torch.zeros_like(p) for p in params]
@@ -164,13 +188,13 @@ class StaleAdamW:
         more, and the first moment (1 - beta1)(1 - beta1^D) g less."""
         group = self.optimizer.param_groups[0]
         (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
-        missed = 1 - beta1 ** self.staleness
+        missed = 1 - beta1**self.staleness
         for p, g in zip(self.params, grads):
             state = self.optimizer.state[p]
             step = float(state["step"])
             state["exp_avg"].add_(g, alpha=-(1 - beta1) * missed)
-            denominator = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt_().add_(eps)
-            p.addcdiv_(g, denominator, value=-lr * beta1 * missed / (1 - beta1 ** step))
+            denominator = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(eps)
+            p.addcdiv_(g, denominator, value=-lr * beta1 * missed / (1 - beta1**step))
 
 
 def stale_iteration(params: list[torch.Tensor], optimizer, late: deque, run: Run, loss_at) -> None:
@@ -215,18 +239,27 @@ class LossGuard:
     stopped: bool = False
     snapshot: Optional[tuple] = None
 
-    def at(self, iteration: int, stale_from: int, model: nn.Module, optimizer: "StaleSGD", late: deque, run: Run) -> None:
+    def at(
+        self, iteration: int, stale_from: int, model: nn.Module, optimizer: "StaleSGD", late: deque, run: Run
+    ) -> None:
         if self.rollback and iteration == stale_from + 1:
-            self.snapshot = ({k: v.clone() for k, v in model.state_dict().items()},
-                             [None if v is None else v.clone() for v in optimizer.velocity], [u.clone() for u in optimizer.last_update])
+            self.snapshot = (
+                {k: v.clone() for k, v in model.state_dict().items()},
+                [None if v is None else v.clone() for v in optimizer.velocity],
+                [u.clone() for u in optimizer.last_update],
+            )
         judged, due = divmod(iteration - stale_from - 1, self.window)
         if due or not 1 <= judged <= self.windows or self.stopped:
             return
-        previous = run.losses[stale_from + (judged - 2) * self.window:stale_from + (judged - 1) * self.window]
+        previous = run.losses[stale_from + (judged - 2) * self.window : stale_from + (judged - 1) * self.window]
         before = sum(previous) / self.window if self.rule == "mean" or judged > 1 else trend_forecast(previous)
-        after = sum(run.losses[stale_from + (judged - 1) * self.window:stale_from + judged * self.window]) / self.window
+        after = (
+            sum(run.losses[stale_from + (judged - 1) * self.window : stale_from + judged * self.window]) / self.window
+        )
         self.stopped = after >= before
-        self.verdict = (f"{self.verdict}, " if judged > 1 else "") + f"{'stopped' if self.stopped else 'kept'} ({before:.2f} -> {after:.2f})"
+        self.verdict = (
+            f"{self.verdict}, " if judged > 1 else ""
+        ) + f"{'stopped' if self.stopped else 'kept'} ({before:.2f} -> {after:.2f})"
         if not self.stopped:
             return
         if self.snapshot is not None:
@@ -245,10 +278,22 @@ def trend_forecast(losses: list[float]) -> float:
     return y_mean + slope * n  # the line at the next window's centre, n steps after this one's
 
 
-def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, weight_decay: float = 5e-4,
-          batch_size: int = 64, width: int = 16, model_name: str = "bn_net", resolution: int = 8,
-          compensation: str = "none", optimizer_name: str = "sgd", stale_from: int = 0,
-          guard: Optional[LossGuard] = None) -> Run:
+def train(
+    lr: float,
+    momentum: float,
+    staleness: int,
+    epochs: int,
+    seed: int,
+    weight_decay: float = 5e-4,
+    batch_size: int = 64,
+    width: int = 16,
+    model_name: str = "bn_net",
+    resolution: int = 8,
+    compensation: str = "none",
+    optimizer_name: str = "sgd",
+    stale_from: int = 0,
+    guard: Optional[LossGuard] = None,
+) -> Run:
     """Held-out accuracy after `epochs` of SGD whose every step applies the gradient of `staleness` steps
     ago, compensated as `compensation` says (one of `COMPENSATIONS`). The first `stale_from` iterations
     step synchronously (as DeFT's warm-up and measured steps do); the iteration after them steps nothing,
@@ -257,8 +302,11 @@ def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, we
     (x, y), (x_val, y_val) = digits(resolution)
     model = MODELS[model_name](width)
     params = list(model.parameters())
-    optimizer = (StaleAdamW(params, lr, weight_decay, staleness, compensation) if optimizer_name == "adamw"
-                 else StaleSGD(params, lr, momentum, weight_decay, staleness, compensation))
+    optimizer = (
+        StaleAdamW(params, lr, weight_decay, staleness, compensation)
+        if optimizer_name == "adamw"
+        else StaleSGD(params, lr, momentum, weight_decay, staleness, compensation)
+    )
     late: deque[tuple[list[torch.Tensor], list[torch.Tensor]]] = deque()
     run = Run(0.0)
     iteration = 0
@@ -280,8 +328,17 @@ def train(lr: float, momentum: float, staleness: int, epochs: int, seed: int, we
     return run
 
 
-def after_steps(lr: float, momentum: float, steps: int, seed: int, batch_size: int = 64, width: int = 16,
-                weight_decay: float = 5e-4, model_name: str = "bn_net", resolution: int = 8):
+def after_steps(
+    lr: float,
+    momentum: float,
+    steps: int,
+    seed: int,
+    batch_size: int = 64,
+    width: int = 16,
+    weight_decay: float = 5e-4,
+    model_name: str = "bn_net",
+    resolution: int = 8,
+):
     """(model, optimizer, loss of the next batch) after `steps` synchronous steps: what the Preserver
     sees on DeFT's probe steps."""
     torch.manual_seed(seed)
@@ -301,8 +358,17 @@ def after_steps(lr: float, momentum: float, steps: int, seed: int, batch_size: i
     raise AssertionError("unreachable")
 
 
-def train_text(lr: float, staleness: int, steps: int, seed: int, weight_decay: float = 0.01, batch_size: int = 16,
-               compensation: str = "none", stale_from: int = 0, eval_batches: int = 8) -> Run:
+def train_text(
+    lr: float,
+    staleness: int,
+    steps: int,
+    seed: int,
+    weight_decay: float = 0.01,
+    batch_size: int = 16,
+    compensation: str = "none",
+    stale_from: int = 0,
+    eval_batches: int = 8,
+) -> Run:
     """GPT-2 tiny (`commsched.models.gpt2`) on the bytes of Python's documentation topics, trained by
     `StaleAdamW` for `steps` steps whose gradients are `staleness` iterations late after the first
     `stale_from`; `Run.accuracy` holds the held-out loss (lower is better) over `eval_batches` fixed
@@ -330,10 +396,10 @@ def train_text(lr: float, staleness: int, steps: int, seed: int, weight_decay: f
     for iteration in range(1, steps + 1):
         optimizer.staleness = staleness if iteration > stale_from else 0
         starts = torch.randint(0, len(train_tokens) - window, (batch_size,), generator=draw)
-        chunk = torch.stack([train_tokens[s:s + window] for s in starts.tolist()])
+        chunk = torch.stack([train_tokens[s : s + window] for s in starts.tolist()])
         stale_iteration(params, optimizer, late, run, lambda: loss_of(chunk))
     with torch.no_grad():
         starts = torch.linspace(0, len(val_tokens) - window - 1, eval_batches * batch_size).long()
-        held_out = torch.stack([val_tokens[s:s + window] for s in starts.tolist()])
+        held_out = torch.stack([val_tokens[s : s + window] for s in starts.tolist()])
         run.accuracy = float(sum(loss_of(part) for part in held_out.split(batch_size)) / eval_batches)
     return run

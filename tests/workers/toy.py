@@ -8,12 +8,11 @@ before any module runs, and a parameter read directly from a module that is neve
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-import lightning.pytorch as pl
 
 
 class ToyData(Dataset):

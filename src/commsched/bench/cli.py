@@ -20,11 +20,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from commsched.lab import require_lab
-from commsched.cli import overrides
 from commsched.bench import report
 from commsched.bench.config import BenchConfig, register_bench_config, validate_bench
+from commsched.cli import overrides
 from commsched.errors import CommSchedConfigError, use_syntax
+from commsched.lab import require_lab
 
 register_bench_config()
 

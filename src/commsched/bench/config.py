@@ -8,8 +8,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from commsched import options
-from commsched.errors import bad_value
 from commsched.cli.config import train_schedule_names
+from commsched.errors import bad_value
 from commsched.plugins import import_plugins
 from commsched.rates import parse_rate
 
@@ -45,14 +45,20 @@ class ClusterConfig:
 @dataclass
 class BenchConfig:
     models: list[str] = field(default_factory=lambda: ["small_cnn"])
-    schedules: list[str] = field(default_factory=lambda: list(DEFAULT_SCHEDULES))  # ddp or registered; `name+clock` adds a callback
-    plugins: list[str] = field(default_factory=list)  # modules imported first: the schedules they register can be benchmarked
+    schedules: list[str] = field(
+        default_factory=lambda: list(DEFAULT_SCHEDULES)
+    )  # ddp or registered; `name+clock` adds a callback
+    plugins: list[str] = field(
+        default_factory=list
+    )  # modules imported first: the schedules they register can be benchmarked
     devices: int = 2
     link: LinkConfig = field(default_factory=LinkConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     width: int = 64  # channels (images) or embedding size (gpt2_tiny); SmallCNN width 64: 3.06 M parameters
     batch_size: int = 32
-    bucket_cap_mb: Optional[float] = None  # None: every schedule at its defaults (ddp: Lightning's); set: fixed buckets for all
+    bucket_cap_mb: Optional[float] = (
+        None  # None: every schedule at its defaults (ddp: Lightning's); set: fixed buckets for all
+    )
     warmup: int = 3
     steps: int = 20
     rounds: int = 3  # the schedules run interleaved this many times; the best median counts
@@ -83,11 +89,17 @@ def validate_bench(cfg: Any) -> None:
             except ValueError:
                 valid = False
             if not valid:
-                raise bad_value(f"schedules ({entry})", entry, "name/Nmb with N > 0 (fixed N MB buckets), e.g. dear/2mb")
+                raise bad_value(
+                    f"schedules ({entry})", entry, "name/Nmb with N > 0 (fixed N MB buckets), e.g. dear/2mb"
+                )
         name, colon, streams = name.partition(":")
         if colon:
             if name not in options.STRIPING_SCHEDULES and name != "hier":
-                raise bad_value(f"schedules ({entry})", entry, "streams after : only for wfbp, dear and hier, e.g. wfbp:4, dear:auto")
+                raise bad_value(
+                    f"schedules ({entry})",
+                    entry,
+                    "streams after : only for wfbp, dear and hier, e.g. wfbp:4, dear:auto",
+                )
             options.streams_value(f"schedules ({entry})", int(streams) if streams.isdigit() else streams)
         name, at, density = name.partition("@")
         options.choice("schedules", name, (*names, *EXCHANGES))
@@ -105,8 +117,13 @@ def validate_bench(cfg: Any) -> None:
     if cfg.cluster.nodes:
         from commsched.cluster.spec import ClusterSpec
 
-        ClusterSpec(cfg.cluster.nodes, cfg.cluster.workers_per_node, cfg.cluster.rate, cfg.cluster.secondary_rate,
-                    cfg.cluster.flow_rate).check(lambda field: f"cluster.{field}")
+        ClusterSpec(
+            cfg.cluster.nodes,
+            cfg.cluster.workers_per_node,
+            cfg.cluster.rate,
+            cfg.cluster.secondary_rate,
+            cfg.cluster.flow_rate,
+        ).check(lambda field: f"cluster.{field}")
         if cfg.cluster.nodes * cfg.cluster.workers_per_node < 2:
             raise bad_value("cluster.nodes", cfg.cluster.nodes, "a cluster of 2 workers or more")
     elif cfg.devices < 2:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from commsched.lab import require_lab
 from commsched.bench import report
 from commsched.bench.config import BenchConfig
+from commsched.lab import require_lab
 from commsched.rates import parse_rate
 
 # The README's benchmark model; at 600 Mbit its 11.7 MB of gradients take about as long to move as
@@ -35,17 +35,33 @@ def main() -> None:
     parser.add_argument("--rate", default=DEMO_RATE, help="emulated link rate, e.g. 1gbit, 600mbit; none: unlimited")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the best median counts")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where results.json, bench.csv, bench.png and the profile go (default: outputs/demo/<time>)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where results.json, bench.csv, bench.png and the profile go (default: outputs/demo/<time>)",
+    )
     args = parser.parse_args()
     require_lab("the demo (a benchmark)")
     if args.rate != "none":
         parse_rate(args.rate)
     console = Console()
-    spec = {**dataclasses.asdict(BenchConfig()), "link": {"rate": args.rate}, "steps": args.steps, "rounds": args.rounds}
+    spec = {
+        **dataclasses.asdict(BenchConfig()),
+        "link": {"rate": args.rate},
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
     out = args.out or Path("outputs", "demo", time.strftime("%Y-%m-%d_%H-%M-%S"))  # every file it names stays
     results, rate = report.run_benchmark(spec, out, console)
-    report.print_results(results, spec, rate, console, compact=True, more_steps="raise --steps or --rounds (make demo DEMO_ARGS=\"--steps 20\")")
+    report.print_results(
+        results,
+        spec,
+        rate,
+        console,
+        compact=True,
+        more_steps='raise --steps or --rounds (make demo DEMO_ARGS="--steps 20")',
+    )
     report.write_bench_csv(results, rate, out / "bench.csv")
     report.plot_bench(results, rate, out / "bench.png")
     rows = {row["schedule"]: row for row in results[0]["rows"]}

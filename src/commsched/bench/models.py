@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+import lightning.pytorch as pl
 from torch.utils.data import Dataset
 
-import lightning.pytorch as pl
 from commsched.data import SyntheticImages, SyntheticTokens
 from commsched.models import ImageClassifier, LanguageModel, SmallCNN
 
@@ -18,6 +18,7 @@ def _image(arch: str) -> Factory:
         if arch == "small_cnn":
             return SmallCNN(width=width), lambda n: SyntheticImages(n)
         return ImageClassifier(arch, num_classes=10, cifar=True, width=width), lambda n: SyntheticImages(n)
+
     return build
 
 

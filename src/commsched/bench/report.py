@@ -15,9 +15,23 @@ from rich.table import Table
 
 from commsched.cluster import netns
 
-COLUMNS = ("schedule", "step_ms", "cpu_ms", "samples_per_s", "speedup_vs_ddp", "median_speedup_vs_ddp", "wire_mb", "local_mb",
-           "theoretical_ms", "measured_over_theoretical", "predicted_ms", "prediction_error", "weights_vs_ddp", "chose",
-           "deciding_steps")
+COLUMNS = (
+    "schedule",
+    "step_ms",
+    "cpu_ms",
+    "samples_per_s",
+    "speedup_vs_ddp",
+    "median_speedup_vs_ddp",
+    "wire_mb",
+    "local_mb",
+    "theoretical_ms",
+    "measured_over_theoretical",
+    "predicted_ms",
+    "prediction_error",
+    "weights_vs_ddp",
+    "chose",
+    "deciding_steps",
+)
 ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
 
 
@@ -41,19 +55,25 @@ def run_benchmark(spec: dict, out: Path, console: Console) -> tuple[list[dict], 
     return json.loads((out / "results.json").read_text()), "none"
 
 
-def _run_in_cluster(spec: dict, spec_file: Path, argv: list[str], out: Path, console: Console) -> tuple[list[dict], str]:
+def _run_in_cluster(
+    spec: dict, spec_file: Path, argv: list[str], out: Path, console: Console
+) -> tuple[list[dict], str]:
     """Each node runs the worker with Trainer(num_nodes=N, devices=G): Lightning's own multi-node path."""
     from commsched.cluster.launch import run_on_nodes
     from commsched.cluster.spec import ClusterSpec
 
     c = spec["cluster"]
-    cluster = ClusterSpec(c["nodes"], c["workers_per_node"], c["rate"], c.get("secondary_rate"), c.get("flow_rate")).check()
+    cluster = ClusterSpec(
+        c["nodes"], c["workers_per_node"], c["rate"], c.get("secondary_rate"), c.get("flow_rate")
+    ).check()
     spec_file.write_text(json.dumps({**spec, "devices": c["workers_per_node"], "num_nodes": c["nodes"]}, indent=1))
     reason = netns.unavailable_reason()
     if reason is not None:
         raise SystemExit(f"commsched: {reason}; cluster.nodes needs an emulated cluster")
     _check(run_on_nodes(cluster, argv))
-    label = f"{c['nodes']}x{c['workers_per_node']} @ {c['rate']}" + (f", flows {c['flow_rate']}" if c.get("flow_rate") else "")
+    label = f"{c['nodes']}x{c['workers_per_node']} @ {c['rate']}" + (
+        f", flows {c['flow_rate']}" if c.get("flow_rate") else ""
+    )
     return json.loads((out / "results.json").read_text()), label
 
 
@@ -70,52 +90,102 @@ def _fmt(value: object, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-COMPACT = {"step (ms)": "the median step after warm-up", "vs ddp": "speed-up over Lightning's ddp (above 1: faster)",
-           "MB sent/step": "bytes this rank sent a step", "best possible (ms)": "the step its schedule allows for the measured "
-           "compute and communication", "weights vs ddp": "largest difference of its final weights from ddp's"}
+COMPACT = {
+    "step (ms)": "the median step after warm-up",
+    "vs ddp": "speed-up over Lightning's ddp (above 1: faster)",
+    "MB sent/step": "bytes this rank sent a step",
+    "best possible (ms)": "the step its schedule allows for the measured compute and communication",
+    "weights vs ddp": "largest difference of its final weights from ddp's",
+}
 """The demo's columns and what each means (every column is in bench.csv)."""
 
 
-def print_results(results: list[dict], spec: dict, rate: str, console: Console, compact: bool = False,
-                  more_steps: str = "raise steps= or rounds=") -> None:
+def print_results(
+    results: list[dict],
+    spec: dict,
+    rate: str,
+    console: Console,
+    compact: bool = False,
+    more_steps: str = "raise steps= or rounds=",
+) -> None:
     """The table of each model; `compact`: the columns that fit an 80-column terminal, with a legend."""
     for result in results:
         parts = "  ".join(f"{k} {v:.1f}" for k, v in result["components_ms"].items())
-        console.print(f"[bold]{result['model']}[/bold]: {result['gradient_mb']:.1f} MB of gradients in "
-                      f"{result['buckets']} buckets, {_workers(spec)} workers, batch {spec['batch_size']}/worker, "
-                      f"link {rate}; components (ms): {parts}")
+        console.print(
+            f"[bold]{result['model']}[/bold]: {result['gradient_mb']:.1f} MB of gradients in "
+            f"{result['buckets']} buckets, {_workers(spec)} workers, batch {spec['batch_size']}/worker, "
+            f"link {rate}; components (ms): {parts}"
+        )
         console.print(_compact_table(result) if compact else _full_table(result))
-        chose = [f"{row['schedule']}: {row['chose']}, after {row['deciding_steps']} steps deciding"
-                 for row in result["rows"] if row.get("chose")]
+        chose = [
+            f"{row['schedule']}: {row['chose']}, after {row['deciding_steps']} steps deciding"
+            for row in result["rows"]
+            if row.get("chose")
+        ]
         if chose:
-            console.print("chosen by the runs themselves (those steps left out of the timing): " + "; ".join(chose) + ".")
+            console.print(
+                "chosen by the runs themselves (those steps left out of the timing): " + "; ".join(chose) + "."
+            )
         if compact:
             console.print("; ".join(f"{name}: {meaning}" for name, meaning in COMPACT.items()) + ".", style="dim")
-        for number, decided in enumerate(result.get("deft", {}).get("rounds", []), 1):  # each round measures and decides anew
-            ratios = ", ".join(f"{d['ratio']:.3f} staleness {d['staleness']} ({'accepted' if d['accepted'] else 'rejected'})"
-                               for d in decided["preserver"])
-            console.print(f"deft, round {number}: {decided['plan']}; mu (secondary / primary all-reduce time) {decided['mu']:.2f}"
-                          + (f"; Preserver ratios {ratios}" if ratios else "; no Preserver"))
+        for number, decided in enumerate(
+            result.get("deft", {}).get("rounds", []), 1
+        ):  # each round measures and decides anew
+            ratios = ", ".join(
+                f"{d['ratio']:.3f} staleness {d['staleness']} ({'accepted' if d['accepted'] else 'rejected'})"
+                for d in decided["preserver"]
+            )
+            console.print(
+                f"deft, round {number}: {decided['plan']}; mu (secondary / primary all-reduce time) {decided['mu']:.2f}"
+                + (f"; Preserver ratios {ratios}" if ratios else "; no Preserver")
+            )
         for searched in result.get("deft", {}).get("streams", []):
-            console.print(f"{searched['entry']}: the stream search chose {searched['chosen']} after {searched['trials']} "
-                          f"trials ({searched['chosen_ms']:.1f} ms/step when measured)")
+            console.print(
+                f"{searched['entry']}: the stream search chose {searched['chosen']} after {searched['trials']} "
+                f"trials ({searched['chosen_ms']:.1f} ms/step when measured)"
+            )
         if any(row["schedule"] == "ddp" for row in result["rows"]):
-            console.print("ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
-                          "is wfbp's (the same bound and simulation).")
+            console.print(
+                "ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
+                "is wfbp's (the same bound and simulation)."
+            )
         warn_if_noisy(result, console, more_steps)
 
 
 def _full_table(result: dict) -> Table:
     table = Table()
-    for column in ("schedule", "step (ms)", "CPU (ms)", "samples/s", "vs ddp", "median vs ddp", "MB sent/step",
-                   "of which node-local", "best possible (ms)", "measured / best", "simulated (ms)", "sim error", "weights vs ddp"):
+    for column in (
+        "schedule",
+        "step (ms)",
+        "CPU (ms)",
+        "samples/s",
+        "vs ddp",
+        "median vs ddp",
+        "MB sent/step",
+        "of which node-local",
+        "best possible (ms)",
+        "measured / best",
+        "simulated (ms)",
+        "sim error",
+        "weights vs ddp",
+    ):
         table.add_column(column, justify="right")
     for row in result["rows"]:
-        table.add_row(row["schedule"], f"{row['step_ms']:.1f}", f"{row['cpu_ms']:.1f}", f"{row['samples_per_s']:.1f}",
-                      _fmt(row["speedup_vs_ddp"], ".3f"), _fmt(row.get("median_speedup_vs_ddp"), ".3f"),
-                      _fmt(row.get("wire_mb"), ".2f"), _fmt(row.get("local_mb"), ".2f"), _fmt(row["theoretical_ms"], ".1f"),
-                      _fmt(row["measured_over_theoretical"], ".2f"), _fmt(row["predicted_ms"], ".1f"),
-                      _fmt(row["prediction_error"], "+.1%"), _fmt(row.get("weights_vs_ddp"), ".1e"))
+        table.add_row(
+            row["schedule"],
+            f"{row['step_ms']:.1f}",
+            f"{row['cpu_ms']:.1f}",
+            f"{row['samples_per_s']:.1f}",
+            _fmt(row["speedup_vs_ddp"], ".3f"),
+            _fmt(row.get("median_speedup_vs_ddp"), ".3f"),
+            _fmt(row.get("wire_mb"), ".2f"),
+            _fmt(row.get("local_mb"), ".2f"),
+            _fmt(row["theoretical_ms"], ".1f"),
+            _fmt(row["measured_over_theoretical"], ".2f"),
+            _fmt(row["predicted_ms"], ".1f"),
+            _fmt(row["prediction_error"], "+.1%"),
+            _fmt(row.get("weights_vs_ddp"), ".1e"),
+        )
     return table
 
 
@@ -124,8 +194,14 @@ def _compact_table(result: dict) -> Table:
     for column in ("schedule", *COMPACT):
         table.add_column(column, justify="right")
     for row in result["rows"]:
-        table.add_row(row["schedule"], f"{row['step_ms']:.1f}", _fmt(row["speedup_vs_ddp"], ".2f"), _fmt(row.get("wire_mb"), ".2f"),
-                      _fmt(row["theoretical_ms"], ".1f"), _fmt(row.get("weights_vs_ddp"), ".1e"))
+        table.add_row(
+            row["schedule"],
+            f"{row['step_ms']:.1f}",
+            _fmt(row["speedup_vs_ddp"], ".2f"),
+            _fmt(row.get("wire_mb"), ".2f"),
+            _fmt(row["theoretical_ms"], ".1f"),
+            _fmt(row.get("weights_vs_ddp"), ".1e"),
+        )
     return table
 
 
@@ -138,9 +214,11 @@ def warn_if_noisy(result: dict, console: Console, more_steps: str = "raise steps
     for row in result["rows"]:
         times = row.get("rounds_ms", [])
         if len(times) > 1 and max(times) / min(times) - 1 > ROUNDS_AGREE:
-            console.print(f"[yellow]commsched: the {len(times)} rounds of {row['schedule']} on {result['model']} "
-                          f"disagree by {max(times) / min(times) - 1:.0%} ({', '.join(f'{t:.0f}' for t in times)} ms): "
-                          f"too few steps to trust; {more_steps}[/yellow]")
+            console.print(
+                f"[yellow]commsched: the {len(times)} rounds of {row['schedule']} on {result['model']} "
+                f"disagree by {max(times) / min(times) - 1:.0%} ({', '.join(f'{t:.0f}' for t in times)} ms): "
+                f"too few steps to trust; {more_steps}[/yellow]"
+            )
 
 
 def write_bench_csv(results: list[dict], rate: str, path: Path) -> None:
@@ -162,8 +240,11 @@ def plot_bench(results: list[dict], rate: str, path: Path) -> None:
     for ax, result in zip(axes[0], results):
         names = [row["schedule"] for row in result["rows"]]
         x = range(len(names))
-        for offset, key, label in ((-0.27, "step_ms", "measured"), (0.0, "predicted_ms", "simulated"),
-                                   (0.27, "theoretical_ms", "best possible")):
+        for offset, key, label in (
+            (-0.27, "step_ms", "measured"),
+            (0.0, "predicted_ms", "simulated"),
+            (0.27, "theoretical_ms", "best possible"),
+        ):
             ax.bar([i + offset for i in x], [row[key] or 0.0 for row in result["rows"]], width=0.27, label=label)
         ax.set_xticks(list(x), names)
         ax.set_ylabel("ms per step")

@@ -18,24 +18,32 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import commsched
+from commsched.bench.models import BENCH_MODELS
+from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
+from commsched.comm.local_workers import end_process_group
 from commsched.options import CompressionOptions, ProfileOptions
 from commsched.plugins import import_plugins
-from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
-import lightning.pytorch as pl
-from commsched.bench.models import BENCH_MODELS
 from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
-from commsched.comm.local_workers import end_process_group
 
 
 def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=spec["devices"], num_nodes=spec.get("num_nodes", 1), strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=spec["devices"],
+        num_nodes=spec.get("num_nodes", 1),
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
         default_root_dir=out,
     )
 
@@ -89,7 +97,9 @@ def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
     return DataLoader(make_data(spec["batch_size"] * world * (steps + 2)), batch_size=spec["batch_size"])
 
 
-def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[StepTimer, int, dict, dict, dict, Optional[dict]]:
+def time_schedule(
+    model_name: str, entry: str, spec: dict, out: Path
+) -> tuple[StepTimer, int, dict, dict, dict, Optional[dict]]:
     """One run of `entry` (a schedule, `+callback` for a user's callback in the Trainer): its step
     timer (after its choices and a warm-up), this process's rank, the final weights (every schedule
     starts from the same seed and sees the same batches), for deft or a stream search what it
@@ -104,14 +114,25 @@ def time_schedule(model_name: str, entry: str, spec: dict, out: Path) -> tuple[S
     if schedule == "deft" and spec["preserver"]:
         # stale plans at once (stale_after_steps=0): the bench times them within its few steps
         callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"], stale_after_steps=0))
-    plain_wfbp = entry == "wfbp" and spec.get("bucket_cap_mb") is None  # its planner profiles fixed buckets: the components
-    strategy = _strategy(schedule, spec, **({"profile": ProfileOptions(dir=str(out))} if plain_wfbp else {}))  # where they go
+    plain_wfbp = (
+        entry == "wfbp" and spec.get("bucket_cap_mb") is None
+    )  # its planner profiles fixed buckets: the components
+    strategy = _strategy(
+        schedule, spec, **({"profile": ProfileOptions(dir=str(out))} if plain_wfbp else {})
+    )  # where they go
     trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))
     state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
     choices = {**_choices(strategy, timer), "steps_run": trainer.global_step}
     profile = getattr(strategy, "profile", None) if plain_wfbp else None
-    return timer, trainer.global_rank, state, _deft_report(strategy) or _streams_report(entry, strategy), choices, profile
+    return (
+        timer,
+        trainer.global_rank,
+        state,
+        _deft_report(strategy) or _streams_report(entry, strategy),
+        choices,
+        profile,
+    )
 
 
 class Snapshots(pl.Callback):
@@ -122,7 +143,9 @@ class Snapshots(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step in self.steps:
-            self.states[trainer.global_step] = {k: v.detach().double().clone() for k, v in pl_module.state_dict().items()}
+            self.states[trainer.global_step] = {
+                k: v.detach().double().clone() for k, v in pl_module.state_dict().items()
+            }
 
 
 def ddp_weights(model_name: str, spec: dict, steps: set[int], out: Path) -> dict[int, dict]:
@@ -143,7 +166,11 @@ def _choices(strategy: Any, timer: StepTimer) -> dict:
         return {}
     plan = strategy.fusion_plan
     auto = plan.details.get("auto") if plan is not None else None
-    fusion = (f"{auto['planner']} plan" if auto["kept"] == "planned" else "fixed") if auto else (plan.policy if plan else "fixed")
+    fusion = (
+        (f"{auto['planner']} plan" if auto["kept"] == "planned" else "fixed")
+        if auto
+        else (plan.policy if plan else "fixed")
+    )
     if auto:
         fusion += f"; planned {_gains(auto.get('predicted_ms'), auto['step_ms'])}"
     chose = [f"{len(schedule.plan.buckets)} buckets ({fusion})"]
@@ -173,8 +200,12 @@ def _streams_report(entry: str, strategy: Any) -> dict:
     control = getattr(getattr(strategy, "last_schedule", None), "streams", None)
     if control is None or not control.auto:
         return {}
-    return {"entry": entry, "chosen": control.chosen.describe() if control.chosen else None, "trials": len(control.trials),
-            "chosen_ms": control.chosen_s * 1e3}
+    return {
+        "entry": entry,
+        "chosen": control.chosen.describe() if control.chosen else None,
+        "trials": len(control.trials),
+        "chosen_ms": control.chosen_s * 1e3,
+    }
 
 
 def _deft_report(strategy: Any) -> dict:
@@ -182,7 +213,9 @@ def _deft_report(strategy: Any) -> dict:
     if not hasattr(schedule, "report") or schedule.timings is None:
         return {}
     report = schedule.report()
-    report["preserver"] = [{k: d[k] for k in ("capacity", "k", "ratio", "staleness", "accepted")} for d in report["preserver"]]
+    report["preserver"] = [
+        {k: d[k] for k in ("capacity", "k", "ratio", "staleness", "accepted")} for d in report["preserver"]
+    ]
     return report
 
 
@@ -192,8 +225,11 @@ def profile_components(model_name: str, spec: dict, out: Path) -> dict:
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     steps = spec["warmup"] + spec["steps"] + 1
     # fixed buckets (the size ddp uses): the components of one step, not a planner's choice
-    strategy = _strategy("wfbp", {**spec, "bucket_cap_mb": spec.get("bucket_cap_mb") or 25.0},
-                         profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(out)))
+    strategy = _strategy(
+        "wfbp",
+        {**spec, "bucket_cap_mb": spec.get("bucket_cap_mb") or 25.0},
+        profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(out)),
+    )
     trainer = _trainer(strategy, spec, steps + 1, [], out)
     trainer.fit(model, _loader(make_data, spec, steps + 1))
     assert strategy.profile is not None
@@ -211,8 +247,10 @@ def predict(profile: dict) -> dict[str, float]:
     buckets = [sorted((i for i, b in owner.items() if b == k), reverse=True) for k in range(len(profile["buckets"]))]
     buckets = [b for b in buckets if b]
     # per-bucket times measured alone, interpolated at the simulator's bucket sizes
-    points = {c: tuple((float(b["nbytes"]), b[f"{c}_s"]) for b in profile["buckets"])
-              for c in ("all_reduce", "reduce_scatter", "all_gather")}
+    points = {
+        c: tuple((float(b["nbytes"]), b[f"{c}_s"]) for b in profile["buckets"])
+        for c in ("all_reduce", "reduce_scatter", "all_gather")
+    }
     network = Measured(profile["world_size"], points)
     other = profile["summary"]["t_other"]
     workers = profile["world_size"]
@@ -244,9 +282,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         profiled: Optional[dict] = None  # a plain wfbp run's own profile: the components, without a run of their own
         for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
-                timer, rank, state, decided, chose[schedule], profile = time_schedule(model_name, schedule, spec, out / model_name)
+                timer, rank, state, decided, chose[schedule], profile = time_schedule(
+                    model_name, schedule, spec, out / model_name
+                )
                 profiled = profiled or profile
-                rounds[schedule].append((timer.median, timer.median_cpu, timer.median_wire_bytes, timer.median_local_bytes))
+                rounds[schedule].append(
+                    (timer.median, timer.median_cpu, timer.median_wire_bytes, timer.median_local_bytes)
+                )
                 final.setdefault(schedule, (state, chose[schedule]["steps_run"]))
                 if decided:
                     deft.setdefault("streams" if "entry" in decided else "rounds", []).append(decided)
@@ -259,27 +301,46 @@ def main(argv: Optional[list[str]] = None) -> None:
         theory = {k: v + summary["t_other"] for k, v in summary["theoretical_best_s"].items()}
         predicted = predict(profile)
         nbytes = sum(layer["nbytes"] for layer in profile["workload"]["layers"])
-        results.append({
-            "model": model_name, "gradient_mb": nbytes / 2**20, "buckets": len(profile["buckets"]),
-            "components_ms": {k: v * 1e3 for k, v in summary.items() if k.startswith("t_")},
-            "deft": deft,
-            "rows": [{
-                "schedule": s, "step_ms": measured[s] * 1e3, "cpu_ms": best[s][1] * 1e3, **chose[s],
-                "wire_mb": best[s][2] / 1e6 if best[s][2] == best[s][2] else None,  # this rank, per step (ddp: not counted)
-                "local_mb": best[s][3] / 1e6 if best[s][3] == best[s][3] else None,  # of which on node-local links
-                "rounds_ms": [step * 1e3 for step, *_ in rounds[s]],
-                # deft's delayed updates are another trajectory by design: not compared
-                "weights_vs_ddp": _max_difference(final[s][0], reference[final[s][1]]) if s in exact else None,
-                "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
-                "speedup_vs_ddp": measured[ddp] / measured[s] if ddp in measured else None,
-                # round by round (the schedules ran interleaved): the median ratio, steadier than best against best
-                "median_speedup_vs_ddp": statistics.median(d[0] / r[0] for d, r in zip(rounds[ddp], rounds[s])) if ddp in rounds else None,
-                "theoretical_ms": theory[base] * 1e3 if base in theory else None,  # ddp: not ours to bound
-                "measured_over_theoretical": measured[s] / theory[base] if base in theory else None,
-                "predicted_ms": predicted[base] * 1e3 if base in predicted else None,
-                "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
-            } for s, base, ddp in ((s, s.partition("+")[0].partition(":")[0], _ddp_beside(s, rounds)) for s in spec["schedules"])],
-        })
+        results.append(
+            {
+                "model": model_name,
+                "gradient_mb": nbytes / 2**20,
+                "buckets": len(profile["buckets"]),
+                "components_ms": {k: v * 1e3 for k, v in summary.items() if k.startswith("t_")},
+                "deft": deft,
+                "rows": [
+                    {
+                        "schedule": s,
+                        "step_ms": measured[s] * 1e3,
+                        "cpu_ms": best[s][1] * 1e3,
+                        **chose[s],
+                        "wire_mb": best[s][2] / 1e6
+                        if best[s][2] == best[s][2]
+                        else None,  # this rank, per step (ddp: not counted)
+                        "local_mb": best[s][3] / 1e6
+                        if best[s][3] == best[s][3]
+                        else None,  # of which on node-local links
+                        "rounds_ms": [step * 1e3 for step, *_ in rounds[s]],
+                        # deft's delayed updates are another trajectory by design: not compared
+                        "weights_vs_ddp": _max_difference(final[s][0], reference[final[s][1]]) if s in exact else None,
+                        "samples_per_s": spec["batch_size"] * spec["devices"] * spec.get("num_nodes", 1) / measured[s],
+                        "speedup_vs_ddp": measured[ddp] / measured[s] if ddp in measured else None,
+                        # round by round (the schedules ran interleaved): the median ratio, steadier than best
+                        # against best
+                        "median_speedup_vs_ddp": statistics.median(d[0] / r[0] for d, r in zip(rounds[ddp], rounds[s]))
+                        if ddp in rounds
+                        else None,
+                        "theoretical_ms": theory[base] * 1e3 if base in theory else None,  # ddp: not ours to bound
+                        "measured_over_theoretical": measured[s] / theory[base] if base in theory else None,
+                        "predicted_ms": predicted[base] * 1e3 if base in predicted else None,
+                        "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
+                    }
+                    for s, base, ddp in (
+                        (s, s.partition("+")[0].partition(":")[0], _ddp_beside(s, rounds)) for s in spec["schedules"]
+                    )
+                ],
+            }
+        )
     end_process_group()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -13,30 +13,41 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 import commsched
 from commsched.cli.config import TrainConfig, own_nodes
-from commsched.models import ImageClassifier, LanguageModel
 from commsched.data import ByteTextData, Cifar10Data, DigitsData, SyntheticImageData, SyntheticTokenData
+from commsched.models import ImageClassifier, LanguageModel
 
 VOCAB_SIZE = 256  # every token source here is bytes (or random bytes)
 
 
 def build_model(cfg: TrainConfig) -> pl.LightningModule:
     m = cfg.model
-    common = dict(optimizer=m.optimizer, lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, lr_schedule=m.lr_schedule)
+    common = dict(
+        optimizer=m.optimizer, lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, lr_schedule=m.lr_schedule
+    )
     if m.kind == "image":
         num_classes = 10 if cfg.data.name in ("cifar10", "digits") else m.num_classes
         return ImageClassifier(arch=m.arch, num_classes=num_classes, cifar=m.cifar, width=m.width, **common)
     return LanguageModel(
-        size=m.size, vocab_size=VOCAB_SIZE if m.size == "tiny" else None, block_size=cfg.data.block_size,
-        n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, **common,
+        size=m.size,
+        vocab_size=VOCAB_SIZE if m.size == "tiny" else None,
+        block_size=cfg.data.block_size,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        **common,
     )
 
 
 def build_data(cfg: TrainConfig) -> pl.LightningDataModule:
     d = cfg.data
     if d.name == "synthetic_images":
-        return SyntheticImageData(d.batch_size, d.train_size, d.val_size, d.resolution, cfg.model.num_classes, d.seed, d.num_workers)
+        return SyntheticImageData(
+            d.batch_size, d.train_size, d.val_size, d.resolution, cfg.model.num_classes, d.seed, d.num_workers
+        )
     if d.name == "synthetic_tokens":
-        return SyntheticTokenData(d.batch_size, d.train_size, d.val_size, d.block_size, VOCAB_SIZE, d.seed, d.num_workers)
+        return SyntheticTokenData(
+            d.batch_size, d.train_size, d.val_size, d.block_size, VOCAB_SIZE, d.seed, d.num_workers
+        )
     if d.name == "cifar10":
         return Cifar10Data(d.dir, d.batch_size, num_workers=d.num_workers)
     if d.name == "digits":
@@ -54,8 +65,17 @@ def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
     if profile.dir is None and out is not None:
         profile = dataclasses.replace(profile, dir=str(out / "profile"))
     return commsched.STRATEGIES[name](
-        fusion=cfg.fusion, tuning=cfg.tuning, links=cfg.link, deft=cfg.deft, dear=cfg.dear, preserver=cfg.preserver,
-        compression=cfg.compression, streams=cfg.streams, stream_options=cfg.stream_options, profile=profile, timeout=timeout,
+        fusion=cfg.fusion,
+        tuning=cfg.tuning,
+        links=cfg.link,
+        deft=cfg.deft,
+        dear=cfg.dear,
+        preserver=cfg.preserver,
+        compression=cfg.compression,
+        streams=cfg.streams,
+        stream_options=cfg.stream_options,
+        profile=profile,
+        timeout=timeout,
         schedule_options=getattr(cfg, name) if name in own_nodes(bool(cfg.plugins)) else None,
     )
 

@@ -19,10 +19,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from commsched import options
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.options import (CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions,
-                               StreamOptions, TuningOptions)
 from commsched.model_names import GPT2_SIZES, IMAGE_ARCHS
-
+from commsched.options import (
+    CompressionOptions,
+    DeAROptions,
+    DeFTOptions,
+    FusionOptions,
+    LinkOptions,
+    PreserverOptions,
+    ProfileOptions,
+    StreamOptions,
+    TuningOptions,
+)
 
 REFERENCE = "ddp"  # Lightning's own DistributedDataParallel, the reference every schedule is compared with
 
@@ -124,12 +132,20 @@ class TrainConfig:
     stream_options: StreamOptions = field(default_factory=StreamOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
-    plugins: list[str] = field(default_factory=list)  # modules imported first (and by every worker): the schedules they register
+    plugins: list[str] = field(
+        default_factory=list
+    )  # modules imported first (and by every worker): the schedules they register
     seed: int = 0
     warmup_steps: int = 5  # steps left out of the samples/s summary
 
 
-DATA_KIND = {"synthetic_images": "image", "cifar10": "image", "digits": "image", "synthetic_tokens": "language", "text": "language"}
+DATA_KIND = {
+    "synthetic_images": "image",
+    "cifar10": "image",
+    "digits": "image",
+    "synthetic_tokens": "language",
+    "text": "language",
+}
 
 
 def own_nodes(plugins_loaded: bool) -> dict[str, type]:
@@ -139,13 +155,18 @@ def own_nodes(plugins_loaded: bool) -> dict[str, type]:
         return {}
     from commsched.schedules import SCHEDULES
 
-    nodes = {name: cls.options_class for name, cls in SCHEDULES.items()
-             if cls.options_class is not None and cls.options_class not in (DeAROptions, DeFTOptions)}
+    nodes = {
+        name: cls.options_class
+        for name, cls in SCHEDULES.items()
+        if cls.options_class is not None and cls.options_class not in (DeAROptions, DeFTOptions)
+    }
     for name in nodes:
         if name in TrainConfig.__dataclass_fields__:
-            raise CommSchedConfigError(f"commsched: schedule {name!r} (registered by a plugin) has options of its own, "
-                                       f"and its name is a node of the configuration already ({', '.join(TrainConfig.__dataclass_fields__)}): "
-                                       "rename the schedule")
+            raise CommSchedConfigError(
+                f"commsched: schedule {name!r} (registered by a plugin) has options of its own, "
+                f"and its name is a node of the configuration already ({', '.join(TrainConfig.__dataclass_fields__)}): "
+                "rename the schedule"
+            )
     return nodes
 
 
@@ -156,23 +177,30 @@ def train_schema(plugins_loaded: bool) -> type[TrainConfig]:
         return TrainConfig
     key = tuple(sorted((name, cls) for name, cls in nodes.items()))
     if key not in _SCHEMAS:
-        _SCHEMAS[key] = make_dataclass("TrainConfig", [(name, cls, field(default_factory=cls)) for name, cls in key],
-                                       bases=(TrainConfig,))
+        _SCHEMAS[key] = make_dataclass(
+            "TrainConfig", [(name, cls, field(default_factory=cls)) for name, cls in key], bases=(TrainConfig,)
+        )
     return _SCHEMAS[key]
 
 
 _SCHEMAS: dict[tuple, type[TrainConfig]] = {}
 
 
-def register_configs(schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCHEDULES),
-                     schema: type[TrainConfig] = TrainConfig) -> None:
+def register_configs(
+    schedules: Sequence[str] = (REFERENCE, *options.BUILTIN_SCHEDULES), schema: type[TrainConfig] = TrainConfig
+) -> None:
     """Schemas for conf/train.yaml and its groups (Hydra then type-checks every override), and one
     `schedule=` choice per registered schedule."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=schema)
-    for group, node in (("fusion", FusionOptions), ("model", ModelConfig),
-                        ("data", DataConfig), ("trainer", TrainerConfig), ("link", LinkOptions),
-                        ("compression", CompressionOptions)):
+    for group, node in (
+        ("fusion", FusionOptions),
+        ("model", ModelConfig),
+        ("data", DataConfig),
+        ("trainer", TrainerConfig),
+        ("link", LinkOptions),
+        ("compression", CompressionOptions),
+    ):
         store.store(group=group, name=f"{group}_schema", node=node)
     for name in schedules:
         store.store(group="schedule", name=name, node=ScheduleConfig(name=name))
@@ -206,13 +234,25 @@ def validate(cfg: TrainConfig) -> None:
         options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
         options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression, cfg.fusion.policy)
     elif cfg.streams != 1:
-        raise bad_value("streams", cfg.streams, "1 with schedule=ddp (Lightning's DDP has one communicator); "
-                        "schedule=wfbp runs the same schedule on several streams")
+        raise bad_value(
+            "streams",
+            cfg.streams,
+            "1 with schedule=ddp (Lightning's DDP has one communicator); "
+            "schedule=wfbp runs the same schedule on several streams",
+        )
     elif cfg.compression.method != "none" or cfg.compression.hierarchical:
-        raise bad_value("compression.method", cfg.compression.method, "none with schedule=ddp (Lightning's DDP all-reduces "
-                        "dense gradients); schedule=wfbp runs the same schedule with sparse exchanges")
-    if str(cfg.schedule.name) == "ddp" and (cfg.fusion.policy not in ("auto", "fixed") or cfg.fusion.plan_file is not None):
-        raise bad_value("fusion", cfg.fusion.policy, "auto or fixed with schedule=ddp (Lightning's DDP takes only bucket_cap_mb)")
+        raise bad_value(
+            "compression.method",
+            cfg.compression.method,
+            "none with schedule=ddp (Lightning's DDP all-reduces "
+            "dense gradients); schedule=wfbp runs the same schedule with sparse exchanges",
+        )
+    if str(cfg.schedule.name) == "ddp" and (
+        cfg.fusion.policy not in ("auto", "fixed") or cfg.fusion.plan_file is not None
+    ):
+        raise bad_value(
+            "fusion", cfg.fusion.policy, "auto or fixed with schedule=ddp (Lightning's DDP takes only bucket_cap_mb)"
+        )
     options.choice("model.kind", cfg.model.kind, ("image", "language"))
     if cfg.model.kind == "image":
         options.choice("model.arch", cfg.model.arch, IMAGE_ARCHS)
@@ -231,8 +271,12 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.trainer.max_steps != -1:
         options.positive_int("trainer.max_steps", cfg.trainer.max_steps)
     if cfg.profile.steps and str(cfg.schedule.name) == "ddp":
-        raise bad_value("profile.steps", cfg.profile.steps, "0 with schedule=ddp (Lightning's own DDP is not instrumented); "
-                        "profile schedule=wfbp, which runs the same communication")
+        raise bad_value(
+            "profile.steps",
+            cfg.profile.steps,
+            "0 with schedule=ddp (Lightning's own DDP is not instrumented); "
+            "profile schedule=wfbp, which runs the same communication",
+        )
     options.non_negative_int("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps)
     options.choice("checkpoint.mode", cfg.checkpoint.mode, ("min", "max"))
     options.non_negative_int("checkpoint.top_k", cfg.checkpoint.top_k)
@@ -241,7 +285,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.preserver.enabled:
         options.validated(cfg.preserver, "preserver.")
     if cfg.deft.timings_file is not None and not Path(cfg.deft.timings_file).expanduser().is_file():
-        raise bad_value("deft.timings_file", cfg.deft.timings_file, "an existing JSON file of per-bucket times (not found)")
+        raise bad_value(
+            "deft.timings_file", cfg.deft.timings_file, "an existing JSON file of per-bucket times (not found)"
+        )
     if cfg.data.name == "text" and cfg.data.path is not None and not Path(cfg.data.path).expanduser().exists():
         raise bad_value("data.path", cfg.data.path, "an existing text file or directory (not found)")
     if cfg.data.name == "cifar10":
@@ -256,7 +302,9 @@ def resume_path(resume: str) -> Path:
     if path.is_dir():
         last = path / "checkpoints" / "last.ckpt"
         if not last.is_file():
-            raise bad_value("resume", resume, f"a checkpoint file or a run directory with checkpoints/last.ckpt ({last} not found)")
+            raise bad_value(
+                "resume", resume, f"a checkpoint file or a run directory with checkpoints/last.ckpt ({last} not found)"
+            )
         return last
     if not path.is_file():
         raise bad_value("resume", resume, "a checkpoint file or a previous run directory (not found)")

@@ -61,7 +61,8 @@ def check(argv: Sequence[str], schema: type, groups: dict[str, tuple[str, ...]])
                 close = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.5)
                 raise CommSchedConfigError(
                     f"commsched: unknown key {key!r}; valid keys in {where}: {', '.join(fields)}"
-                    + (f"; groups: {', '.join(g + '=' for g in groups)}" if not path else "") + "."
+                    + (f"; groups: {', '.join(g + '=' for g in groups)}" if not path else "")
+                    + "."
                     + (f" Fix: did you mean {'.'.join([*path, close[0]])}=...?" if close else "")
                 )
             path.append(part)
@@ -105,8 +106,9 @@ def _check_value(key: str, value: str, annotation: Any, check: Optional[Callable
             raise bad_value(key, choice, allowed)
 
 
-def print_help(about: str, program: str, conf_dir: Path, config_name: str, groups: dict[str, Sequence[str]],
-               argv: Sequence[str]) -> None:
+def print_help(
+    about: str, program: str, conf_dir: Path, config_name: str, groups: dict[str, Sequence[str]], argv: Sequence[str]
+) -> None:
     """`about` (what the command does, first), the config groups and their options, and the config
     the command line composes, as Hydra's ``--help`` lays them out. Hydra's own help lists each
     group's options by copying its whole config repository once per group (1.5-3 s here) and lists
@@ -117,7 +119,9 @@ def print_help(about: str, program: str, conf_dir: Path, config_name: str, group
     with initialize_config_dir(version_base=None, config_dir=str(conf_dir)):
         cfg = compose(config_name, overrides=[a for a in argv if "=" in a and not a.startswith("-")])
     listed = "".join(f"{group}: {', '.join(sorted(options))}\n" for group, options in sorted(groups.items()))
-    print(f"{about.rstrip()}\n\n{program} is powered by Hydra.\n\n== Configuration groups ==\n"
-          f"Compose your configuration from those groups (group=option)\n\n{listed}\n\n== Config ==\n"
-          f"Override anything in the config (foo.bar=value)\n\n{OmegaConf.to_yaml(cfg)}\n"
-          "Powered by Hydra (https://hydra.cc)\nUse --hydra-help to view Hydra specific help\n")
+    print(
+        f"{about.rstrip()}\n\n{program} is powered by Hydra.\n\n== Configuration groups ==\n"
+        f"Compose your configuration from those groups (group=option)\n\n{listed}\n\n== Config ==\n"
+        f"Override anything in the config (foo.bar=value)\n\n{OmegaConf.to_yaml(cfg)}\n"
+        "Powered by Hydra (https://hydra.cc)\nUse --hydra-help to view Hydra specific help\n"
+    )

@@ -31,8 +31,15 @@ from commsched.errors import CommSchedConfigError
 
 RANK_ENTRY = "import commsched_cli; commsched_cli.run_rank()"
 """What each rank runs: the console module first, so that Ctrl-C while torch imports ends it quietly."""
-_SET_BY_A_LAUNCHER = ("LOCAL_RANK", "RANK", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
-                      "JSM_NAMESPACE_SIZE")
+_SET_BY_A_LAUNCHER = (
+    "LOCAL_RANK",
+    "RANK",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "JSM_NAMESPACE_SIZE",
+)
 """Set where every rank was started by a launcher (torchrun, SLURM, Open MPI, MPICH/Intel MPI, PMIx,
 LSF). `NODE_RANK` and `WORLD_SIZE` are not among them: Lightning's own multi-node launch sets them on
 each node and expects the script to start that node's ranks."""
@@ -55,18 +62,28 @@ def rank_environments(devices: int, num_nodes: int) -> list[Optional[dict[str, s
         if node_rank != "0":  # every node would train a run of its own, and each would end "successfully"
             raise CommSchedConfigError(
                 f"commsched: NODE_RANK={node_rank} is set but trainer.num_nodes=1: set trainer.num_nodes to the "
-                "number of nodes (commsched-cluster --nodes N needs trainer.num_nodes=N)")
-        shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"), "MASTER_PORT": str(_free_port()),
-                  "NODE_RANK": "0", "WORLD_SIZE": str(devices)}
+                "number of nodes (commsched-cluster --nodes N needs trainer.num_nodes=N)"
+            )
+        shared = {
+            **os.environ,
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": str(_free_port()),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(devices),
+        }
     else:
         missing = [name for name in ("NODE_RANK", "MASTER_PORT") if name not in os.environ]
         if missing:
             raise CommSchedConfigError(
                 f"commsched: trainer.num_nodes={num_nodes} needs {' and '.join(missing)} set on every node, and "
                 "MASTER_ADDR (node 0's address) on the others, as Lightning's multi-node launch does; "
-                "commsched-cluster sets them, torchrun and SLURM start the ranks themselves")
-        shared = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                  "WORLD_SIZE": str(devices * num_nodes)}
+                "commsched-cluster sets them, torchrun and SLURM start the ranks themselves"
+            )
+        shared = {
+            **os.environ,
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "WORLD_SIZE": str(devices * num_nodes),
+        }
     return [{**shared, "LOCAL_RANK": str(rank)} for rank in range(devices)]
 
 

@@ -21,19 +21,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from omegaconf import OmegaConf
 
-import lightning.pytorch as pl
 from commsched.cli.builders import build_data, build_model, build_strategy
-from commsched.runtime.callbacks import StepMetrics
 from commsched.cli.config import TrainConfig, resume_path, train_config
-from commsched.runtime.interrupt import StopAndSave, StoppedBySignal
-from commsched.plugins import import_plugins
 from commsched.cli.quiet import quiet_lightning
-from commsched.run_files import write_json
 from commsched.comm.local_workers import end_process_group
+from commsched.plugins import import_plugins
+from commsched.run_files import write_json
+from commsched.runtime.callbacks import StepMetrics
+from commsched.runtime.interrupt import StopAndSave, StoppedBySignal
 
 
 class RunProgressBar(RichProgressBar):
@@ -61,8 +61,12 @@ def checkpointing(cfg: TrainConfig, out: Path) -> Optional[ModelCheckpoint]:
     if not c.enabled:
         return None
     return ModelCheckpoint(
-        dirpath=out / "checkpoints", every_n_train_steps=c.every_n_steps or None, save_last=c.save_last,
-        monitor=c.monitor, mode=c.mode, save_top_k=c.top_k if c.monitor else 0,
+        dirpath=out / "checkpoints",
+        every_n_train_steps=c.every_n_steps or None,
+        save_last=c.save_last,
+        monitor=c.monitor,
+        mode=c.mode,
+        save_top_k=c.top_k if c.monitor else 0,
     )
 
 
@@ -107,8 +111,10 @@ def interruption(error: BaseException, out: Path, stop: Optional[StopAndSave]) -
     """The one line an interrupted run ends with: where it stopped and how to go on."""
     if isinstance(error, StoppedBySignal):
         hint = stop.resume_hint(python=False) if stop is not None else None
-        return (f"interrupted: stopped at step {error.step} and saved {error.saved}; "
-                f"continue with: {hint or f'commsched-train resume={out} (and the same options)'}")
+        return (
+            f"interrupted: stopped at step {error.step} and saved {error.saved}; "
+            f"continue with: {hint or f'commsched-train resume={out} (and the same options)'}"
+        )
     last = out / "checkpoints" / "last.ckpt"
     saved = f"the last checkpoint is {last}" if last.is_file() else "no checkpoint was saved yet"
     return f"interrupted at once, without saving; {saved}; logs in {out}"
@@ -121,8 +127,11 @@ def fusion_ran(cfg: TrainConfig, strategy: Any) -> dict[str, Any]:
     buckets = getattr(strategy, "bucket_plan", None)
     count = len(buckets.buckets) if buckets is not None else (len(plan.buckets) if plan is not None else None)
     if plan is None:
-        described = (f"{cfg.fusion.policy}, {cfg.fusion.bucket_cap_mb:g} MB" if cfg.fusion.policy in ("fixed", "bayes")
-                     else str(cfg.fusion.policy))
+        described = (
+            f"{cfg.fusion.policy}, {cfg.fusion.bucket_cap_mb:g} MB"
+            if cfg.fusion.policy in ("fixed", "bayes")
+            else str(cfg.fusion.policy)
+        )
     else:
         source = f"plan_file {cfg.fusion.plan_file}" if cfg.fusion.plan_file else f"{cfg.fusion.policy} decided"
         described = f"{source} ({plan.policy} plan)"
@@ -152,12 +161,23 @@ def main() -> None:
     if t.enable_progress_bar:
         callbacks.append(RunProgressBar())
     trainer = pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=build_strategy(cfg, out),
-        max_steps=t.max_steps, max_epochs=t.max_epochs, precision=t.precision,
-        accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
-        val_check_interval=t.val_check_interval, limit_val_batches=t.limit_val_batches,
-        log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
-        logger=loggers(out), default_root_dir=out, enable_checkpointing=checkpoint is not None, callbacks=callbacks,
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(cfg, out),
+        max_steps=t.max_steps,
+        max_epochs=t.max_epochs,
+        precision=t.precision,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        val_check_interval=t.val_check_interval,
+        limit_val_batches=t.limit_val_batches,
+        log_every_n_steps=t.log_every_n_steps,
+        enable_progress_bar=t.enable_progress_bar,
+        logger=loggers(out),
+        default_root_dir=out,
+        enable_checkpointing=checkpoint is not None,
+        callbacks=callbacks,
     )
     if trainer.is_global_zero:
         log_to_file(out / "train.log")
@@ -180,7 +200,9 @@ def main() -> None:
         "steps": trainer.global_step,
         "world_size": trainer.world_size,
         "exposed_comm_ms": statistics.median(exposed) if exposed else None,
-        "wire_mb_per_step": statistics.median(metrics.wire_mb[cfg.warmup_steps:] or metrics.wire_mb) if metrics.wire_mb else None,
+        "wire_mb_per_step": statistics.median(metrics.wire_mb[cfg.warmup_steps :] or metrics.wire_mb)
+        if metrics.wire_mb
+        else None,
         "step_ms_each": [s * 1e3 for s in metrics.step_seconds],  # shows when warm-up ended and when plans changed
         "checkpoints": str(out / "checkpoints") if checkpoint is not None else None,
     }

@@ -19,8 +19,21 @@ from rich.table import Table
 
 from commsched.lab import has_lab, plot_skipped
 
-COLUMNS = ("run", "schedule", "model", "data", "bucket_cap_mb", "world_size", "samples_per_s", "step_ms",
-           "exposed_comm_ms", "train_loss", "val_acc", "val_ppl", "overrides")
+COLUMNS = (
+    "run",
+    "schedule",
+    "model",
+    "data",
+    "bucket_cap_mb",
+    "world_size",
+    "samples_per_s",
+    "step_ms",
+    "exposed_comm_ms",
+    "train_loss",
+    "val_acc",
+    "val_ppl",
+    "overrides",
+)
 TABLE_COLUMNS = ("run", "samples_per_s", "step_ms", "exposed_comm_ms", "train_loss", "val_acc", "val_ppl")
 
 
@@ -52,7 +65,9 @@ def print_sweep_table(rows: list[dict[str, Any]], title: str) -> None:
     table = Table(title=title)
     shown = [c for c in TABLE_COLUMNS if any(row.get(c) is not None for row in rows)]
     for column in shown:
-        table.add_column(column.replace("_", " "), justify="left" if column == "run" else "right", no_wrap=column == "run")
+        table.add_column(
+            column.replace("_", " "), justify="left" if column == "run" else "right", no_wrap=column == "run"
+        )
     for row in rows:
         table.add_row(*(_cell(row.get(c)) for c in shown))
     Console(width=max(Console().width, 120)).print(table)
@@ -67,7 +82,11 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
     labels = [row["run"] for row in rows]
     colours = {"ddp": "tab:gray", "wfbp": "tab:blue", "dear": "tab:orange", "deft": "tab:green"}
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    ax.bar(range(len(rows)), [row["samples_per_s"] for row in rows], color=[colours.get(r["schedule"], "tab:green") for r in rows])
+    ax.bar(
+        range(len(rows)),
+        [row["samples_per_s"] for row in rows],
+        color=[colours.get(r["schedule"], "tab:green") for r in rows],
+    )
     ax.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("samples/s (all workers)")
     ax.set_title("commsched sweep: throughput per run")

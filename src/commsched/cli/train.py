@@ -27,9 +27,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from commsched.cli import overrides
-from commsched.cli.config import TrainConfig, register_configs, train_schedule_names, train_config, train_schema, validate
-from commsched.plugins import import_plugins, plugins_in
+from commsched.cli.config import (
+    TrainConfig,
+    register_configs,
+    train_config,
+    train_schedule_names,
+    train_schema,
+    validate,
+)
 from commsched.errors import CommSchedConfigError, use_syntax
+from commsched.plugins import import_plugins, plugins_in
 from commsched.run_files import write_json
 
 
@@ -40,7 +47,9 @@ def summarise(cfg: TrainConfig, metrics: dict[str, Any], overrides: list[str]) -
         "model": cfg.model.arch if cfg.model.kind == "image" else f"gpt2-{cfg.model.size}",
         "data": cfg.data.name,
         "fusion": metrics["fusion"]["ran"] if "fusion" in metrics else "Lightning's ddp buckets",
-        "bucket_cap_mb": cfg.fusion.bucket_cap_mb if metrics.get("fusion", {}).get("ran", "").startswith("fixed") else None,
+        "bucket_cap_mb": cfg.fusion.bucket_cap_mb
+        if metrics.get("fusion", {}).get("ran", "").startswith("fixed")
+        else None,
         "predicted_step_ms": metrics.get("fusion", {}).get("predicted_step_ms"),
         "world_size": metrics["world_size"],
         "steps": metrics["steps"],
@@ -60,13 +69,22 @@ def figure(value: Any, spec: str) -> str:
 
 
 def summary_line(summary: dict[str, Any]) -> str:
-    speed = (f"{figure(summary['samples_per_s'], '.1f')} samples/s ({figure(summary['step_ms'], '.1f')} ms/step)"
-             if summary.get("step_ms") is not None else "no step timed")
-    quality = [f"{k} {figure(summary[k], '.4f')}" for k in ("train_loss", "val_loss", "val_acc", "val_ppl") if k in summary]
+    speed = (
+        f"{figure(summary['samples_per_s'], '.1f')} samples/s ({figure(summary['step_ms'], '.1f')} ms/step)"
+        if summary.get("step_ms") is not None
+        else "no step timed"
+    )
+    quality = [
+        f"{k} {figure(summary[k], '.4f')}" for k in ("train_loss", "val_loss", "val_acc", "val_ppl") if k in summary
+    ]
     return (
         f"commsched: {summary['schedule']} {summary['model']} on {summary['data']}, {summary['world_size']} workers: "
         + ", ".join([speed, *quality])
-        + (f"; deft {summary['deft_plan']}, mu {figure(summary['deft_mu'], '.2f')}" if summary.get("deft_mu") is not None else "")
+        + (
+            f"; deft {summary['deft_plan']}, mu {figure(summary['deft_mu'], '.2f')}"
+            if summary.get("deft_mu") is not None
+            else ""
+        )
         + predicted_against_measured(summary)
     )
 
@@ -90,8 +108,11 @@ def warn_if_oversubscribed(cfg: TrainConfig) -> None:
     devices = cfg.trainer.devices
     if cfg.trainer.accelerator == "cpu" and devices > cores and "cores" not in _warned:
         _warned.add("cores")
-        print(f"commsched: warning: trainer.devices={devices} CPU workers on {cores} cores share them: "
-              "steps are slower and timings measure the sharing", file=sys.stderr)
+        print(
+            f"commsched: warning: trainer.devices={devices} CPU workers on {cores} cores share them: "
+            "steps are slower and timings measure the sharing",
+            file=sys.stderr,
+        )
 
 
 def run_to_the_end(resolved: Path, out: Path, devices: int, num_nodes: int) -> int:
@@ -154,8 +175,9 @@ class Before:
 
     def known(self, path: Path) -> bool:
         """Whether `existed` says for certain whether `path` existed."""
-        return path in self.named or any(path == root or (root in path.parents and len(path.relative_to(root).parts) <= 2)
-                                         for root in self.roots)
+        return path in self.named or any(
+            path == root or (root in path.parents and len(path.relative_to(root).parts) <= 2) for root in self.roots
+        )
 
 
 def _folders(path: Path) -> list[Path]:
@@ -176,8 +198,11 @@ def _only_hydra_files(folder: Path, log_name: str, hydra_subdir: Optional[str]) 
             return False
         if entry.name == log_name and entry.is_file() and entry.stat().st_size == 0:
             continue
-        if entry.name == hydra_subdir and entry.is_dir() and all(
-                f.name in HYDRA_FILES and f.is_file() and not f.is_symlink() for f in entry.iterdir()):
+        if (
+            entry.name == hydra_subdir
+            and entry.is_dir()
+            and all(f.name in HYDRA_FILES and f.is_file() and not f.is_symlink() for f in entry.iterdir())
+        ):
             continue
         return False
     return True
@@ -194,7 +219,9 @@ def remove_run_folder(out: Path) -> None:
         return
     hydra_cfg = HydraConfig.get()
     cwd = Path(hydra_cfg.runtime.cwd)
-    sweep = out.parents[len(Path(str(hydra_cfg.sweep.subdir)).parts) - 1] if hydra_cfg.mode == RunMode.MULTIRUN else None
+    sweep = (
+        out.parents[len(Path(str(hydra_cfg.sweep.subdir)).parts) - 1] if hydra_cfg.mode == RunMode.MULTIRUN else None
+    )
     log_name = f"{hydra_cfg.job.name}.log"
     folder = out
     try:
@@ -212,7 +239,9 @@ def remove_run_folder(out: Path) -> None:
                         entry.unlink()
             elif folder == sweep:
                 entries = list(folder.iterdir())
-                if [e.name for e in entries] not in ([], ["multirun.yaml"]) or any(e.is_symlink() or not e.is_file() for e in entries):
+                if [e.name for e in entries] not in ([], ["multirun.yaml"]) or any(
+                    e.is_symlink() or not e.is_file() for e in entries
+                ):
                     return
                 for entry in entries:
                     entry.unlink()
@@ -293,8 +322,10 @@ def run_training(cfg: DictConfig) -> float:
     if code in (130, -signal.SIGINT, -signal.SIGTERM):  # the run said where it stopped and what it saved
         sys.exit(130)
     if code != 0:
-        print(f"commsched: the training run failed (exit code {code}); its output is above, "
-              f"its files in {out}", file=sys.stderr)
+        print(
+            f"commsched: the training run failed (exit code {code}); its output is above, its files in {out}",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if os.environ.get("NODE_RANK", "0") != "0":  # a node of a cluster (commsched-cluster): node 0 reports
         return 0.0

@@ -21,7 +21,9 @@ from commsched.errors import CommSchedConfigError
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="commsched-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="commsched-cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nodes", type=int, required=True, help="nodes (network namespaces)")
     p.add_argument("--workers-per-node", type=int, default=1, help="processes per node (Trainer(devices=...))")
     p.add_argument("--rate", default="1gbit", help="primary link of each node, each direction, e.g. 1gbit")
@@ -33,7 +35,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def spec_from(args: argparse.Namespace) -> ClusterSpec:
-    return ClusterSpec(args.nodes, args.workers_per_node, args.rate, args.secondary_rate, args.flow_rate, args.port).check()
+    return ClusterSpec(
+        args.nodes, args.workers_per_node, args.rate, args.secondary_rate, args.flow_rate, args.port
+    ).check()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

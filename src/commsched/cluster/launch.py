@@ -34,9 +34,14 @@ class Interrupted(Exception):
 
 def node_environment(spec: ClusterSpec, node: int) -> dict[str, str]:
     env = {
-        "MASTER_ADDR": spec.address(0), "MASTER_PORT": str(spec.master_port), "NODE_RANK": str(node),
-        "COMMSCHED_NUM_NODES": str(spec.nodes), "COMMSCHED_WORKERS_PER_NODE": str(spec.workers_per_node),
-        "COMMSCHED_PRIMARY_IFNAME": PRIMARY_IFNAME, "GLOO_SOCKET_IFNAME": PRIMARY_IFNAME, "NCCL_SOCKET_IFNAME": PRIMARY_IFNAME,
+        "MASTER_ADDR": spec.address(0),
+        "MASTER_PORT": str(spec.master_port),
+        "NODE_RANK": str(node),
+        "COMMSCHED_NUM_NODES": str(spec.nodes),
+        "COMMSCHED_WORKERS_PER_NODE": str(spec.workers_per_node),
+        "COMMSCHED_PRIMARY_IFNAME": PRIMARY_IFNAME,
+        "GLOO_SOCKET_IFNAME": PRIMARY_IFNAME,
+        "NCCL_SOCKET_IFNAME": PRIMARY_IFNAME,
         "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10d warns on every connection that the shared hostname does not resolve
         # all nodes share this machine's cores: each process gets its share, not a node's worth
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.world_size)),
@@ -71,10 +76,18 @@ def run_on_nodes(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) 
         network.create()
         for node in range(spec.nodes):
             env = {**os.environ, **node_environment(spec, node)}
-            process = subprocess.Popen(network.command_in(node, argv), env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            process = subprocess.Popen(
+                network.command_in(node, argv),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
             processes.append(process)
-            pumps.append(threading.Thread(target=_pump, args=(process.stdout, f"[node {node}] ", lines, node), daemon=True))
+            pumps.append(
+                threading.Thread(target=_pump, args=(process.stdout, f"[node {node}] ", lines, node), daemon=True)
+            )
             pumps[-1].start()
         codes, ended_by_us = _wait(processes, grace_s)
         for pump in pumps:  # the nodes' last lines before the verdict (a child left holding the pipe is not waited for)
@@ -108,13 +121,20 @@ def failure_line(codes: list[Optional[int]], ended_by_us: set[int], lines: list[
     said = []
     for node in failed:
         code = codes[node]
-        status = (f"exit code {_exit_code(code)}, killed by {signal.Signals(-code).name}" if code is not None and code < 0
-                  and -code in signal.valid_signals() else f"exit code {_exit_code(code)}")
+        status = (
+            f"exit code {_exit_code(code)}, killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0 and -code in signal.valid_signals()
+            else f"exit code {_exit_code(code)}"
+        )
         where = f"its output is above, on the lines starting [node {node}]" if lines[node] else "it printed nothing"
         said.append(f"node {node} ({status}; {where})")
     others = sorted(ended_by_us)
-    stopped = (f"; {'node' if len(others) == 1 else 'nodes'} {', '.join(map(str, others))} "
-               f"{'was' if len(others) == 1 else 'were'} stopped after the {grace_s:g} s grace (--grace)" if others else "")
+    stopped = (
+        f"; {'node' if len(others) == 1 else 'nodes'} {', '.join(map(str, others))} "
+        f"{'was' if len(others) == 1 else 'were'} stopped after the {grace_s:g} s grace (--grace)"
+        if others
+        else ""
+    )
     return f"commsched-cluster: the command failed on {' and '.join(said)}{stopped}"
 
 

@@ -6,12 +6,12 @@ Workers started inside talk over 127.0.0.1 of that namespace only. Needs root an
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import logging
 import uuid
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,8 +34,11 @@ def missing_capabilities() -> list[str]:
     except OSError:
         return [] if os.geteuid() == 0 else ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
     effective = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
-    return [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
-            if not effective >> bit & 1]
+    return [
+        name
+        for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
+        if not effective >> bit & 1
+    ]
 
 
 def unavailable_reason() -> Optional[str]:
@@ -75,8 +78,30 @@ def run_in_namespace(rate: str, argv: Sequence[str], burst: str = "256kb") -> in
         # burst must exceed the MTU, or messages larger than the bucket stall
         _ip("-n", name, "link", "set", "lo", "mtu", "9000", "up")
         if rate != "none":
-            subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                            "rate", rate, "burst", burst, "latency", "50ms"], check=True, capture_output=True, text=True)
+            subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    name,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "lo",
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst,
+                    "latency",
+                    "50ms",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
         # c10d warns on every connection that the namespace's hostname does not resolve; it is harmless
         env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ}
         child = subprocess.Popen(["ip", "netns", "exec", name, *argv], env=env)
@@ -110,7 +135,7 @@ def _orphaned(name: str) -> bool:
     restart), nothing could remove its namespaces. A live process with that pid that started after
     the namespace existed is a reuse of the number, not its maker."""
     try:
-        pid = int(name[len(PREFIX):].split("-", 1)[0])
+        pid = int(name[len(PREFIX) :].split("-", 1)[0])
     except ValueError:
         return False
     try:
@@ -132,8 +157,11 @@ def remove_orphans() -> list[str]:
     for name in orphans:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
     if orphans:
-        log.warning("commsched: removed %d network namespace(s) left by a run that was killed: %s",
-                    len(orphans), ", ".join(orphans))
+        log.warning(
+            "commsched: removed %d network namespace(s) left by a run that was killed: %s",
+            len(orphans),
+            ", ".join(orphans),
+        )
     return orphans
 
 
@@ -145,7 +173,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m commsched.cluster.netns RATE COMMAND...`: any command (e.g. commsched-train) over an emulated link."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
-        print("usage: python -m commsched.cluster.netns RATE COMMAND...   (RATE: e.g. 1gbit, 200mbit, none)", file=sys.stderr)
+        print(
+            "usage: python -m commsched.cluster.netns RATE COMMAND...   (RATE: e.g. 1gbit, 200mbit, none)",
+            file=sys.stderr,
+        )
         return 2
     try:
         return run_in_namespace(args[0], args[1:])

@@ -80,7 +80,22 @@ class Network:
         _run("ip", "netns", "exec", namespace, *argv)
 
     def _cable(self, i: int, node: str, bridge: str, ifname: str, port: str, secondary: bool) -> None:
-        _run("ip", "link", "add", "name", ifname, "netns", node, "type", "veth", "peer", "name", port, "netns", self.switch)
+        _run(
+            "ip",
+            "link",
+            "add",
+            "name",
+            ifname,
+            "netns",
+            node,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            port,
+            "netns",
+            self.switch,
+        )
         self._in(node, "ip", "link", "set", ifname, "mtu", str(MTU))
         self._in(node, "ip", "addr", "add", f"{self.spec.address(i, secondary)}/24", "dev", ifname)
         self._in(node, "ip", "link", "set", ifname, "up")
@@ -100,18 +115,51 @@ class Network:
         buckets, flow_bits = self.spec.flow_buckets, parse_rate(flow_rate)
         self._in(namespace, *tc, "handle", "1:", "htb", "default", "2")
         htb = ("tc", "class", "add", "dev", device, "parent")
-        self._in(namespace, *htb, "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate, "burst", burst, "cburst", burst)
+        self._in(
+            namespace, *htb, "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate, "burst", burst, "cburst", burst
+        )
         guaranteed = f"{max(1.0, min(flow_bits, bits / (buckets + 1)) / 1e3):.0f}kbit"
         for k in range(buckets + 1):  # 1:2 for what is not TCP, 1:100.. for the hash buckets
             classid = "1:2" if k == buckets else f"1:{0x100 + k:x}"
-            self._in(namespace, *htb, "1:1", "classid", classid, "htb", "rate", guaranteed, "ceil", flow_rate,
-                     "burst", _burst(flow_bits), "cburst", _burst(flow_bits))
+            self._in(
+                namespace,
+                *htb,
+                "1:1",
+                "classid",
+                classid,
+                "htb",
+                "rate",
+                guaranteed,
+                "ceil",
+                flow_rate,
+                "burst",
+                _burst(flow_bits),
+                "cburst",
+                _burst(flow_bits),
+            )
         tcf = ("tc", "filter", "add", "dev", device, "parent", "1:", "prio", "1", "protocol", "ip")
         self._in(namespace, *tcf, "handle", "2:", "u32", "divisor", str(buckets))
         # the TCP source port's low bits (IP header of 20 bytes, then the ports) pick the bucket
         mask = f"0x{(buckets - 1) << 16:08x}"
-        self._in(namespace, *tcf, "u32", "ht", "800::", "match", "ip", "protocol", "6", "0xff",
-                 "hashkey", "mask", mask, "at", "20", "link", "2:")
+        self._in(
+            namespace,
+            *tcf,
+            "u32",
+            "ht",
+            "800::",
+            "match",
+            "ip",
+            "protocol",
+            "6",
+            "0xff",
+            "hashkey",
+            "mask",
+            mask,
+            "at",
+            "20",
+            "link",
+            "2:",
+        )
         for k in range(buckets):
             self._in(namespace, *tcf, "u32", "ht", f"2:{k:x}:", "match", "u32", "0", "0", "flowid", f"1:{0x100 + k:x}")
 
@@ -124,13 +172,31 @@ class Network:
             try:
                 self._in(self.switch, "tc", "qdisc", "add", "dev", "lo", "root", *arguments)
                 if name == "htb":
-                    self._in(self.switch, "tc", "filter", "add", "dev", "lo", "parent", "1:", "prio", "1", "protocol",
-                             "ip", "handle", "2:", "u32", "divisor", "2")
+                    self._in(
+                        self.switch,
+                        "tc",
+                        "filter",
+                        "add",
+                        "dev",
+                        "lo",
+                        "parent",
+                        "1:",
+                        "prio",
+                        "1",
+                        "protocol",
+                        "ip",
+                        "handle",
+                        "2:",
+                        "u32",
+                        "divisor",
+                        "2",
+                    )
                 self._in(self.switch, "tc", "qdisc", "del", "dev", "lo", "root")
             except ToolError as error:
                 what = "the u32 filter" if "filter" in str(error) else f"the {name} qdisc"
-                raise CommSchedConfigError(f"commsched: this kernel lacks {what}, which the emulated network "
-                                           f"needs ({error})") from None
+                raise CommSchedConfigError(
+                    f"commsched: this kernel lacks {what}, which the emulated network needs ({error})"
+                ) from None
 
     # --------------------------------------------------------------- teardown
     def remove(self) -> None:

@@ -33,14 +33,21 @@ class ClusterSpec:
         """Refuse what cannot be built, naming each field as `name` spells it (a flag, a config key)."""
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
             raise bad_value(name("nodes"), self.nodes, f"an integer from 1 to {MAX_NODES}")
-        if isinstance(self.workers_per_node, bool) or not isinstance(self.workers_per_node, int) or self.workers_per_node < 1:
+        if (
+            isinstance(self.workers_per_node, bool)
+            or not isinstance(self.workers_per_node, int)
+            or self.workers_per_node < 1
+        ):
             raise bad_value(name("workers_per_node"), self.workers_per_node, "an integer >= 1")
         rate = _rate(name("rate"), self.rate)
         if self.secondary_rate is not None:
             _rate(name("secondary_rate"), self.secondary_rate)
         if self.flow_rate is not None and _rate(name("flow_rate"), self.flow_rate) > rate:
-            raise bad_value(name("flow_rate"), self.flow_rate,
-                            f"a rate at most {name('rate')} ({self.rate}): a flow cannot exceed its link")
+            raise bad_value(
+                name("flow_rate"),
+                self.flow_rate,
+                f"a rate at most {name('rate')} ({self.rate}): a flow cannot exceed its link",
+            )
         if not 1024 <= self.master_port <= 65535:
             raise bad_value(name("port"), self.master_port, "a port number from 1024 to 65535")
         return self

@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from commsched.comm.links import Link
 from commsched.errors import CommSchedConfigError
 from commsched.fusion import ParamInfo
-from commsched.comm.links import Link
 
 
 @dataclass
@@ -59,7 +59,9 @@ class BucketPlan:
         return "\n".join(lines)
 
     def describe(self) -> str:
-        return ", ".join(f"b{b.index}:{len(b.params)}p/{b.numel * b.buffer.element_size() / 2**20:.2f}MB" for b in self.buckets)
+        return ", ".join(
+            f"b{b.index}:{len(b.params)}p/{b.numel * b.buffer.element_size() / 2**20:.2f}MB" for b in self.buckets
+        )
 
 
 def trainable_in_ready_order(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[int]]:
@@ -85,8 +87,10 @@ def trainable_in_ready_order(module: nn.Module) -> tuple[list[str], list[nn.Para
 
 def param_infos(module: nn.Module) -> list[ParamInfo]:
     """What a fusion planner sees of each trainable parameter, in ready order."""
-    return [ParamInfo(n, p.numel(), p.element_size(), p.dtype, p.device, layer)
-            for n, p, layer in zip(*trainable_in_ready_order(module))]
+    return [
+        ParamInfo(n, p.numel(), p.element_size(), p.dtype, p.device, layer)
+        for n, p, layer in zip(*trainable_in_ready_order(module))
+    ]
 
 
 def build_plan(
@@ -96,7 +100,9 @@ def build_plan(
 ) -> BucketPlan:
     names, params, _ = trainable_in_ready_order(module)
     if not params:
-        raise CommSchedConfigError("commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise.")
+        raise CommSchedConfigError(
+            "commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise."
+        )
     groups = planner(param_infos(module))
     flat = sorted(i for g in groups for i in g)
     if flat != list(range(len(params))):
@@ -113,7 +119,9 @@ def build_plan(
             views.append(buffer.narrow(0, offset, n).view_as(params[i]))
             offset += n
         buckets.append(
-            Bucket(index, [names[i] for i in group], [params[i] for i in group], buffer, views, numel, padded // world_size)
+            Bucket(
+                index, [names[i] for i in group], [params[i] for i in group], buffer, views, numel, padded // world_size
+            )
         )
     return BucketPlan(buckets, world_size)
 
@@ -138,5 +146,7 @@ def verify_same_on_all_ranks(plan: BucketPlan, module: nn.Module, link: Link, ex
             "commsched: the model or its bucket plan differs between ranks (hash per rank: "
             f"{digests}). Every rank must build the same model: the same parameters and buffers with the "
             "same names, shapes, dtypes and registration order, and the same callbacks. This rank's plan:\n"
-            + plan.describe() + "\n" + extra
+            + plan.describe()
+            + "\n"
+            + extra
         )

@@ -37,7 +37,9 @@ def seconds_of(device: torch.device, run: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch.device = torch.device("cpu")) -> float:
+def median_seconds(
+    fn: Callable[[], object], repeats: int, warmup: int = 1, device: torch.device = torch.device("cpu")
+) -> float:
     """Median seconds until what `fn` started has completed on `device` (`seconds_of`), after `warmup`
     untimed calls: the profiler's collectives, the link probe and DeFT's halves are timed with it."""
     for _ in range(warmup):
@@ -98,7 +100,9 @@ class SpanRecorder:
         if self._device.type != "cuda":
             started = time.perf_counter()
             work = launch()
-            work.get_future().add_done_callback(lambda _: self._spans.append(Span(lane, name, started, time.perf_counter())))
+            work.get_future().add_done_callback(
+                lambda _: self._spans.append(Span(lane, name, started, time.perf_counter()))
+            )
             return work
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(torch.cuda.current_stream(self._device))
@@ -113,7 +117,9 @@ class SpanRecorder:
         """Every span so far, in host time (waits for the device on CUDA)."""
         if self._events:
             synchronize(self._device)
-            self._spans += [Span(lane, name, self._host(start), self._host(end)) for lane, name, start, end in self._events]
+            self._spans += [
+                Span(lane, name, self._host(start), self._host(end)) for lane, name, start, end in self._events
+            ]
             self._events.clear()
         return list(self._spans)
 

@@ -4,8 +4,8 @@ Every collective goes through a `Link`, the one place that (a) picks the collect
 torch offers, (b) keeps the tensors it touches on the link's device (the rank's own CUDA device
 for NCCL, fixed when the link is made; the CPU for gloo), (c) issues collectives in the order
 they were requested (`commsched.comm.works`: chains, staged inputs and second stages -- requested
-with `after=` their first stage -- wait in the link's queue, never out of order), (d) turns a failed or timed-out collective into a
-`PeerFailureError` that says which one and why, (e) records the sequence of collectives a rank
+with `after=` their first stage -- wait in the link's queue, never out of order), (d) turns a failed or timed-out
+collective into a `PeerFailureError` that says which one and why, (e) records the sequence of collectives a rank
 issued, which tests compare across ranks, and counts the bytes this rank sends, and (f) times
 what the training loop waited for. `Links` creates a run's links on every rank in the same order:
 whole-world links, sub-group links (one group per node, one per local rank, each rank holding its
@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from commsched.comm import point_to_point
 from commsched.comm.device_time import SpanRecorder, synchronize
-from commsched.errors import PeerFailureError
 from commsched.comm.works import After, Issuer, Pending, WaitClock
+from commsched.errors import PeerFailureError
 
 # torch 2.10+ renamed the tensor-in/tensor-out collectives; keep working on torch >= 2.3.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,7 +43,17 @@ KNOWN_LINKS = ("primary", "secondary", "intra", "inter")
 and the sub-groups of the primary (the ranks of one node; the ranks of one local rank across nodes)."""
 """What a schedule's `step_collectives` may name: the collectives a `Link` issues and the profiler times."""
 
-__all__ = ["CollectiveRecord", "InOrder", "KNOWN_COLLECTIVES", "KNOWN_LINKS", "Link", "LinkSpec", "Links", "Pending", "WaitClock"]
+__all__ = [
+    "CollectiveRecord",
+    "InOrder",
+    "KNOWN_COLLECTIVES",
+    "KNOWN_LINKS",
+    "Link",
+    "LinkSpec",
+    "Links",
+    "Pending",
+    "WaitClock",
+]
 
 
 @dataclass(frozen=True)
@@ -105,8 +115,14 @@ class InOrder:
 class Link:
     """Issues asynchronous collectives on one process group (None = the default group)."""
 
-    def __init__(self, name: str, group: Optional[dist.ProcessGroup] = None, trace: Optional[list[CollectiveRecord]] = None,
-                 device: Optional[torch.device] = None, timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        group: Optional[dist.ProcessGroup] = None,
+        trace: Optional[list[CollectiveRecord]] = None,
+        device: Optional[torch.device] = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
         """`trace`: a list to append a record of every collective to (links may share one); `device`:
         the rank's own accelerator for NCCL links (default: the current CUDA device, read here)."""
         self.name = name
@@ -139,17 +155,33 @@ class Link:
         """The host waits for everything enqueued on this link's device (measuring only)."""
         synchronize(self.device)
 
-    def _request(self, op: str, tag: str, tensor: torch.Tensor, launch: Callable[[], dist.Work], on_wire: float,
-                 after: After = None, ready: Any = None, offload: bool = False) -> Pending:
+    def _request(
+        self,
+        op: str,
+        tag: str,
+        tensor: torch.Tensor,
+        launch: Callable[[], dist.Work],
+        on_wire: float,
+        after: After = None,
+        ready: Any = None,
+        offload: bool = False,
+    ) -> Pending:
         what = f"{op} of {tag} ({tensor.numel()} x {tensor.dtype}) on link '{self.name}'"
         sync = partial(synchronize, self.device) if self.measuring and self.device.type == "cuda" else None
         pending = Pending(what, self.clock, self.timeout_s, sync)
         recorder = self.recorder
         timed = launch if recorder is None else partial(recorder.around, self.lane, f"{op} {tag}", launch)
-        return self._issuer.request(pending, partial(self._launch_and_record, timed, op, tag, tensor, on_wire),
-                                    after=after, ready=ready, offload=offload)
+        return self._issuer.request(
+            pending,
+            partial(self._launch_and_record, timed, op, tag, tensor, on_wire),
+            after=after,
+            ready=ready,
+            offload=offload,
+        )
 
-    def _launch_and_record(self, launch: Callable[[], Any], op: str, tag: str, tensor: torch.Tensor, on_wire: float) -> Any:
+    def _launch_and_record(
+        self, launch: Callable[[], Any], op: str, tag: str, tensor: torch.Tensor, on_wire: float
+    ) -> Any:
         """Record a collective once it has gone to the backend, in the order this link's issuer sent it
         (the issuer holds its lock: records of one link never interleave); a launch that raised sent nothing."""
         work = launch()
@@ -158,18 +190,38 @@ class Link:
             self.trace.append(CollectiveRecord(self.name, op, tag, tensor.numel(), str(tensor.dtype)))
         return work
 
-    def all_reduce(self, tensor: torch.Tensor, tag: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                   after: After = None, ready: Any = None) -> Pending:
-        return self._request("all_reduce", tag, tensor, partial(dist.all_reduce, tensor, op=op, group=self.group, async_op=True),
-                             2.0, after, ready)
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        tag: str,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        after: After = None,
+        ready: Any = None,
+    ) -> Pending:
+        return self._request(
+            "all_reduce",
+            tag,
+            tensor,
+            partial(dist.all_reduce, tensor, op=op, group=self.group, async_op=True),
+            2.0,
+            after,
+            ready,
+        )
 
     @property
     def native_reduce_scatter(self) -> bool:
         """False for gloo: its reduce-scatter costs a whole all-reduce; `point_to_point` does both halves instead."""
         return self.backend != "gloo"
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, tag: str, scratch: Optional[torch.Tensor] = None,
-                       after: After = None, ready: Any = None) -> Pending:
+    def reduce_scatter(
+        self,
+        shard: torch.Tensor,
+        full: torch.Tensor,
+        tag: str,
+        scratch: Optional[torch.Tensor] = None,
+        after: After = None,
+        ready: Any = None,
+    ) -> Pending:
         """Sum `full` over ranks and leave this rank's slice in `shard`.
 
         `scratch` (at least (P-1)/P of `full`) receives the other ranks' slices when the backend has no
@@ -186,10 +238,13 @@ class Link:
             reduce.append(local_sum)
             return work
 
-        return self._request("reduce_scatter", tag, full, launch, 1.0, after, ready, offload=True).then(lambda: reduce[0]())
+        return self._request("reduce_scatter", tag, full, launch, 1.0, after, ready, offload=True).then(
+            lambda: reduce[0]()
+        )
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, tag: str, after: After = None,
-                   ready: Any = None) -> Pending:
+    def all_gather(
+        self, full: torch.Tensor, shard: torch.Tensor, tag: str, after: After = None, ready: Any = None
+    ) -> Pending:
         if self.native_reduce_scatter:
             launch = partial(_all_gather_single, full, shard, group=self.group, async_op=True)
         else:  # gloo's all-gather copies more than the point-to-point exchange (see `point_to_point`)
@@ -271,8 +326,13 @@ class Links:
     keep the other 15 of each link. Both are collective: every rank calls them at the same iteration
     boundary (the stream search's decisions are broadcast)."""
 
-    def __init__(self, specs: list[LinkSpec], timeout: Optional[timedelta], trace: Optional[list[CollectiveRecord]],
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        specs: list[LinkSpec],
+        timeout: Optional[timedelta],
+        trace: Optional[list[CollectiveRecord]],
+        device: Optional[torch.device] = None,
+    ) -> None:
         """`device`: the rank's own accelerator (the model's device), where NCCL links keep their tensors."""
         self._timeout = timeout
         self._timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
@@ -299,8 +359,11 @@ class Links:
                 link = Link(name, group, self._trace, self._device, self._timeout_s)
                 if backend == "nccl":  # NCCL makes its communicator at the first collective: while the interface is set
                     dist.all_reduce(torch.zeros(1, device=link.device), group=group)
-            log.debug(f"commsched: link '{name}': {backend}" + (f" on {spec.ifname}" if spec.ifname else "")
-                      + (f", groups {spec.groups}" if spec.groups else ""))
+            log.debug(
+                f"commsched: link '{name}': {backend}"
+                + (f" on {spec.ifname}" if spec.ifname else "")
+                + (f", groups {spec.groups}" if spec.groups else "")
+            )
             self._links[name] = link
             self._streams[spec.name].append(link)
             for configure in self._made:

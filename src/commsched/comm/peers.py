@@ -62,7 +62,11 @@ def _exited(pid: int) -> bool:
 def gone() -> list[tuple[int, int]]:
     """(rank, pid) of every other rank in this place whose process has exited."""
     here = _where()
-    return [(rank, pid) for rank, (where, pid) in sorted(_peers.items()) if where == here and pid != os.getpid() and _exited(pid)]
+    return [
+        (rank, pid)
+        for rank, (where, pid) in sorted(_peers.items())
+        if where == here and pid != os.getpid() and _exited(pid)
+    ]
 
 
 def describe_gone() -> Optional[str]:

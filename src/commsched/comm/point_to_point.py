@@ -24,7 +24,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-
 PIECE_BYTES = 2**20
 
 
@@ -124,8 +123,9 @@ def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
     return list(tensor.reshape(-1).chunk(count))
 
 
-def _exchange(group: Optional[dist.ProcessGroup], sends: list[tuple[int, torch.Tensor]],
-              receives: list[tuple[int, torch.Tensor]]) -> WorkSet:
+def _exchange(
+    group: Optional[dist.ProcessGroup], sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]
+) -> WorkSet:
     """Messages go in pieces, sends and receives interleaved: one large message on a gloo connection
     does not overlap the reverse direction (measured on a full-duplex 1 Gbit link, 8 MiB each way:
     116 ms whole, 68 ms in 1 MiB pieces, the link's own 67 ms)."""
@@ -141,8 +141,9 @@ def _exchange(group: Optional[dist.ProcessGroup], sends: list[tuple[int, torch.T
     return WorkSet(dist.batch_isend_irecv(ops) if ops else [], _completer(group))
 
 
-def reduce_scatter(group: Optional[dist.ProcessGroup], shard: torch.Tensor, full: torch.Tensor,
-                   scratch: torch.Tensor) -> tuple[WorkSet, Callable[[], None]]:
+def reduce_scatter(
+    group: Optional[dist.ProcessGroup], shard: torch.Tensor, full: torch.Tensor, scratch: torch.Tensor
+) -> tuple[WorkSet, Callable[[], None]]:
     """Start the exchange; the returned function, run once it completed, leaves the sum in `shard`
     (`shard` may be this rank's own slice of `full`). `scratch` holds at least (P-1)/P of `full`."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)

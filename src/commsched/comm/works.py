@@ -49,11 +49,27 @@ class Pending:
     saying where; `then(f)` runs local work (a sum, a copy) on the backend's thread the moment the
     collective completes."""
 
-    __slots__ = ("_work", "_future", "_what", "_clock", "_issued", "_error", "_timeout_s", "_later", "_sync", "_lock",
-                 "_local_error")
+    __slots__ = (
+        "_work",
+        "_future",
+        "_what",
+        "_clock",
+        "_issued",
+        "_error",
+        "_timeout_s",
+        "_later",
+        "_sync",
+        "_lock",
+        "_local_error",
+    )
 
-    def __init__(self, what: str, clock: Optional[WaitClock] = None, timeout_s: float = 1800.0,
-                 sync: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        clock: Optional[WaitClock] = None,
+        timeout_s: float = 1800.0,
+        sync: Optional[Callable[[], None]] = None,
+    ) -> None:
         self._work: Optional[dist.Work] = None
         self._future: Optional[torch.futures.Future] = None  # the last continuation, if any
         self._what = what
@@ -116,8 +132,10 @@ class Pending:
         started = time.perf_counter()
         try:
             if not self._issued.wait(self._timeout_s):
-                raise PeerFailureError(f"commsched: {self._what} was not issued within {self._timeout_s:.0f} s: the "
-                                       f"collective before it on its link never completed; {_who_failed('died or hung')}")
+                raise PeerFailureError(
+                    f"commsched: {self._what} was not issued within {self._timeout_s:.0f} s: the "
+                    f"collective before it on its link never completed; {_who_failed('died or hung')}"
+                )
             if self._error is not None:
                 raise self._error
             assert self._work is not None
@@ -136,7 +154,8 @@ class Pending:
                     local.add_note(note)
                 raise local from None
             raise PeerFailureError(
-                f"commsched: {self._what} failed: {_who_failed('died, hung past the process-group timeout, or the network link broke')}. "
+                f"commsched: {self._what} failed: "
+                f"{_who_failed('died, hung past the process-group timeout, or the network link broke')}. "
                 f"Original error: {exc}"
             ) from exc
         finally:
@@ -199,7 +218,9 @@ class Issuer:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
 
-    def request(self, pending: Pending, launch: Launch, after: After = None, ready: Any = None, offload: bool = False) -> Pending:
+    def request(
+        self, pending: Pending, launch: Launch, after: After = None, ready: Any = None, offload: bool = False
+    ) -> Pending:
         """`offload`: always issue from the issuer thread (a launch that costs the caller real work, such
         as posting gloo's point-to-point sends, which copy into the socket on the calling thread)."""
         waits = () if after is None else (after,) if isinstance(after, Pending) else tuple(after)
@@ -213,13 +234,17 @@ class Issuer:
     def blocking(self, call: Callable[[], Any]) -> Any:
         """Run a blocking collective in this link's order: once everything requested before it has been
         issued, with nothing issued while it runs."""
-        assert threading.current_thread() is not self._thread, "a blocking collective from the issuer thread waits for itself"
+        assert threading.current_thread() is not self._thread, (
+            "a blocking collective from the issuer thread waits for itself"
+        )
         deadline = time.monotonic() + self._timeout_s
         with self._lock:
             while self._queue:
                 if not self._wakeup.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
-                    raise PeerFailureError(f"commsched: a blocking collective on link '{self._name}' waited {self._timeout_s:.0f} s "
-                                           f"for the collectives requested before it; {_who_failed('died or hung')}")
+                    raise PeerFailureError(
+                        f"commsched: a blocking collective on link '{self._name}' waited {self._timeout_s:.0f} s "
+                        f"for the collectives requested before it; {_who_failed('died or hung')}"
+                    )
             return call()
 
     def _enqueue(self, request: _Request) -> None:

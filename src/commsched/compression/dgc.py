@@ -56,7 +56,8 @@ def corrected(optimizer: Optimizer) -> bool:
     """Whether DGC's corrections can stand in for this optimizer's momentum and weight decay: torch's
     SGD (or a subclass) without dampening or maximize, whose update is then the plain step."""
     return isinstance(optimizer, torch.optim.SGD) and all(
-        not group.get("dampening", 0) and not group.get("maximize", False) for group in optimizer.param_groups)
+        not group.get("dampening", 0) and not group.get("maximize", False) for group in optimizer.param_groups
+    )
 
 
 class OptimizerTerms:
@@ -69,8 +70,13 @@ class OptimizerTerms:
 
     def _group_of(self, param: nn.Parameter) -> Optional[dict]:
         if self._groups is None:
-            self._groups = {id(p): group for opt in self.optimizers() if corrected(opt)
-                            for group in opt.param_groups for p in group["params"]}
+            self._groups = {
+                id(p): group
+                for opt in self.optimizers()
+                if corrected(opt)
+                for group in opt.param_groups
+                for p in group["params"]
+            }
         return self._groups.get(id(param))
 
     def refresh(self) -> None:
@@ -85,7 +91,9 @@ class OptimizerTerms:
         group = self._group_of(param)
         if group is None:
             return NONE
-        return SGDTerms(float(group.get("momentum", 0.0)), bool(group.get("nesterov", False)), float(group.get("weight_decay", 0.0)))
+        return SGDTerms(
+            float(group.get("momentum", 0.0)), bool(group.get("nesterov", False)), float(group.get("weight_decay", 0.0))
+        )
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,9 @@ class LocalCorrections:
     """On a rank's own bucket before anything leaves it: clipping, then weight decay (the order of a
     dense step: Lightning clips the gradient, then SGD adds the decay)."""
 
-    def __init__(self, bucket: Bucket, terms: OptimizerTerms, world_size: int, clip_norm: Optional[float], decay: bool) -> None:
+    def __init__(
+        self, bucket: Bucket, terms: OptimizerTerms, world_size: int, clip_norm: Optional[float], decay: bool
+    ) -> None:
         self.bucket = bucket
         self._terms = terms
         self._world = world_size
@@ -176,7 +186,12 @@ def _runs(bucket: Bucket, terms: Iterable[SGDTerms], start: int, length: int) ->
         lo, hi = max(offset, start) - start, min(offset + param.numel(), start + length) - start
         if lo >= hi:
             continue
-        if merged and merged[-1].momentum == t.momentum and merged[-1].nesterov == t.nesterov and merged[-1].start + merged[-1].length == lo:
+        if (
+            merged
+            and merged[-1].momentum == t.momentum
+            and merged[-1].nesterov == t.nesterov
+            and merged[-1].start + merged[-1].length == lo
+        ):
             last = merged[-1]
             merged[-1] = Run(last.start, hi - last.start, last.momentum, last.nesterov)
         else:
@@ -208,23 +223,42 @@ class Corrections:
 
 def describe_corrections(corrections: Corrections, optimizers: Sequence[Optimizer]) -> str:
     """One line: what the exchange applies and what the user's optimizer still does."""
-    applied = [name for name, on in (("momentum correction", corrections.momentum), ("momentum factor masking",
-               corrections.momentum and corrections.masking), ("weight decay before accumulation", corrections.decay)) if on]
+    applied = [
+        name
+        for name, on in (
+            ("momentum correction", corrections.momentum),
+            ("momentum factor masking", corrections.momentum and corrections.masking),
+            ("weight decay before accumulation", corrections.decay),
+        )
+        if on
+    ]
     if corrections.clip_norm is not None:
-        applied.append(f"local clipping to norm {corrections.clip_norm:g}/sqrt(P) per parameter (the exchanged update is not clipped again)")
+        applied.append(
+            f"local clipping to norm {corrections.clip_norm:g}/sqrt(P) per parameter "
+            "(the exchanged update is not clipped again)"
+        )
     sgd = [type(o).__name__ for o in optimizers if corrected(o)]
     others = [type(o).__name__ for o in optimizers if not corrected(o)]
     said = []
     if sgd:
-        zeroed = " and ".join(n for n, on in (("momentum", corrections.momentum), ("weight decay", corrections.decay)) if on)
-        said.append(f"DGC's corrections under {', '.join(sgd)}: {', '.join(applied)}; the optimizer steps with {zeroed} 0 "
-                    "(applied before the exchange), its learning rate and schedule as set")
+        zeroed = " and ".join(
+            n for n, on in (("momentum", corrections.momentum), ("weight decay", corrections.decay)) if on
+        )
+        said.append(
+            f"DGC's corrections under {', '.join(sgd)}: {', '.join(applied)}; the optimizer steps with {zeroed} 0 "
+            "(applied before the exchange), its learning rate and schedule as set"
+        )
     if others:
-        said.append(f"{', '.join(others)}: DGC's corrections apply to torch's SGD (without dampening or maximize) only: error feedback alone")
+        said.append(
+            f"{', '.join(others)}: DGC's corrections apply to torch's SGD (without dampening or maximize) only: "
+            "error feedback alone"
+        )
     return "; ".join(said) if said else "DGC's corrections: no optimizer yet"
 
 
-def export_momentum(optimizer: Optimizer, saved: dict, velocities: dict[int, torch.Tensor], terms: OptimizerTerms) -> dict:
+def export_momentum(
+    optimizer: Optimizer, saved: dict, velocities: dict[int, torch.Tensor], terms: OptimizerTerms
+) -> dict:
     """`saved` (the optimizer's `state_dict()`) with each parameter's `momentum_buffer` as torch's SGD holds it
     under ddp, from `velocities` (by parameter id: every rank's velocity summed, which is the velocity of the
     averaged gradient, momentum being linear). Under Nesterov the velocity carries the momentum factor once
@@ -238,5 +272,8 @@ def export_momentum(optimizer: Optimizer, saved: dict, velocities: dict[int, tor
             if id(param) not in velocities or not sgd.momentum:
                 continue
             buffer = velocities[id(param)].view_as(param)
-            state[index] = {**state.get(index, {}), "momentum_buffer": buffer / sgd.momentum if sgd.nesterov else buffer}
+            state[index] = {
+                **state.get(index, {}),
+                "momentum_buffer": buffer / sgd.momentum if sgd.nesterov else buffer,
+            }
     return {**saved, "state": state}

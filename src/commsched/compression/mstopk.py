@@ -26,7 +26,9 @@ SALT = 0x9E3779B1
 """Odd multiplier that spreads consecutive seeds over the window's offsets (a Weyl sequence)."""
 
 
-def mstopk(x: torch.Tensor, k: int, samplings: int = 30, seed: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def mstopk(
+    x: torch.Tensor, k: int, samplings: int = 30, seed: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of `k` elements of the flat tensor `x` chosen by MSTopK; `indices` int64,
     ascending. `seed` picks the window's offset; None: a hash of `x`'s bits, so the offset changes
     from step to step with the gradients yet is the same for the same input (a resumed run selects

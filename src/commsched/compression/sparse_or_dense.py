@@ -20,9 +20,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from commsched.compression.selections import SELECTIONS, selector
 from commsched.interleaved import MeasuredChoice
 from commsched.options import CompressionOptions
-from commsched.compression.selections import SELECTIONS, selector
 
 SELECTION_PROBE_MAX = 2**22
 """Elements the selection probe times at most (both selections cost about linearly in the size)."""
@@ -46,8 +46,11 @@ def _seconds(select: Callable[..., Any], x: torch.Tensor, k: int, repeats: int =
     return best
 
 
-def fastest_selection(numel: int, density: float, samplings: int, device: torch.device, control: Any) -> tuple[str, dict[str, float]]:
-    """The selection (`SELECTIONS`) rank 0 measured fastest (ties to the earlier: torch.topk first), and the times in ms."""
+def fastest_selection(
+    numel: int, density: float, samplings: int, device: torch.device, control: Any
+) -> tuple[str, dict[str, float]]:
+    """The selection (`SELECTIONS`) rank 0 measured fastest (ties to the earlier: torch.topk first), and the times
+    in ms."""
     mine = None
     if control.rank == 0:
         n = max(1, min(numel, SELECTION_PROBE_MAX))
@@ -64,8 +67,14 @@ class SparseOrDense:
 
     def __init__(self, options: CompressionOptions) -> None:
         self.options = options
-        self.choice = MeasuredChoice(options.confirm_steps, options.confirm_rounds, options.drift, options.drift_steps, WARMUP_STEPS,
-                             max_rounds=options.confirm_max_rounds)
+        self.choice = MeasuredChoice(
+            options.confirm_steps,
+            options.confirm_rounds,
+            options.drift,
+            options.drift_steps,
+            WARMUP_STEPS,
+            max_rounds=options.confirm_max_rounds,
+        )
 
     @property
     def dense(self) -> bool:
@@ -83,15 +92,19 @@ class SparseOrDense:
         reopened = self.choice.reopened
         self.choice.at_boundary(control)
         if self.choice.reopened > reopened:
-            say("commsched topk: steps have become more than "
-                f"{self.options.drift:.0%} slower than when sparse and dense were compared: comparing them again")
+            say(
+                "commsched topk: steps have become more than "
+                f"{self.options.drift:.0%} slower than when sparse and dense were compared: comparing them again"
+            )
         verdict = self.choice.verdict
         if verdict is None or verdict is self._said:
             return
         self._said = verdict
         outcome = "kept" if verdict.keep == SPARSE else "they do not pay here, the dense all-reduce runs"
-        say(f"commsched topk: {verdict.describe(EXCHANGE_ARMS)}: {outcome} (compared again later in the run "
-            "and if the steps drift)")
+        say(
+            f"commsched topk: {verdict.describe(EXCHANGE_ARMS)}: {outcome} (compared again later in the run "
+            "and if the steps drift)"
+        )
 
     _said: Optional[Any] = None
 

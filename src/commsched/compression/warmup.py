@@ -41,7 +41,9 @@ class SparsityWarmup:
         self.stages = stage_densities(target)
 
     @classmethod
-    def of(cls, compression: Any, epoch_steps: Callable[[], float], total_steps: Callable[[], float]) -> Optional["SparsityWarmup"]:
+    def of(
+        cls, compression: Any, epoch_steps: Callable[[], float], total_steps: Callable[[], float]
+    ) -> Optional["SparsityWarmup"]:
         """The warm-up `compression.sparsity_warmup_steps` asks for (None: none), after any dense warm-up."""
         steps = compression.sparsity_warmup_steps
         if steps == 0 or compression.density >= 1 or (steps == "auto" and compression.dense_warmup_steps):
@@ -72,8 +74,10 @@ class SparsityWarmup:
         why = self._resolved[1] if self._resolved else ""
         per = span / max(1, len(self.stages) - 1)
         falls = " -> ".join(f"{d:g}" for d in self.stages)
-        return (f"density warm-up {falls} over the first {span} optimizer steps ({why}; about {per:.0f} steps a stage; "
-                f"densities of {sparse_below:g} or more exchange densely: sparse would send more)")
+        return (
+            f"density warm-up {falls} over the first {span} optimizer steps ({why}; about {per:.0f} steps a stage; "
+            f"densities of {sparse_below:g} or more exchange densely: sparse would send more)"
+        )
 
 
 def auto_span(epoch_steps: float, total_steps: float) -> tuple[int, str]:

@@ -51,7 +51,9 @@ class WholeVectors:
         for _, n in ranked[:-1]:
             compact_starts.append(compact_starts[-1] + n)
         self._compact_starts = torch.tensor(compact_starts, dtype=torch.int64, device=device)
-        self._shift = torch.tensor([s - c for (s, _), c in zip(ranked, compact_starts)], dtype=torch.int64, device=device)
+        self._shift = torch.tensor(
+            [s - c for (s, _), c in zip(ranked, compact_starts)], dtype=torch.int64, device=device
+        )
 
     @property
     def whole_numel(self) -> int:

@@ -9,6 +9,17 @@ from commsched.data.synthetic import SyntheticImageData, SyntheticImages, Synthe
 from commsched.data.text import ByteTextData, read_bytes
 
 __all__ = [
-    "ByteTextData", "CachedDataset", "Cifar10Data", "DigitsData", "ResumableDataLoader", "SyntheticImageData", "SyntheticImages",
-    "SyntheticTokenData", "SyntheticTokens", "check_cifar10_dir", "local_copy", "read_batches", "read_bytes",
+    "ByteTextData",
+    "CachedDataset",
+    "Cifar10Data",
+    "DigitsData",
+    "ResumableDataLoader",
+    "SyntheticImageData",
+    "SyntheticImages",
+    "SyntheticTokenData",
+    "SyntheticTokens",
+    "check_cifar10_dir",
+    "local_copy",
+    "read_batches",
+    "read_bytes",
 ]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
+import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset
 
-import lightning.pytorch as pl
 from commsched.data.resumable import ResumableDataLoader
 
 
@@ -27,8 +27,9 @@ class ResumableLoader(DataLoader):
     epoch that `max_steps` cut short as finished, so after such a resume its epoch numbers run one
     ahead of the data's, and the shuffles would differ from an uninterrupted run's."""
 
-    def __init__(self, *args: Any, skip_batches: int = 0, first_pass: int = 0, empty_first: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, skip_batches: int = 0, first_pass: int = 0, empty_first: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.skip_batches = skip_batches
         self.current_pass = first_pass - 1
@@ -66,10 +67,21 @@ class SplitDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() has not run"
-        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
-                                   drop_last=True, persistent_workers=self.num_workers > 0)
+        return ResumableDataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=self.num_workers,
+            drop_last=True,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "setup() has not run"
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            self.val_set,
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )

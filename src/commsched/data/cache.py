@@ -30,7 +30,9 @@ class CachedDataset(Dataset):
     def __init__(self, dataset: Any, transform: Optional[Callable[[Any], Any]] = None) -> None:
         """`transform`: applied to the cached sample on every access (random augmentation)."""
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise bad_value("CachedDataset.dataset", type(dataset).__name__, "a map-style dataset (__getitem__ and __len__)")
+            raise bad_value(
+                "CachedDataset.dataset", type(dataset).__name__, "a map-style dataset (__getitem__ and __len__)"
+            )
         self.dataset = dataset
         self.transform = transform
         self._samples: dict[int, Any] = {}

@@ -67,8 +67,9 @@ class Cifar10(Dataset):
 
 
 class Cifar10Data(SplitDataModule):
-    def __init__(self, dir: str = "~/data/cifar-10-batches-py", batch_size: int = 128, augment: bool = True,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self, dir: str = "~/data/cifar-10-batches-py", batch_size: int = 128, augment: bool = True, num_workers: int = 0
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.dir = check_cifar10_dir(dir)
         self.augment = augment

@@ -23,8 +23,9 @@ def load_digits_tensors(resolution: int) -> tuple[torch.Tensor, torch.Tensor]:
 class DigitsData(SplitDataModule):
     """A fixed, seeded split: `val_fraction` of the digits for validation, the rest for training."""
 
-    def __init__(self, batch_size: int = 64, resolution: int = 32, val_fraction: float = 0.2, seed: int = 0,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 64, resolution: int = 32, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.resolution, self.val_fraction, self.seed = resolution, val_fraction, seed
 

@@ -104,8 +104,10 @@ class ResumableDataLoader(DataLoader):
         given = bound.arguments
         dataset = given.get("dataset")
         if isinstance(dataset, IterableDataset):
-            raise TypeError("ResumableDataLoader skips batches by their indices, and an IterableDataset has none; "
-                            "use torchdata's StatefulDataLoader for it")
+            raise TypeError(
+                "ResumableDataLoader skips batches by their indices, and an IterableDataset has none; "
+                "use torchdata's StatefulDataLoader for it"
+            )
         if given.get("shuffle") and given.get("sampler") is None and given.get("batch_sampler") is None:
             given["sampler"], given["shuffle"] = NumberedShuffle(dataset, first_seed(given.get("generator"))), None
         super().__init__(*bound.args[1:], **bound.kwargs)
@@ -122,8 +124,13 @@ class ResumableDataLoader(DataLoader):
         if self._pending is not None:  # loaded, and no batch taken since: the same position
             return dict(self._pending)
         shuffle = self._shuffle()
-        return {"version": STATE_VERSION, "pass": self._pass, "batches": self._batches, "length": len(self),
-                "seed": shuffle.seed if shuffle is not None else None}
+        return {
+            "version": STATE_VERSION,
+            "pass": self._pass,
+            "batches": self._batches,
+            "length": len(self),
+            "seed": shuffle.seed if shuffle is not None else None,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The next pass resumes there (an empty state, or one written before any batch, changes nothing)."""
@@ -163,9 +170,12 @@ class ResumableDataLoader(DataLoader):
             done, length = int(state["batches"]), len(self)
             if state.get("length") not in (None, length):
                 scaled = done * length // int(state["length"])
-                warnings.warn(f"ResumableDataLoader: a pass now has {length} batches, {state['length']} when the checkpoint "
-                              f"was written (another world size or batch size?): resuming after {scaled} of them, not "
-                              f"{done}; the data order differs from the run that was not stopped", stacklevel=3)
+                warnings.warn(
+                    f"ResumableDataLoader: a pass now has {length} batches, {state['length']} when the checkpoint "
+                    f"was written (another world size or batch size?): resuming after {scaled} of them, not "
+                    f"{done}; the data order differs from the run that was not stopped",
+                    stacklevel=3,
+                )
                 done = scaled if done < int(state["length"]) else length
             if done >= length:
                 return int(state["pass"]) + 1, 0
@@ -178,8 +188,11 @@ class ResumableDataLoader(DataLoader):
             return self._pass, self._batches
         if self._pass is not None:
             return self._pass + 1, 0
-        epochs = [s.epoch for s in self._samplers() if callable(getattr(s, "set_epoch", None))
-                  and isinstance(getattr(s, "epoch", None), int)]
+        epochs = [
+            s.epoch
+            for s in self._samplers()
+            if callable(getattr(s, "set_epoch", None)) and isinstance(getattr(s, "epoch", None), int)
+        ]
         return (epochs[0] if epochs else 0), 0
 
     def _samplers(self) -> list[Any]:

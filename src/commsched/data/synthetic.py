@@ -42,16 +42,32 @@ class SyntheticTokens(Dataset):
 
 
 class SyntheticImageData(SplitDataModule):
-    def __init__(self, batch_size: int = 32, train_size: int = 2048, val_size: int = 256, resolution: int = 32,
-                 num_classes: int = 10, seed: int = 0, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        train_size: int = 2048,
+        val_size: int = 256,
+        resolution: int = 32,
+        num_classes: int = 10,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.train_set = SyntheticImages(train_size, resolution, num_classes, seed)
         self.val_set = SyntheticImages(val_size, resolution, num_classes, seed + 1)
 
 
 class SyntheticTokenData(SplitDataModule):
-    def __init__(self, batch_size: int = 16, train_size: int = 2048, val_size: int = 256, block_size: int = 64,
-                 vocab_size: int = 256, seed: int = 0, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 16,
+        train_size: int = 2048,
+        val_size: int = 256,
+        block_size: int = 64,
+        vocab_size: int = 256,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.train_set = SyntheticTokens(train_size, block_size, vocab_size, seed)
         self.val_set = SyntheticTokens(val_size, block_size, vocab_size, seed + 1)

@@ -63,8 +63,14 @@ class TokenWindows(Dataset):
 class ByteTextData(SplitDataModule):
     """The last `val_fraction` of the bytes is held out for validation."""
 
-    def __init__(self, path: Optional[str] = None, block_size: int = 64, batch_size: int = 16,
-                 val_fraction: float = 0.1, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        path: Optional[str] = None,
+        block_size: int = 64,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__(batch_size, num_workers)
         self.path, self.block_size, self.val_fraction = path, block_size, val_fraction
 

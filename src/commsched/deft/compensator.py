@@ -25,7 +25,7 @@ class Compensator:
         return WeightPrediction(self._params, self._names)
 
     def _resolve(self, optimizer: Optimizer) -> None:
-        """"auto" becomes the compensation that recovered the most for this optimizer (`chosen_for`)."""
+        """ "auto" becomes the compensation that recovered the most for this optimizer (`chosen_for`)."""
         if self.name != "auto":
             return
         self.name = resolve_compensation("auto", optimizer)

@@ -15,12 +15,11 @@ from typing import Optional
 
 import torch
 
-from commsched.deft.iteration_model import ScheduleChoice
 from commsched.comm.device_time import synchronize
-from commsched.interleaved import Comparison
 from commsched.comm.links import Link
+from commsched.deft.iteration_model import ScheduleChoice
+from commsched.interleaved import Comparison
 from commsched.say import say
-
 
 SIMPLER = {"wfbp": 0, "dear": 1, "plan": 2}
 """The simpler schedule is the default a candidate must beat: WFBP (DDP's), then DeAR, then DeFT's own plan."""
@@ -68,10 +67,16 @@ class Confirmation:
         measured = {default.runs: verdict.medians_s[0] * 1e3, candidate.runs: verdict.medians_s[1] * 1e3}
         keep, other = (candidate, default) if verdict.keep else (default, candidate)
         self._index = verdict.keep
-        chosen = ScheduleChoice(keep.runs, keep.dear_links, self.predicted.predicted, (other.runs, other.dear_links), measured)
-        verdict_said = "confirmed" if keep.runs == self.predicted.runs else f"overruled: {keep.runs} runs the iterations"
-        say(f"commsched deft: {verdict.describe([default.runs, candidate.runs])}; {self.predicted.runs} was chosen "
-            f"when solving: {verdict_said}")
+        chosen = ScheduleChoice(
+            keep.runs, keep.dear_links, self.predicted.predicted, (other.runs, other.dear_links), measured
+        )
+        verdict_said = (
+            "confirmed" if keep.runs == self.predicted.runs else f"overruled: {keep.runs} runs the iterations"
+        )
+        say(
+            f"commsched deft: {verdict.describe([default.runs, candidate.runs])}; {self.predicted.runs} was chosen "
+            f"when solving: {verdict_said}"
+        )
         return chosen
 
 

@@ -21,8 +21,9 @@ class CurvatureUnavailable(RuntimeError):
     attention kernel): stale plans are then not accepted, since nothing shows they are stable."""
 
 
-def top_curvature(loss: torch.Tensor, params: Sequence[torch.Tensor], iterations: int = 12, seed: int = 0,
-                  tolerance: float = 1e-3) -> float:
+def top_curvature(
+    loss: torch.Tensor, params: Sequence[torch.Tensor], iterations: int = 12, seed: int = 0, tolerance: float = 1e-3
+) -> float:
     """The largest eigenvalue of d^2 loss / d params^2 (the most positive one: a negative curvature
     makes no oscillation for staleness to amplify). The graph of `loss` is kept for its backward."""
     params = [p for p in params if p.requires_grad]
@@ -47,14 +48,18 @@ def top_curvature(loss: torch.Tensor, params: Sequence[torch.Tensor], iterations
         return [torch.zeros_like(v) if h is None else h.detach() for h, v in zip(products, vector)]
 
     generator = torch.Generator().manual_seed(seed)
-    start = [torch.randn(p.shape, generator=generator, dtype=torch.float32).to(device=p.device, dtype=p.dtype) for p in used]
+    start = [
+        torch.randn(p.shape, generator=generator, dtype=torch.float32).to(device=p.device, dtype=p.dtype) for p in used
+    ]
     top = _power_iteration(hessian_times, start, iterations, tolerance, shift=0.0)
     if top < 0:  # the most negative eigenvalue dominated: look again above it
         top = _power_iteration(hessian_times, start, iterations, tolerance, shift=-top)
     return max(0.0, top)
 
 
-def _power_iteration(hessian_times, start: list[torch.Tensor], iterations: int, tolerance: float, shift: float) -> float:
+def _power_iteration(
+    hessian_times, start: list[torch.Tensor], iterations: int, tolerance: float, shift: float
+) -> float:
     """The dominant eigenvalue of H + shift I (its Rayleigh quotient at the last iterate)."""
     vector = _normalized(start)
     value = 0.0

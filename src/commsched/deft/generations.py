@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from commsched.comm.buckets import BucketPlan
-from commsched.errors import CommSchedConfigError, ScheduleError
-from commsched.deft.plan import DeFTPlan, Item, Launch
 from commsched.comm.links import Link, Pending
+from commsched.deft.plan import DeFTPlan, Item, Launch
+from commsched.errors import CommSchedConfigError, ScheduleError
 from commsched.reducers import AllReduce
 from commsched.say import say
 
@@ -55,8 +55,10 @@ class Generation:
         gradient that was never averaged over the ranks."""
         missing = sorted(set(range(items)) - self.sent)
         if missing:
-            raise ScheduleError(f"commsched deft: generation {self.number} is due to step but items {missing[:8]} of its "
-                                f"{items} were never sent; the plan is inconsistent")
+            raise ScheduleError(
+                f"commsched deft: generation {self.number} is due to step but items {missing[:8]} of its "
+                f"{items} were never sent; the plan is inconsistent"
+            )
         self.drain()
         if self.k > 1:
             for buffer in self.buffers:
@@ -70,8 +72,14 @@ class Generation:
         names = [n for b in plan.buckets for n in b.names]
         grads = [v for b in range(len(plan.buckets)) for v in self.views(plan, b)]
         used = [u for per_bucket in self.used for u in per_bucket]
-        return {"number": self.number, "k": self.k, "sent": sorted(self.sent), "joined_at": self.joined_at,
-                "grads": {n: g.clone() for n, g in zip(names, grads)}, "used": dict(zip(names, used))}
+        return {
+            "number": self.number,
+            "k": self.k,
+            "sent": sorted(self.sent),
+            "joined_at": self.joined_at,
+            "grads": {n: g.clone() for n, g in zip(names, grads)},
+            "used": dict(zip(names, used)),
+        }
 
     @classmethod
     def restore(cls, saved: dict[str, Any], buffers: list[torch.Tensor], plan: BucketPlan) -> "Generation":
@@ -110,7 +118,9 @@ class BufferPool:
     def _recycle(self) -> None:
         if not self._returned:
             return
-        viewed = {p.grad.untyped_storage().data_ptr() for b in self._plan.buckets for p in b.params if p.grad is not None}
+        viewed = {
+            p.grad.untyped_storage().data_ptr() for b in self._plan.buckets for p in b.params if p.grad is not None
+        }
         for buffers in list(self._returned):
             if not any(buffer.untyped_storage().data_ptr() in viewed for buffer in buffers):
                 self._returned.remove(buffers)
@@ -133,7 +143,9 @@ class ItemSender:
         key = (id(buffer), link.name)
         if key not in self._reducers:
             self._reducers[key] = AllReduce(buffer, link)
-        generation.works.append(self._reducers[key].start(f"g{generation.number}.b{item.bucket}.{item.start}", item.start, item.numel))
+        generation.works.append(
+            self._reducers[key].start(f"g{generation.number}.b{item.bucket}.{item.start}", item.start, item.numel)
+        )
 
 
 class InFlight:
@@ -168,9 +180,13 @@ class InFlight:
         """The plan's sends of this stage, in its order."""
         for launch in launches:
             if launch.generation not in self.generations:
-                raise ScheduleError(f"commsched deft: the plan sends generation {launch.generation} before any iteration "
-                                    f"joined it (iteration {iteration}); the plan is inconsistent: {plan.describe()}")
-            self._sender.send(self.generations[launch.generation], launch.item, plan.items[launch.item], links[launch.link])
+                raise ScheduleError(
+                    f"commsched deft: the plan sends generation {launch.generation} before any iteration "
+                    f"joined it (iteration {iteration}); the plan is inconsistent: {plan.describe()}"
+                )
+            self._sender.send(
+                self.generations[launch.generation], launch.item, plan.items[launch.item], links[launch.link]
+            )
 
     def send_the_rest(self, number: int, items: list[Item], link: Link) -> None:
         """Every item of generation `number` not sent yet, in item order (the same on every rank)."""
@@ -213,7 +229,8 @@ def same_layout(state: dict[str, Any], plan: BucketPlan, quiet: bool = False) ->
         raise CommSchedConfigError(
             "commsched deft: the checkpoint holds delayed gradients for another bucket layout "
             f"(bucket sizes {state.get('bucket_numels')}, now {sizes}); resume with the bucket settings that wrote it "
-            "(bucket_cap_mb, fusion), or from a checkpoint written at the end of training, where none are left")
+            "(bucket_cap_mb, fusion), or from a checkpoint written at the end of training, where none are left"
+        )
     if not quiet:
         say("commsched deft: the buckets changed; measuring and solving again for the new ones")
     return False

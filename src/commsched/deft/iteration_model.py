@@ -40,8 +40,9 @@ class Replay:
     """The launches of the steady period (the second one)."""
 
 
-def replay(plan: DeFTPlan, forward_s: float, backward_s: float, ready_at: Sequence[float],
-           cost: Callable[[Launch], float]) -> Replay:
+def replay(
+    plan: DeFTPlan, forward_s: float, backward_s: float, ready_at: Sequence[float], cost: Callable[[Launch], float]
+) -> Replay:
     """The plan on a compute lane and one FIFO lane per link: forward-stage launches start with the
     forward, older generations' backward launches when backward starts, this iteration's when their
     bucket is ready (`ready_at[bucket]`, seconds into backward); an iteration ends when backward
@@ -86,8 +87,13 @@ def plan_seconds(plan: DeFTPlan, timings: Timings, bucket_numels: Sequence[int])
     return replay(plan, timings.forward, sum(timings.backward), ready_at, cost).iteration_s
 
 
-def dear_seconds(forward_s: float, backward: Sequence[float], reduce_scatter: Sequence[Sequence[float]],
-                 all_gather: Sequence[Sequence[float]], link_of: Optional[Sequence[int]] = None) -> float:
+def dear_seconds(
+    forward_s: float,
+    backward: Sequence[float],
+    reduce_scatter: Sequence[Sequence[float]],
+    all_gather: Sequence[Sequence[float]],
+    link_of: Optional[Sequence[int]] = None,
+) -> float:
     """DeAR's steady iteration ([DeAR] §III) on buckets in backward order, each bucket's halves on
     link `link_of[b]` (default: all on link 0; `reduce_scatter[link][bucket]`): all-gathers chained
     per link from the start of forward, last bucket first, each bucket's share of the forward (its
@@ -147,18 +153,31 @@ class ScheduleChoice:
         return ScheduleChoice(runs, tuple(links))
 
     def to_json(self) -> dict:
-        return {**vars(self), "dear_links": list(self.dear_links),
-                "alternative": [self.alternative[0], list(self.alternative[1])] if self.alternative else None}
+        return {
+            **vars(self),
+            "dear_links": list(self.dear_links),
+            "alternative": [self.alternative[0], list(self.alternative[1])] if self.alternative else None,
+        }
 
     @classmethod
     def from_json(cls, saved: dict) -> "ScheduleChoice":
         alternative = saved.get("alternative")
-        return cls(saved["runs"], tuple(saved.get("dear_links", ())), dict(saved.get("predicted", {})),
-                   (alternative[0], tuple(alternative[1])) if alternative else None, dict(saved.get("measured", {})))
+        return cls(
+            saved["runs"],
+            tuple(saved.get("dear_links", ())),
+            dict(saved.get("predicted", {})),
+            (alternative[0], tuple(alternative[1])) if alternative else None,
+            dict(saved.get("measured", {})),
+        )
 
 
-def choose_schedule(plan: DeFTPlan, timings: Timings, numels: Sequence[int], mode: str,
-                    halves: Optional[tuple[list[list[float]], list[list[float]]]]) -> ScheduleChoice:
+def choose_schedule(
+    plan: DeFTPlan,
+    timings: Timings,
+    numels: Sequence[int],
+    mode: str,
+    halves: Optional[tuple[list[list[float]], list[list[float]]]],
+) -> ScheduleChoice:
     """`mode` "when_faster": DeAR when predicted at least `DEAR_MARGIN` faster (on the primary, or
     balanced over both links, whichever is predicted faster); "when_undelayed": DeAR whenever the
     plan delays nothing. Otherwise WFBP when the plan is DDP's schedule, else the plan. `halves` is
@@ -171,8 +190,9 @@ def choose_schedule(plan: DeFTPlan, timings: Timings, numels: Sequence[int], mod
         candidates = [[0] * len(numels)]
         if len(reduce_scatter) > 1:
             candidates.append(balanced_links(reduce_scatter, all_gather))
-        dear_s, link_of = min((dear_seconds(timings.forward, timings.backward, reduce_scatter, all_gather, c), c)
-                              for c in candidates)
+        dear_s, link_of = min(
+            (dear_seconds(timings.forward, timings.backward, reduce_scatter, all_gather, c), c) for c in candidates
+        )
         plan_s = plan_seconds(plan, timings, numels)
         predicted = {"plan_ms": plan_s * 1e3, "dear_ms": dear_s * 1e3}
         dear_links = tuple(LINK_NAMES[l] for l in link_of)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.device_time import Stopwatch, median_seconds, synchronize
+from commsched.comm.links import Link
 from commsched.deft.plan import Timings
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.comm.links import Link
 from commsched.reducers import ShardedReduce
 
 
@@ -74,7 +74,9 @@ class StageMeter:
 SHARED = 1.5  # loaded / alone above this on every link: the links share one network
 
 
-def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repeats: int) -> tuple[list[list[float]], bool]:
+def all_reduce_seconds(
+    plan: BucketPlan, links: list[Link], control: Link, repeats: int
+) -> tuple[list[list[float]], bool]:
     """costs[link][bucket] and whether the links share one network. Each bucket's all-reduce is timed
     on each link alone and **under load** (every link running the same all-reduce at the same time,
     each timed to its own completion); the medians of `repeats`, the slowest rank's figures. Links on
@@ -86,8 +88,8 @@ def all_reduce_seconds(plan: BucketPlan, links: list[Link], control: Link, repea
     loaded = [[per_bucket[i] for per_bucket in loaded_by_bucket] for i in range(len(links))]
     n = len(plan.buckets)
     flat = max_over_ranks([c for costs in (*alone, *loaded) for c in costs], control, "deft-cost-max")
-    alone = [flat[i * n:(i + 1) * n] for i in range(len(links))]
-    loaded = [flat[(len(links) + i) * n:(len(links) + i + 1) * n] for i in range(len(links))]
+    alone = [flat[i * n : (i + 1) * n] for i in range(len(links))]
+    loaded = [flat[(len(links) + i) * n : (len(links) + i + 1) * n] for i in range(len(links))]
     shared = all(sum(l) > SHARED * sum(a) for l, a in zip(loaded, alone))
     if shared:
         return [alone[0], *([math.inf] * n for _ in links[1:])], True
@@ -155,17 +157,24 @@ def load_timings(path: str, buckets: Optional[int]) -> Timings:
     (`buckets`: how many the model has; None: any number, the same on every link)."""
     data = _read(path)
     try:
-        timings = Timings(float(data["forward"]), [float(x) for x in data["backward"]],
-                          [[float(x) for x in per_link] for per_link in data["costs"]])
+        timings = Timings(
+            float(data["forward"]),
+            [float(x) for x in data["backward"]],
+            [[float(x) for x in per_link] for per_link in data["costs"]],
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise _not_timings(path, exc) from exc
     expected = len(timings.backward) if buckets is None else buckets
     if len(timings.backward) != expected or len(timings.costs) != 2 or any(len(c) != expected for c in timings.costs):
         if buckets is None:
-            raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} must give as many costs on each of "
-                                       "the 2 links as backward times (one per bucket)")
-        raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} must give {buckets} bucket(s) of backward "
-                                   f"times and of costs on each of the 2 links (this model has {buckets} bucket(s))")
+            raise CommSchedConfigError(
+                f"commsched deft: deft.timings_file={path!r} must give as many costs on each of "
+                "the 2 links as backward times (one per bucket)"
+            )
+        raise CommSchedConfigError(
+            f"commsched deft: deft.timings_file={path!r} must give {buckets} bucket(s) of backward "
+            f"times and of costs on each of the 2 links (this model has {buckets} bucket(s))"
+        )
     return timings
 
 
@@ -176,14 +185,20 @@ def load_halves(path: str, buckets: Optional[int]) -> Optional[tuple[list[list[f
     if "reduce_scatter" not in data and "all_gather" not in data:
         return None
     try:
-        halves = tuple([[float(x) for x in per_link] for per_link in data[key]] for key in ("reduce_scatter", "all_gather"))
+        halves = tuple(
+            [[float(x) for x in per_link] for per_link in data[key]] for key in ("reduce_scatter", "all_gather")
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise _not_timings(path, exc) from exc
     expected = len(halves[0][0]) if buckets is None and halves[0] else buckets
-    if any(not 1 <= len(h) <= 2 or any(len(c) != expected for c in h) for h in halves) or len(halves[0]) != len(halves[1]):
+    if any(not 1 <= len(h) <= 2 or any(len(c) != expected for c in h) for h in halves) or len(halves[0]) != len(
+        halves[1]
+    ):
         count = "the same number of" if buckets is None else str(buckets)
-        raise CommSchedConfigError(f"commsched deft: deft.timings_file={path!r}: reduce_scatter and all_gather must each give "
-                                   f"{count} time(s) per link for the same 1 or 2 links")
+        raise CommSchedConfigError(
+            f"commsched deft: deft.timings_file={path!r}: reduce_scatter and all_gather must each give "
+            f"{count} time(s) per link for the same 1 or 2 links"
+        )
     return halves[0], halves[1]
 
 
@@ -210,8 +225,11 @@ def _check_seconds(path: str, data: dict) -> None:
         if key in data:
             found = _bad_seconds(data[key], key)
             if found is not None:
-                raise bad_value("deft.timings_file", path, f"a timings file whose {found[0]} is a finite number of "
-                                f"seconds >= 0, not {_spelled(found[1])}")
+                raise bad_value(
+                    "deft.timings_file",
+                    path,
+                    f"a timings file whose {found[0]} is a finite number of seconds >= 0, not {_spelled(found[1])}",
+                )
 
 
 def _bad_seconds(value: object, key: str) -> Optional[tuple[str, object]]:
@@ -239,6 +257,8 @@ def _spelled(value: object) -> str:
 
 
 def _not_timings(path: str, exc: BaseException) -> CommSchedConfigError:
-    return CommSchedConfigError(f"commsched deft: deft.timings_file={path!r} is not a timings file ({exc}); expected "
-                                '{"forward": s, "backward": [s per bucket], "costs": [[s per bucket], [s per bucket]]} and '
-                                'optionally "reduce_scatter", "all_gather" ([[s per bucket] per link])')
+    return CommSchedConfigError(
+        f"commsched deft: deft.timings_file={path!r} is not a timings file ({exc}); expected "
+        '{"forward": s, "backward": [s per bucket], "costs": [[s per bucket], [s per bucket]]} and '
+        'optionally "reduce_scatter", "all_gather" ([[s per bucket] per link])'
+    )

@@ -103,8 +103,11 @@ class DeFTPlan:
         repeat, position = divmod(iteration - len(self.prefix), self.n)
         shift = repeat * self.generations_per_period
         it = self.period[position]
-        return Iteration(it.joins + shift, tuple(Launch(l.generation + shift, l.item, l.link, l.stage) for l in it.launches),
-                         tuple(g + shift for g in it.steps))
+        return Iteration(
+            it.joins + shift,
+            tuple(Launch(l.generation + shift, l.item, l.link, l.stage) for l in it.launches),
+            tuple(g + shift for g in it.steps),
+        )
 
     def steps_until_applied(self, iteration: int) -> int:
         """Optimizer steps taken after iteration `iteration`'s forward and before the generation it joins
@@ -132,8 +135,9 @@ class DeFTPlan:
 
     @property
     def delayed(self) -> bool:
-        return any(k != 1 for k in self.k) or any(l.stage == FORWARD or l.generation != it.joins
-                                                    for it in self.period for l in it.launches)
+        return any(k != 1 for k in self.k) or any(
+            l.stage == FORWARD or l.generation != it.joins for it in self.period for l in it.launches
+        )
 
     @property
     def is_ddp(self) -> bool:
@@ -142,23 +146,35 @@ class DeFTPlan:
         return not self.delayed and all(l.link == 0 for it in (*self.prefix, *self.period) for l in it.launches)
 
     def to_json(self) -> dict:
-        return {"items": [asdict(i) for i in self.items], "prefix": [_iteration_json(i) for i in self.prefix],
-                "period": [_iteration_json(i) for i in self.period], "generations_per_period": self.generations_per_period,
-                "capacity": None if math.isinf(self.capacity) else self.capacity, "k": list(self.k)}
+        return {
+            "items": [asdict(i) for i in self.items],
+            "prefix": [_iteration_json(i) for i in self.prefix],
+            "period": [_iteration_json(i) for i in self.period],
+            "generations_per_period": self.generations_per_period,
+            "capacity": None if math.isinf(self.capacity) else self.capacity,
+            "k": list(self.k),
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "DeFTPlan":
-        return cls([Item(**i) for i in data["items"]], tuple(_iteration_from(i) for i in data["prefix"]),
-                   tuple(_iteration_from(i) for i in data["period"]), data["generations_per_period"],
-                   math.inf if data["capacity"] is None else data["capacity"], tuple(data["k"]))
+        return cls(
+            [Item(**i) for i in data["items"]],
+            tuple(_iteration_from(i) for i in data["prefix"]),
+            tuple(_iteration_from(i) for i in data["period"]),
+            data["generations_per_period"],
+            math.inf if data["capacity"] is None else data["capacity"],
+            tuple(data["k"]),
+        )
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         links = sorted({LINK_NAMES[l.link] for it in self.period for l in it.launches})
-        return (f"period N={self.n}, K={list(self.k)}, staleness {self.staleness}, {len(self.items)} item(s), capacity "
-                f"{'unlimited' if math.isinf(self.capacity) else f'{self.capacity:.3g}x'}, links {'+'.join(links)}")
+        return (
+            f"period N={self.n}, K={list(self.k)}, staleness {self.staleness}, {len(self.items)} item(s), capacity "
+            f"{'unlimited' if math.isinf(self.capacity) else f'{self.capacity:.3g}x'}, links {'+'.join(links)}"
+        )
 
 
 def _iteration_json(it: Iteration) -> dict:
@@ -190,7 +206,9 @@ def solve_plan(items: list[Item], timings: Timings, capacity: float = 1.0, max_i
     smallest = capacity * min(timings.forward, sum(timings.backward))
     too_big = [i for i, c in enumerate(timings.costs[0]) if c > smallest + 1e-12]
     if too_big:
-        raise ValueError(f"items {too_big} cost more than the smallest knapsack ({smallest:.4g} s): cut them first (plan_for)")
+        raise ValueError(
+            f"items {too_big} cost more than the smallest knapsack ({smallest:.4g} s): cut them first (plan_for)"
+        )
     t_forward = [timings.forward * capacity] * links
     t_backward = [sum(timings.backward) * capacity] * links
     values = [c + 1e-9 for c in timings.costs[0]]  # a free item is still worth sending
@@ -203,11 +221,18 @@ def solve_plan(items: list[Item], timings: Timings, capacity: float = 1.0, max_i
     stepped_k: list[list[int]] = []
 
     def sub(indices: list[int]) -> tuple[list[list[float]], list[float], list[float]]:
-        return ([[timings.costs[l][i] for i in indices] for l in range(links)], [values[i] for i in indices],
-                [timings.backward[i] for i in indices])
+        return (
+            [[timings.costs[l][i] for i in indices] for l in range(links)],
+            [values[i] for i in indices],
+            [timings.backward[i] for i in indices],
+        )
 
     def take(generation: _Generation, assignment: Assignment, indices: list[int], stage: str) -> list[Launch]:
-        sent = [Launch(generation.number, indices[j], link, stage) for j, link in enumerate(assignment.links) if link != NONE]
+        sent = [
+            Launch(generation.number, indices[j], link, stage)
+            for j, link in enumerate(assignment.links)
+            if link != NONE
+        ]
         chosen = {launch.item for launch in sent}
         generation.unsent = [i for i in generation.unsent if i not in chosen]
         return sent

@@ -29,10 +29,20 @@ log = logging.getLogger(__name__)
 
 
 class Preserver(pl.Callback):
-    def __init__(self, eps: float = 0.01, max_tries: int = 10, growth: float = 1.25, optimum: float = 0.0,
-                 batch_size: Optional[int] = None, recheck_every_n_steps: int = 0, max_staleness: int = 0,
-                 curvature_margin: float = 0.0, watch_steps: int = 10, rollback: bool = True,
-                 stale_after_steps: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        eps: float = 0.01,
+        max_tries: int = 10,
+        growth: float = 1.25,
+        optimum: float = 0.0,
+        batch_size: Optional[int] = None,
+        recheck_every_n_steps: int = 0,
+        max_staleness: int = 0,
+        curvature_margin: float = 0.0,
+        watch_steps: int = 10,
+        rollback: bool = True,
+        stale_after_steps: Optional[int] = None,
+    ) -> None:
         """
         Args:
             eps: accept a plan when E(loss) after it over E(loss) after synchronous steps is within [1-eps, 1+eps].
@@ -65,7 +75,9 @@ class Preserver(pl.Callback):
         self.eps, self.max_tries, self.growth = check_settings(eps, max_tries, growth)
         self.optimum = float(optimum)
         self._last_recheck = -1
-        self.local_batch: Optional[int] = positive_int("Preserver.batch_size", batch_size) if batch_size is not None else None
+        self.local_batch: Optional[int] = (
+            positive_int("Preserver.batch_size", batch_size) if batch_size is not None else None
+        )
         self.last_loss: Optional[float] = None
         self.last_lr = 0.0
         self.decisions: list[dict[str, Any]] = []
@@ -74,7 +86,9 @@ class Preserver(pl.Callback):
         self.curvature_margin = non_negative_number("Preserver.curvature_margin", curvature_margin)
         self.watch_steps = non_negative_int("Preserver.watch_steps", watch_steps)
         self.rollback = flag("Preserver.rollback", rollback)
-        self.stale_after_steps = None if stale_after_steps is None else non_negative_int("Preserver.stale_after_steps", stale_after_steps)
+        self.stale_after_steps = (
+            None if stale_after_steps is None else non_negative_int("Preserver.stale_after_steps", stale_after_steps)
+        )
         self.curvature_wanted = False
         """Set by DeFT for a probe step: measure the top curvature from this step's loss."""
         self.walk: Optional[WalkState] = None
@@ -105,10 +119,15 @@ class Preserver(pl.Callback):
             # Lightning hands the loss divided by the accumulation: the step's curvature is the sum's.
             self.curvatures.append(top_curvature(loss, params) * max(1, trainer.accumulate_grad_batches))
         except CurvatureUnavailable as error:
-            say(f"commsched Preserver: no curvature from this loss ({str(error).splitlines()[0]}); stale plans are rejected")
+            say(
+                f"commsched Preserver: no curvature from this loss ({str(error).splitlines()[0]}); "
+                "stale plans are rejected"
+            )
             self.curvatures.append(None)
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         n = self.recheck_every_n_steps
         if n and trainer.global_step and trainer.global_step % n == 0 and hasattr(trainer.strategy, "request_replan"):
             if self._last_recheck != trainer.global_step:  # once per step (accumulation calls this per micro-batch)
@@ -116,8 +135,9 @@ class Preserver(pl.Callback):
                 say(f"commsched Preserver: re-checking DeFT's plan at step {trainer.global_step}")
                 trainer.strategy.request_replan()
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.last_loss = float(loss.detach())
@@ -126,12 +146,19 @@ class Preserver(pl.Callback):
         if self.local_batch is None:
             self.local_batch = _batch_size(batch)
 
-    def choose(self, solve: Callable[[Optional[float]], DeFTPlan], capacity: Optional[float],
-               stats: dict[str, float]) -> tuple[DeFTPlan, list[dict[str, Any]]]:
+    def choose(
+        self, solve: Callable[[Optional[float]], DeFTPlan], capacity: Optional[float], stats: dict[str, float]
+    ) -> tuple[DeFTPlan, list[dict[str, Any]]]:
         """The first plan whose ratio is within [1-eps, 1+eps], enlarging the capacity up to `max_tries`
         times, else the plan without delay. Every decision is logged and returned."""
-        state = WalkState(loss=stats["loss"], lr=stats["lr"], mu=stats["mu"], sigma=stats["sigma"],
-                          batch=max(1, int(stats["batch"])), optimum=self.optimum)
+        state = WalkState(
+            loss=stats["loss"],
+            lr=stats["lr"],
+            mu=stats["mu"],
+            sigma=stats["sigma"],
+            batch=max(1, int(stats["batch"])),
+            optimum=self.optimum,
+        )
         self.walk = state
         decisions = []
         for attempt in range(self.max_tries):
@@ -169,12 +196,32 @@ class Preserver(pl.Callback):
         if staleness == 0 or not self.needs_curvature or staleness > self.max_staleness:
             return None
         stepper = stats.get("stepper")
-        return largest_stable_curvature(stepper, staleness, stats.get("compensation", "none")) if stepper is not None else 0.0
+        return (
+            largest_stable_curvature(stepper, staleness, stats.get("compensation", "none"))
+            if stepper is not None
+            else 0.0
+        )
 
-    def _say(self, attempt: int, plan: DeFTPlan, capacity: Optional[float], ratio: float, accepted: bool,
-             stats: Optional[dict[str, Any]] = None, stable_below: Optional[float] = None) -> dict[str, Any]:
-        decision = {"attempt": attempt, "capacity": capacity, "k": list(plan.k), "n": plan.n, "ratio": ratio,
-                    "staleness": plan.staleness, "accepted": accepted, "walk": asdict(self.walk) if self.walk else None}
+    def _say(
+        self,
+        attempt: int,
+        plan: DeFTPlan,
+        capacity: Optional[float],
+        ratio: float,
+        accepted: bool,
+        stats: Optional[dict[str, Any]] = None,
+        stable_below: Optional[float] = None,
+    ) -> dict[str, Any]:
+        decision = {
+            "attempt": attempt,
+            "capacity": capacity,
+            "k": list(plan.k),
+            "n": plan.n,
+            "ratio": ratio,
+            "staleness": plan.staleness,
+            "accepted": accepted,
+            "walk": asdict(self.walk) if self.walk else None,
+        }
         judged = ""
         if plan.staleness and stats is not None:
             compensation = stats.get("compensation", "none")
@@ -184,22 +231,34 @@ class Preserver(pl.Callback):
             elif stats.get("stale_barred"):
                 judged = f", stale plans {stats['stale_barred']}"
                 # waiting: accepted once the wait is over, if nothing else changes (DeFT solves again then)
-                waits = stats.get("stale_wait_until") is not None and plan.staleness <= self.max_staleness and \
-                    self._keeps_accuracy(plan.staleness, {**stats, "stale_barred": None}, stable_below)
+                waits = (
+                    stats.get("stale_wait_until") is not None
+                    and plan.staleness <= self.max_staleness
+                    and self._keeps_accuracy(plan.staleness, {**stats, "stale_barred": None}, stable_below)
+                )
                 decision.update(barred=stats["stale_barred"], waiting=waits, wait_until=stats.get("stale_wait_until"))
             elif plan.staleness <= decision["measured_staleness"]:
-                judged = f", compensated by {compensation} (measured to keep accuracy {decision['measured_staleness']} iteration late)"
+                judged = (
+                    f", compensated by {compensation} (measured to keep accuracy "
+                    f"{decision['measured_staleness']} iteration late)"
+                )
             else:
-                judged = f", compensation {compensation}: not measured to keep accuracy {plan.staleness} iteration(s) late"
+                judged = (
+                    f", compensation {compensation}: not measured to keep accuracy {plan.staleness} iteration(s) late"
+                )
         if stable_below is not None and stats is not None:
             curvature = self._curvature(stats)
             decision.update(curvature=curvature, stable_below=stable_below, margin=self.curvature_margin)
-            judged += (f"; top curvature {curvature:.3g} x margin {self.curvature_margin:g} against {stable_below:.3g} "
-                       f"(where the optimizer with staleness {plan.staleness} stops converging)")
+            judged += (
+                f"; top curvature {curvature:.3g} x margin {self.curvature_margin:g} against {stable_below:.3g} "
+                f"(where the optimizer with staleness {plan.staleness} stops converging)"
+            )
         self.decisions.append(decision)
         cap = "unlimited (no delay)" if capacity is None or math.isinf(capacity) else f"{capacity:.3g}x"
-        say(f"commsched Preserver: capacity {cap}, N={plan.n}, K={list(plan.k)}, staleness {plan.staleness}: "
-            f"ratio {ratio:.4f}{judged} -> {'accepted' if accepted else 'rejected'}")
+        say(
+            f"commsched Preserver: capacity {cap}, N={plan.n}, K={list(plan.k)}, staleness {plan.staleness}: "
+            f"ratio {ratio:.4f}{judged} -> {'accepted' if accepted else 'rejected'}"
+        )
         return decision
 
 

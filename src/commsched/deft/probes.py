@@ -9,9 +9,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from commsched.comm.links import Link
 from commsched.deft.stability import Stepper
 from commsched.deft.walk import effective_step, gradient_statistics, measured_step
-from commsched.comm.links import Link
 
 
 class GradientProbes:
@@ -88,8 +88,14 @@ class GradientProbes:
         if preserver is not None:
             preserver.curvatures.clear()
         eta = self.eta(preserver.last_lr if preserver is not None else 0.0)
-        return {"mu": mu, "sigma": sigma, "loss": total_loss / self._world_size,
-                "batch": local_batch * self._world_size, "lr": eta,
-                "curvature": total_curvature / self._world_size if measuring_ranks == self._world_size else None,
-                "stepper": Stepper.of(self.optimizer, None if isinstance(self.optimizer, torch.optim.SGD) else eta)
-                if self.optimizer is not None else None}
+        return {
+            "mu": mu,
+            "sigma": sigma,
+            "loss": total_loss / self._world_size,
+            "batch": local_batch * self._world_size,
+            "lr": eta,
+            "curvature": total_curvature / self._world_size if measuring_ranks == self._world_size else None,
+            "stepper": Stepper.of(self.optimizer, None if isinstance(self.optimizer, torch.optim.SGD) else eta)
+            if self.optimizer is not None
+            else None,
+        }

@@ -12,27 +12,57 @@ from __future__ import annotations
 from typing import Any
 
 from commsched.deft.generations import same_layout
-from commsched.deft.plan import DeFTPlan, no_delay_plan
 from commsched.deft.iteration_model import ScheduleChoice
+from commsched.deft.plan import DeFTPlan, no_delay_plan
 from commsched.state import refuse_unknown
 
-KEYS = ("deft_plan", "decided", "iteration", "seen", "decisions", "choice", "bucket_numels", "generations", "meter",
-        "projections", "confirmed", "updates", "prediction", "watch", "watch_rank", "replan_at")
+KEYS = (
+    "deft_plan",
+    "decided",
+    "iteration",
+    "seen",
+    "decisions",
+    "choice",
+    "bucket_numels",
+    "generations",
+    "meter",
+    "projections",
+    "confirmed",
+    "updates",
+    "prediction",
+    "watch",
+    "watch_rank",
+    "replan_at",
+)
 
 
 def saved_state(deft: Any) -> dict[str, Any]:
-    measuring_again = deft.replan_requested  # asked to solve again: what is carried over starts measuring, as `_restart_measuring` does
+    measuring_again = (
+        deft.replan_requested
+    )  # asked to solve again: what is carried over starts measuring, as `_restart_measuring` does
     plan = no_delay_plan(deft.whole_buckets()) if measuring_again else deft.deft_plan
-    return {"shared": {"deft_plan": plan.to_json(), "decided": deft.decided and not measuring_again,
-                       "iteration": 0 if measuring_again else deft.iteration,
-                       "seen": deft.options.warmup_steps if measuring_again else deft.seen,
-                       "decisions": deft.decisions, "choice": (ScheduleChoice("plan") if measuring_again else deft.choice).to_json(),
-                       "confirmed": deft.confirmation is None, "updates": deft.updates,
-                       "watch": deft.watch.shared_state(restarting=measuring_again), "replan_at": None if measuring_again else deft.replan_at,
-                       "bucket_numels": [b.buffer.numel() for b in deft.plan.buckets]},
-            "per_rank": {"generations": deft.in_flight.state(),
-                         "meter": deft.meter.state(), "projections": [list(p) for p in deft.probes.projections],
-                         "prediction": deft.compensator.state(), "watch_rank": deft.watch.rank_state(restarting=measuring_again)}}
+    return {
+        "shared": {
+            "deft_plan": plan.to_json(),
+            "decided": deft.decided and not measuring_again,
+            "iteration": 0 if measuring_again else deft.iteration,
+            "seen": deft.options.warmup_steps if measuring_again else deft.seen,
+            "decisions": deft.decisions,
+            "choice": (ScheduleChoice("plan") if measuring_again else deft.choice).to_json(),
+            "confirmed": deft.confirmation is None,
+            "updates": deft.updates,
+            "watch": deft.watch.shared_state(restarting=measuring_again),
+            "replan_at": None if measuring_again else deft.replan_at,
+            "bucket_numels": [b.buffer.numel() for b in deft.plan.buckets],
+        },
+        "per_rank": {
+            "generations": deft.in_flight.state(),
+            "meter": deft.meter.state(),
+            "projections": [list(p) for p in deft.probes.projections],
+            "prediction": deft.compensator.state(),
+            "watch_rank": deft.watch.rank_state(restarting=measuring_again),
+        },
+    }
 
 
 def load_saved_state(deft: Any, state: dict[str, Any]) -> None:

@@ -4,8 +4,8 @@ compensation cannot serve, checked at setup before any step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from torch.optim import Optimizer
@@ -34,9 +34,17 @@ def settings_for(options: StrategyOptions, trainer: Any, advance_schedulers: Cal
     preserver = next((c for c in trainer.callbacks if isinstance(c, Preserver)), None)
     guard = options.preserver
     if preserver is None and guard.enabled:
-        preserver = Preserver(guard.eps, guard.max_tries, guard.growth, recheck_every_n_steps=guard.recheck_every_n_steps,
-                              max_staleness=guard.max_staleness, curvature_margin=guard.curvature_margin,
-                              watch_steps=guard.watch_steps, rollback=guard.rollback, stale_after_steps=guard.stale_after_steps)
+        preserver = Preserver(
+            guard.eps,
+            guard.max_tries,
+            guard.growth,
+            recheck_every_n_steps=guard.recheck_every_n_steps,
+            max_staleness=guard.max_staleness,
+            curvature_margin=guard.curvature_margin,
+            watch_steps=guard.watch_steps,
+            rollback=guard.rollback,
+            stale_after_steps=guard.stale_after_steps,
+        )
         trainer.callbacks.append(preserver)
     return DeFTSettings(options.deft, preserver, advance_schedulers)
 
@@ -56,12 +64,16 @@ def stale_barred(preserver: Any, refused: bool, module: Any) -> tuple[Optional[s
     wait = preserver.stale_after_steps
     if wait is None:  # one epoch, in optimizer steps (the last, incomplete accumulation steps too)
         batches = trainer.num_training_batches
-        wait = FALLBACK_EPOCH_STEPS if math.isinf(batches) else -(-int(batches) // max(1, trainer.accumulate_grad_batches))
+        wait = (
+            FALLBACK_EPOCH_STEPS if math.isinf(batches) else -(-int(batches) // max(1, trainer.accumulate_grad_batches))
+        )
     if steps_trained(module) >= wait:
         return None, None
     reason = f"wait until step {wait} (stale_after_steps; now at step {steps_trained(module)})"
     if wait >= trainer.estimated_stepping_batches:
-        reason += "; this run ends before it, so no stale plan will run (set preserver.stale_after_steps to start earlier)"
+        reason += (
+            "; this run ends before it, so no stale plan will run (set preserver.stale_after_steps to start earlier)"
+        )
     return reason, wait
 
 
@@ -84,6 +96,7 @@ def refuse_uncompensable_optimizers(compensation: str, optimizers: list[Optimize
     refused = [type(opt).__name__ for opt in optimizers if not spike_applies(opt)]
     if refused:
         raise CommSchedConfigError(
-            f"commsched deft: compensation='{compensation}' stands in for heavy-ball momentum, and applies to torch's SGD "
-            f"without dampening, Nesterov or maximize; this run's optimizer is {', '.join(refused)}. Allowed "
-            f"values of compensation: {', '.join(COMPENSATIONS)}; use 'none' or 'predict' with this optimizer")
+            f"commsched deft: compensation='{compensation}' stands in for heavy-ball momentum, and applies to "
+            f"torch's SGD without dampening, Nesterov or maximize; this run's optimizer is {', '.join(refused)}. "
+            f"Allowed values of compensation: {', '.join(COMPENSATIONS)}; use 'none' or 'predict' with this optimizer"
+        )

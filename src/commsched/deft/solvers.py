@@ -70,8 +70,9 @@ def makespan(links: Sequence[int], weights: Sequence[Sequence[float]], capacitie
     return max(load / c if c > 0 else (math.inf if load else 0.0) for load, c in zip(loads, capacities))
 
 
-def multi_knapsack_greedy(weights: Sequence[Sequence[float]], capacities: Sequence[float],
-                          values: Sequence[float]) -> Assignment:
+def multi_knapsack_greedy(
+    weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]
+) -> Assignment:
     """[DeFT] §III-C: the knapsack with the smallest capacity (in value units) first, the longest
     (most valuable) item first; `weights[link][i]` is item i's time on that link.
 
@@ -80,12 +81,16 @@ def multi_knapsack_greedy(weights: Sequence[Sequence[float]], capacities: Sequen
     taken instead whenever it carries at least as much value, so the paper's bound still holds."""
     paper = _smallest_knapsack_first(weights, capacities, values)
     balanced = _earliest_finish(weights, capacities, values)
-    if balanced.value >= paper.value - 1e-12 and makespan(balanced.links, weights, capacities) <= makespan(paper.links, weights, capacities):
+    if balanced.value >= paper.value - 1e-12 and makespan(balanced.links, weights, capacities) <= makespan(
+        paper.links, weights, capacities
+    ):
         return balanced
     return paper
 
 
-def _earliest_finish(weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]) -> Assignment:
+def _earliest_finish(
+    weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]
+) -> Assignment:
     links = [NONE] * len(values)
     loads = [0.0] * len(capacities)
     for i in sorted(range(len(values)), key=lambda i: -values[i]):
@@ -96,8 +101,9 @@ def _earliest_finish(weights: Sequence[Sequence[float]], capacities: Sequence[fl
     return Assignment(tuple(links), sum(values[i] for i, l in enumerate(links) if l != NONE))
 
 
-def _smallest_knapsack_first(weights: Sequence[Sequence[float]], capacities: Sequence[float],
-                             values: Sequence[float]) -> Assignment:
+def _smallest_knapsack_first(
+    weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]
+) -> Assignment:
     links = [NONE] * len(values)
     # a link's capacity in primary time: how much value it can carry at this stage
     reach = [capacities[l] * (sum(values) / max(sum(weights[l]), 1e-12)) for l in range(len(capacities))]
@@ -109,8 +115,9 @@ def _smallest_knapsack_first(weights: Sequence[Sequence[float]], capacities: Seq
     return Assignment(tuple(links), sum(values[i] for i, l in enumerate(links) if l != NONE))
 
 
-def multi_knapsack_exact(weights: Sequence[Sequence[float]], capacities: Sequence[float],
-                         values: Sequence[float]) -> Assignment:
+def multi_knapsack_exact(
+    weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]
+) -> Assignment:
     """Every assignment of every item to a link or to none: for small instances (tests, and the
     strategy when there are at most `EXACT_ITEMS` buckets). Among the best, the one whose links finish first."""
     best = Assignment(tuple([NONE] * len(values)), 0.0)
@@ -122,8 +129,9 @@ def multi_knapsack_exact(weights: Sequence[Sequence[float]], capacities: Sequenc
                 load[l] += weights[l][i]
         if all(load[l] <= capacities[l] + 1e-12 for l in range(len(capacities))):
             value = sum(values[i] for i, l in enumerate(links) if l != NONE)
-            if value > best.value + 1e-12 or (value > best.value - 1e-12 and
-                                              makespan(links, weights, capacities) < best_makespan - 1e-12):
+            if value > best.value + 1e-12 or (
+                value > best.value - 1e-12 and makespan(links, weights, capacities) < best_makespan - 1e-12
+            ):
                 best, best_makespan = Assignment(tuple(links), value), makespan(links, weights, capacities)
     return best
 
@@ -131,7 +139,9 @@ def multi_knapsack_exact(weights: Sequence[Sequence[float]], capacities: Sequenc
 EXACT_ITEMS = 8  # 3**8 = 6561 assignments: the exact solver is used up to here
 
 
-def multi_knapsack(weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]) -> Assignment:
+def multi_knapsack(
+    weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float]
+) -> Assignment:
     if len(values) <= EXACT_ITEMS:
         return multi_knapsack_exact(weights, capacities, values)
     return multi_knapsack_greedy(weights, capacities, values)
@@ -140,8 +150,13 @@ def multi_knapsack(weights: Sequence[Sequence[float]], capacities: Sequence[floa
 Solver = Callable[[Sequence[Sequence[float]], Sequence[float], Sequence[float]], Assignment]
 
 
-def recursive_knapsack(weights: Sequence[Sequence[float]], capacities: Sequence[float], values: Sequence[float],
-                       backward: Sequence[float], solve: Solver = multi_knapsack) -> Assignment:
+def recursive_knapsack(
+    weights: Sequence[Sequence[float]],
+    capacities: Sequence[float],
+    values: Sequence[float],
+    backward: Sequence[float],
+    solve: Solver = multi_knapsack,
+) -> Assignment:
     """Algorithm 1 (RecursiveKnapsack) over items in the order backward makes them ready: the best of
     solving for every suffix, where dropping the earliest-ready item costs the next item's backward
     time (what the stage can no longer use for communication if it waits for that item)."""
@@ -173,8 +188,10 @@ def partition_sizes(sizes: Sequence[int], costs: Sequence[float], smallest_capac
             continue
         per_part = int(smallest_capacity * size / cost)  # most elements a part may hold
         if per_part < 1:
-            raise ValueError(f"one element of a bucket costs {cost / size:.3g} s, more than the smallest knapsack "
-                             f"({smallest_capacity:.3g} s)")
+            raise ValueError(
+                f"one element of a bucket costs {cost / size:.3g} s, more than the smallest knapsack "
+                f"({smallest_capacity:.3g} s)"
+            )
         count = -(-size // per_part)
         base, extra = divmod(size, count)
         parts.append([base + 1] * extra + [base] * (count - extra))

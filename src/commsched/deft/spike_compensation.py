@@ -37,7 +37,9 @@ def chosen_for(optimizer: Optimizer) -> str:
     groups = optimizer.param_groups
     if spike_applies(optimizer) and all(group.get("momentum", 0) >= MEASURED_MOMENTUM for group in groups):
         return "spike+predict"
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(group["betas"][0] >= MEASURED_MOMENTUM for group in groups):
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+        group["betas"][0] >= MEASURED_MOMENTUM for group in groups
+    ):
         return "predict"
     return "none"
 
@@ -60,7 +62,8 @@ def spike_applies(optimizer: Optimizer) -> bool:
     """torch's SGD (or a subclass) with heavy-ball momentum: no dampening, Nesterov or maximize."""
     return isinstance(optimizer, torch.optim.SGD) and all(
         not group.get("dampening", 0) and not group.get("nesterov", False) and not group.get("maximize", False)
-        for group in optimizer.param_groups)
+        for group in optimizer.param_groups
+    )
 
 
 @torch.no_grad()
@@ -74,7 +77,7 @@ def spike_step(optimizer: Optimizer, real_step: Callable[[], Any], delay: int) -
         momentum, decay = group["momentum"], group["weight_decay"]
         if not momentum:
             continue
-        kept = momentum ** delay
+        kept = momentum**delay
         late = [(p, p.grad + decay * p if decay else p.grad.clone()) for p in group["params"] if p.grad is not None]
         for p, _ in late:
             p.grad.mul_(kept)

@@ -48,8 +48,13 @@ class Stepper:
         1/(1 - beta1)) they are modelled as heavy ball with momentum beta1 and lr step x (1 - beta1)."""
         group = optimizer.param_groups[0]
         if isinstance(optimizer, torch.optim.SGD):
-            return cls(float(group["lr"]), float(group.get("momentum", 0.0) or 0.0), float(group.get("dampening", 0.0) or 0.0),
-                       bool(group.get("nesterov", False)), float(group.get("weight_decay", 0.0) or 0.0))
+            return cls(
+                float(group["lr"]),
+                float(group.get("momentum", 0.0) or 0.0),
+                float(group.get("dampening", 0.0) or 0.0),
+                bool(group.get("nesterov", False)),
+                float(group.get("weight_decay", 0.0) or 0.0),
+            )
         beta = float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0) or 0.0)
         step = measured_step if measured_step is not None else float(group["lr"])
         decay = float(group.get("weight_decay", 0.0) or 0.0) * float(group["lr"])
@@ -74,7 +79,7 @@ def spectral_radius(stepper: Stepper, curvature: float, staleness: int, compensa
         at[s + 1] -= s
     gradient = curvature * at
     gradient[0] += stepper.weight_decay
-    kept, missed = (stepper.momentum ** s, (1 - stepper.momentum ** s) / (1 - stepper.momentum)) if spike else (1.0, 0.0)
+    kept, missed = (stepper.momentum**s, (1 - stepper.momentum**s) / (1 - stepper.momentum)) if spike else (1.0, 0.0)
     momentum = np.zeros(size)
     momentum[size - 1] = stepper.momentum
     new_momentum = momentum + (1.0 - stepper.dampening) * kept * gradient
@@ -99,7 +104,7 @@ def largest_stable_curvature(stepper: Stepper, staleness: int, compensation: str
 
     low, high = 0.0, 1e-4 / stepper.lr
     while stable(high):
-        low, high = high, high * 2 ** 0.125
+        low, high = high, high * 2**0.125
         if high > upper:
             return float("inf")
     for _ in range(60):

@@ -32,8 +32,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from commsched.comm.links import Link
-from commsched.state import to_cpu
 from commsched.say import say
+from commsched.state import to_cpu
 
 
 class StaleWatch:
@@ -117,9 +117,12 @@ class StaleWatch:
         if self.rollback:
             state = module.state_dict()
             buffers = {name for name, _ in module.named_buffers()}
-            self.snapshot = {"module": to_cpu({k: v for k, v in state.items() if k not in buffers}),
-                             "buffers": to_cpu({k: v for k, v in state.items() if k in buffers}), "updates": updates,
-                             "optimizer": to_cpu(optimizer.state_dict()["state"]) if optimizer is not None else None}
+            self.snapshot = {
+                "module": to_cpu({k: v for k, v in state.items() if k not in buffers}),
+                "buffers": to_cpu({k: v for k, v in state.items() if k in buffers}),
+                "updates": updates,
+                "optimizer": to_cpu(optimizer.state_dict()["state"]) if optimizer is not None else None,
+            }
 
     def judge(self, control: Link) -> bool:
         """True when the plan must stop: the mean loss over every rank did not fall (NaN counts as not
@@ -131,8 +134,11 @@ class StaleWatch:
         before, after = (value / control.world_size for value in means.tolist())
         stopped = not after < before
         self.stale_refused = self.stale_refused or stopped
-        compared = (f"mean loss {before:.4g} before, {after:.4g} over its first {self.window} iterations" if before > -math.inf
-                    else "no loss of the iterations before it to compare with")
+        compared = (
+            f"mean loss {before:.4g} before, {after:.4g} over its first {self.window} iterations"
+            if before > -math.inf
+            else "no loss of the iterations before it to compare with"
+        )
         self.verdict = f"{'stopped' if stopped else 'kept'}: {compared}"
         self.verdicts.append(self.verdict)
         self.before, self.watched = None, 0
@@ -172,8 +178,12 @@ class StaleWatch:
         """This rank's own losses (those of the iteration not yet recorded too) and buffers."""
         if restarting:
             return {}  # the iterations measured from the restart on are compared, not the one before it
-        return {"losses": list(self.losses), "before": self.before, "pending": [float(x.float().mean()) for x in self._pending],
-                "buffers": None if self.snapshot is None else self.snapshot["buffers"]}
+        return {
+            "losses": list(self.losses),
+            "before": self.before,
+            "pending": [float(x.float().mean()) for x in self._pending],
+            "buffers": None if self.snapshot is None else self.snapshot["buffers"],
+        }
 
     def load_run(self, saved: dict[str, Any]) -> None:
         """What holds for the whole run, whatever the buckets: the verdicts and the refusal."""

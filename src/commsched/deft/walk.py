@@ -2,8 +2,8 @@
 
 The training loss s moves by s_{t+1} = S* + |s_t - S* - eta * ds_t| with ds_t ~ N(mu_t, sigma_t^2 / B):
 a step of batch B makes progress mu_t (the squared norm of the mean gradient) with noise sigma_t^2 / B
-(sigma_t^2: per-sample variance of that progress, <grad L, g_i>), eta the optimizer's effective step. Its expectation has a
-closed form (`expected_next`; the paper prints eta*ds_t in the first factor where eta*mu_t is meant).
+(sigma_t^2: per-sample variance of that progress, <grad L, g_i>), eta the optimizer's effective step. Its expectation
+has a closed form (`expected_next`; the paper prints eta*ds_t in the first factor where eta*mu_t is meant).
 A sequence of steps is followed on the expected value, step by step, as the paper does.
 """
 
@@ -59,8 +59,9 @@ def plan_ratio(state: WalkState, k: Sequence[int]) -> float:
     return expected_after(state, k) / baseline if baseline > 0 else 1.0
 
 
-def gradient_statistics(projections: Sequence[Sequence[float]], squared_norms: Sequence[Sequence[float]],
-                        local_batch: int) -> tuple[float, float]:
+def gradient_statistics(
+    projections: Sequence[Sequence[float]], squared_norms: Sequence[Sequence[float]], local_batch: int
+) -> tuple[float, float]:
     """(mu, sigma) of the walk from probe steps, in the walk's units (a step's progress per unit
     learning rate is <grad L, g_batch>, with mean |grad L|^2).
 

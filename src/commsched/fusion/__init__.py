@@ -6,9 +6,8 @@ groups of their indices. Grouping changes how communication overlaps compute, ne
 
 from commsched.fusion.assigned import plan_assigned
 from commsched.fusion.fixed import plan_fixed
-from commsched.fusion.layers import plan_layers
 from commsched.fusion.grouping import ParamInfo
+from commsched.fusion.layers import plan_layers
 from commsched.options import FUSION_POLICIES, MODEL_POLICIES
-
 
 __all__ = ["FUSION_POLICIES", "MODEL_POLICIES", "ParamInfo", "plan_assigned", "plan_fixed", "plan_layers"]

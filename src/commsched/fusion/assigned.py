@@ -13,7 +13,8 @@ def plan_assigned(params: Sequence[ParamInfo], bucket_of: Mapping[str, int]) -> 
 
     def cut_before(run: list[int], i: int) -> bool:
         name = params[i].name
-        return name in bucket_of and any(params[j].name in bucket_of and bucket_of[params[j].name] != bucket_of[name]
-                                         for j in run[-1:])
+        return name in bucket_of and any(
+            params[j].name in bucket_of and bucket_of[params[j].name] != bucket_of[name] for j in run[-1:]
+        )
 
     return group_contiguous(params, cut_before)

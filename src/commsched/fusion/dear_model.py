@@ -51,8 +51,12 @@ class DearInstance:
         order = [i for g in backward for i in g]
         position = {unit: k for k, unit in enumerate(order)}
         chain = [[position[i] for i in g] for g in backward]
-        return max(self.t_bp, chain_end(chain, [self.ready[i] for i in order], [self.nbytes[i] for i in order],
-                                        self.reduce_scatter, start=0.0))
+        return max(
+            self.t_bp,
+            chain_end(
+                chain, [self.ready[i] for i in order], [self.nbytes[i] for i in order], self.reduce_scatter, start=0.0
+            ),
+        )
 
     def time(self, groups: Groups) -> float:
         return self.forward_time(groups) + self.backward_time(groups)
@@ -93,8 +97,9 @@ def min_forward(instance: DearInstance) -> tuple[Groups, float]:
 def min_backward(instance: DearInstance) -> tuple[Groups, float]:
     n = instance.units
     order = list(range(n - 1, -1, -1))  # backward order
-    chain, end = plan_exact([instance.ready[i] for i in order], [instance.nbytes[i] for i in order],
-                            instance.reduce_scatter, start=0.0)
+    chain, end = plan_exact(
+        [instance.ready[i] for i in order], [instance.nbytes[i] for i in order], instance.reduce_scatter, start=0.0
+    )
     groups = [sorted(order[k] for k in group) for group in chain]
     return sorted(groups), max(instance.t_bp, end)
 
@@ -115,14 +120,14 @@ def _by_bytes(nbytes: Sequence[float], cap: float) -> Groups:
 def _neighbours(groups: Groups) -> list[Groups]:
     out = []
     for k in range(len(groups) - 1):
-        out.append(groups[:k] + [groups[k] + groups[k + 1]] + groups[k + 2:])
+        out.append(groups[:k] + [groups[k] + groups[k + 1]] + groups[k + 2 :])
         if len(groups[k]) > 1:
-            out.append(groups[:k] + [groups[k][:-1], [groups[k][-1]] + groups[k + 1]] + groups[k + 2:])
+            out.append(groups[:k] + [groups[k][:-1], [groups[k][-1]] + groups[k + 1]] + groups[k + 2 :])
         if len(groups[k + 1]) > 1:
-            out.append(groups[:k] + [groups[k] + [groups[k + 1][0]], groups[k + 1][1:]] + groups[k + 2:])
+            out.append(groups[:k] + [groups[k] + [groups[k + 1][0]], groups[k + 1][1:]] + groups[k + 2 :])
     for k, group in enumerate(groups):
         for split in range(1, len(group)):
-            out.append(groups[:k] + [group[:split], group[split:]] + groups[k + 1:])
+            out.append(groups[:k] + [group[:split], group[split:]] + groups[k + 1 :])
     return out
 
 

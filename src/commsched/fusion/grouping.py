@@ -25,9 +25,7 @@ class ParamInfo:
         return self.numel * self.element_size
 
 
-def group_contiguous(
-    params: Sequence[ParamInfo], cut_before: Callable[[list[int], int], bool]
-) -> list[list[int]]:
+def group_contiguous(params: Sequence[ParamInfo], cut_before: Callable[[list[int], int], bool]) -> list[list[int]]:
     """Split `0..len(params)-1` into runs; a new run starts when `cut_before(run, i)` says so.
 
     A run also always ends where dtype or device changes: a bucket is one flat buffer.

@@ -19,8 +19,9 @@ from typing import Callable, Sequence
 Groups = list[list[int]]
 
 
-def plan_exact(ready: Sequence[float], nbytes: Sequence[float], cost: Callable[[float], float],
-               start: float = -math.inf) -> tuple[Groups, float]:
+def plan_exact(
+    ready: Sequence[float], nbytes: Sequence[float], cost: Callable[[float], float], start: float = -math.inf
+) -> tuple[Groups, float]:
     """Groups (indices into the inputs, in order) minimising the time the last message ends, and that time.
     `start`: when the link becomes free."""
     _check(ready, nbytes)
@@ -43,8 +44,9 @@ def plan_exact(ready: Sequence[float], nbytes: Sequence[float], cost: Callable[[
     return groups[::-1], best[n]
 
 
-def plan_greedy(ready: Sequence[float], nbytes: Sequence[float], cost: Callable[[float], float],
-                start: float = -math.inf) -> Groups:
+def plan_greedy(
+    ready: Sequence[float], nbytes: Sequence[float], cost: Callable[[float], float], start: float = -math.inf
+) -> Groups:
     _check(ready, nbytes)
     startup = cost(0.0)
     groups: Groups = []
@@ -62,8 +64,13 @@ def plan_greedy(ready: Sequence[float], nbytes: Sequence[float], cost: Callable[
     return groups
 
 
-def chain_end(groups: Groups, ready: Sequence[float], nbytes: Sequence[float], cost: Callable[[float], float],
-              start: float = -math.inf) -> float:
+def chain_end(
+    groups: Groups,
+    ready: Sequence[float],
+    nbytes: Sequence[float],
+    cost: Callable[[float], float],
+    start: float = -math.inf,
+) -> float:
     """When the last message of `groups` ends (the objective both planners minimise)."""
     link_free = start
     for group in groups:

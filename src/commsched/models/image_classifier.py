@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-import lightning.pytorch as pl
 from commsched.errors import bad_value
 from commsched.model_names import IMAGE_ARCHS
 from commsched.models import optim
 from commsched.models.resnet import ResNet
 from commsched.models.small_cnn import SmallCNNBackbone
 from commsched.models.vgg import VGG
-
 
 
 def build_backbone(arch: str, num_classes: int, cifar: bool, width: int) -> nn.Module:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
-import lightning.pytorch as pl
 from commsched.errors import bad_value
 from commsched.model_names import GPT2_SIZES
 from commsched.models import optim
 from commsched.models.gpt2 import GPT2, GPT2Config
-
 
 
 class LanguageModel(optim.HparamsOptimizer, pl.LightningModule):
@@ -38,7 +37,13 @@ class LanguageModel(optim.HparamsOptimizer, pl.LightningModule):
         if size not in GPT2_SIZES:
             raise bad_value("model.size", size, GPT2_SIZES)
         base = GPT2Config.tiny() if size == "tiny" else GPT2Config.small()
-        overrides = {k: v for k, v in dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd).items() if v is not None}
+        overrides = {
+            k: v
+            for k, v in dict(
+                vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd
+            ).items()
+            if v is not None
+        }
         self.config = dataclasses.replace(base, **overrides)
         self.gpt = GPT2(self.config)
         self.example_input_array = torch.zeros(1, self.config.block_size, dtype=torch.long)  # FLOPs in the summary

@@ -43,6 +43,11 @@ class HparamsOptimizer:
     def configure_optimizers(self) -> dict[str, Any]:
         h = self.hparams  # type: ignore[attr-defined]
         return configure(
-            self.parameters(), h.optimizer, h.lr, h.weight_decay, h.momentum, h.lr_schedule,  # type: ignore[attr-defined]
+            self.parameters(),
+            h.optimizer,
+            h.lr,
+            h.weight_decay,
+            h.momentum,
+            h.lr_schedule,  # type: ignore[attr-defined]
             self.trainer.estimated_stepping_batches,  # type: ignore[attr-defined]
         )

@@ -100,7 +100,9 @@ class ResNet(nn.Module):
     def _stage(self, block: Block, planes: int, count: int, stride: int) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.c_in != planes * block.expansion:
-            downsample = nn.Sequential(_conv1x1(self.c_in, planes * block.expansion, stride), nn.BatchNorm2d(planes * block.expansion))
+            downsample = nn.Sequential(
+                _conv1x1(self.c_in, planes * block.expansion, stride), nn.BatchNorm2d(planes * block.expansion)
+            )
         layers = [block(self.c_in, planes, stride, downsample)]
         self.c_in = planes * block.expansion
         layers += [block(self.c_in, planes) for _ in range(1, count)]

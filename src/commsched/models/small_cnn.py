@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import lightning.pytorch as pl
 
 
 def _block(c_in: int, c_out: int) -> nn.Sequential:
@@ -20,11 +19,17 @@ class SmallCNNBackbone(nn.Module):
         super().__init__()
         w = width
         self.features = nn.Sequential(
-            _block(3, w), nn.MaxPool2d(2),
-            _block(w, 2 * w), nn.MaxPool2d(2),
-            _block(2 * w, 4 * w), _block(4 * w, 4 * w), nn.MaxPool2d(2),
+            _block(3, w),
+            nn.MaxPool2d(2),
+            _block(w, 2 * w),
+            nn.MaxPool2d(2),
+            _block(2 * w, 4 * w),
+            _block(4 * w, 4 * w),
+            nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(4 * w * 16, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(4 * w * 16, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes)
+        )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(images))

@@ -47,8 +47,12 @@ class VGG(nn.Module):
         hidden = hidden or (512 if cifar_head else 4096)
         self.avgpool = nn.AdaptiveAvgPool2d(pool)
         self.classifier = nn.Sequential(
-            nn.Linear(channels * pool * pool, hidden), nn.ReLU(inplace=True), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Dropout(dropout),
+            nn.Linear(channels * pool * pool, hidden),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
 

@@ -27,9 +27,17 @@ from commsched.options import flag, non_negative_number, positive_number
 
 
 class LARS(Optimizer):
-    def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001, adapt_1d: bool = False, parallel_norms: bool = True,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        adapt_1d: bool = False,
+        parallel_norms: bool = True,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
         """
         Args:
             lr: the global learning rate (gamma x eta_t of Eq. 11; schedulers change it as usual).
@@ -41,10 +49,13 @@ class LARS(Optimizer):
                 group is initialised with more than one rank); False: every rank computes them all.
             group: the process group of the data-parallel ranks (default: the default group).
         """
-        defaults = {"lr": positive_number("LARS.lr", lr), "momentum": non_negative_number("LARS.momentum", momentum),
-                    "weight_decay": non_negative_number("LARS.weight_decay", weight_decay),
-                    "trust_coefficient": positive_number("LARS.trust_coefficient", trust_coefficient),
-                    "adapt_1d": flag("LARS.adapt_1d", adapt_1d)}
+        defaults = {
+            "lr": positive_number("LARS.lr", lr),
+            "momentum": non_negative_number("LARS.momentum", momentum),
+            "weight_decay": non_negative_number("LARS.weight_decay", weight_decay),
+            "trust_coefficient": positive_number("LARS.trust_coefficient", trust_coefficient),
+            "adapt_1d": flag("LARS.adapt_1d", adapt_1d),
+        }
         super().__init__(params, defaults)
         self.parallel_norms = flag("LARS.parallel_norms", parallel_norms)
         self.group = group
@@ -83,7 +94,11 @@ class LARS(Optimizer):
             update = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad.clone()
             if p.ndim > 1 or group["adapt_1d"]:
                 denominator = grad_norm + group["weight_decay"] * weight_norm
-                trust = group["trust_coefficient"] * weight_norm / denominator if weight_norm > 0 and denominator > 0 else 1.0
+                trust = (
+                    group["trust_coefficient"] * weight_norm / denominator
+                    if weight_norm > 0 and denominator > 0
+                    else 1.0
+                )
                 update.mul_(trust)
             if group["momentum"]:
                 state = self.state[p]

@@ -10,15 +10,59 @@ One module per concern (`fusion`, `links`, `deft`, `dear`, `compression`, `strea
 checks (`validators`) and the names they accept (`catalogue`); everything is importable from here.
 """
 
-from commsched.options.catalogue import ScheduleTraits, BUILTIN, BUILTIN_SCHEDULES, MODEL_POLICIES, FUSION_POLICIES, START_METHODS, BACKENDS, FALLBACKS, COMPRESSION_METHODS, COMPRESSING_SCHEDULES, STRIPING_SCHEDULES, MAX_STREAMS
-from commsched.options.validators import Check, OptionsT, positive_number, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, text, network_interface, timeout, warmup_value, option, validated, typed
-from commsched.options.fusion import TuningOptions, FusionOptions, ProfileOptions, fusion_from, profile_from
-from commsched.options.links import LinkOptions
-from commsched.options.deft import capacity_value, DeFTOptions, eps_value, growth_value, PreserverOptions, check_preserver_settings
+from commsched.options.catalogue import (
+    BACKENDS,
+    BUILTIN,
+    BUILTIN_SCHEDULES,
+    COMPRESSING_SCHEDULES,
+    COMPRESSION_METHODS,
+    FALLBACKS,
+    FUSION_POLICIES,
+    MAX_STREAMS,
+    MODEL_POLICIES,
+    START_METHODS,
+    STRIPING_SCHEDULES,
+    ScheduleTraits,
+)
+from commsched.options.compression import (
+    SPARSE_REFUSED,
+    CompressionOptions,
+    check_compression,
+    compression_from,
+    density_value,
+)
 from commsched.options.dear import DeAROptions
-from commsched.options.compression import density_value, CompressionOptions, SPARSE_REFUSED, check_compression, compression_from
-from commsched.options.streams import streams_value, StreamOptions, check_streams
+from commsched.options.deft import (
+    DeFTOptions,
+    PreserverOptions,
+    capacity_value,
+    check_preserver_settings,
+    eps_value,
+    growth_value,
+)
+from commsched.options.fusion import FusionOptions, ProfileOptions, TuningOptions, fusion_from, profile_from
+from commsched.options.links import LinkOptions
 from commsched.options.strategy import StrategyOptions
+from commsched.options.streams import StreamOptions, check_streams, streams_value
+from commsched.options.validators import (
+    Check,
+    OptionsT,
+    choice,
+    flag,
+    network_interface,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    option,
+    optional,
+    positive_int,
+    positive_number,
+    text,
+    timeout,
+    typed,
+    validated,
+    warmup_value,
+)
 
 __all__ = [
     "ScheduleTraits",

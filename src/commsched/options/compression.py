@@ -9,7 +9,20 @@ from typing import Any, Optional
 
 from commsched.errors import Either, bad_value
 from commsched.options.catalogue import COMPRESSION_METHODS
-from commsched.options.validators import is_real, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, warmup_value, option, validated, typed
+from commsched.options.validators import (
+    choice,
+    flag,
+    is_real,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    option,
+    optional,
+    positive_int,
+    typed,
+    validated,
+    warmup_value,
+)
 
 
 def density_value(name: str, value: Any) -> float:
@@ -50,7 +63,8 @@ class CompressionOptions:
     confirm_steps: int = option(3, positive_int)
     """auto: timed steps per turn when sparse and dense exchanges take turns (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
-    """auto: turns each exchange takes before the measured steps may overrule the default (steps that agree with it decide after two)."""
+    """auto: turns each exchange takes before the measured steps may overrule the default (steps that agree with it
+    decide after two)."""
     confirm_max_rounds: int = option(6, positive_int)
     """auto: turns each exchange may take in all when the steps lean against the model's choice within their
     noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
@@ -89,7 +103,10 @@ class CompressionOptions:
 
 
 SPARSE_REFUSED = {
-    "dear": "DeAR defers the all-gather half of each bucket's all-reduce; a sparse exchange is one all-gather, with nothing to defer",
+    "dear": (
+        "DeAR defers the all-gather half of each bucket's all-reduce; a sparse exchange is one all-gather, "
+        "with nothing to defer"
+    ),
     "deft": "DeFT's generations add dense gradients over iterations",
 }
 """Why a built-in schedule does not take sparse exchanges (one sentence each)."""
@@ -99,14 +116,24 @@ def check_compression(compression: Any, schedule: str, compresses: bool) -> None
     """Sparse and two-level exchanges only on schedules that build them, refused before anything starts
     (torch-free: `commsched-train` checks its input before importing torch)."""
     if compression.hierarchical and not compresses:
-        raise bad_value("compression.hierarchical", compression.hierarchical, f"None or False with schedule {schedule}",
-                        fix=Either("the two-level exchange runs on WFBPStrategy.", "the two-level exchange runs on schedule=wfbp."))
+        raise bad_value(
+            "compression.hierarchical",
+            compression.hierarchical,
+            f"None or False with schedule {schedule}",
+            fix=Either("the two-level exchange runs on WFBPStrategy.", "the two-level exchange runs on schedule=wfbp."),
+        )
     if compression.method != "none" and not compresses:
         why = SPARSE_REFUSED.get(schedule, f"schedule {schedule} builds no sparse exchange")
-        raise bad_value("compression.method", compression.method, f"'none' with schedule {schedule} ({why})",
-                        fix=Either('sparse exchanges run on wfbp: Trainer(strategy="topk"), or '
-                                   f'WFBPStrategy(compression={compression.method!r}).',
-                                   f"sparse exchanges run on wfbp: schedule=wfbp compression={compression.method}."))
+        raise bad_value(
+            "compression.method",
+            compression.method,
+            f"'none' with schedule {schedule} ({why})",
+            fix=Either(
+                'sparse exchanges run on wfbp: Trainer(strategy="topk"), or '
+                f"WFBPStrategy(compression={compression.method!r}).",
+                f"sparse exchanges run on wfbp: schedule=wfbp compression={compression.method}.",
+            ),
+        )
 
 
 def compression_from(compression: Any) -> CompressionOptions:

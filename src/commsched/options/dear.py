@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commsched.errors import bad_value
-from commsched.options.validators import positive_int, non_negative_number, flag, one_of, option
+from commsched.options.validators import flag, non_negative_number, one_of, option, positive_int
 
 
 def optimizer_classes(name: str, value: Any) -> list[Any]:
@@ -44,7 +44,8 @@ class DeAROptions:
     confirm_steps: int = option(3, positive_int)
     """Timed steps per turn (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
-    """Turns each schedule takes before the measured steps may overrule the model (steps that agree with it decide after two)."""
+    """Turns each schedule takes before the measured steps may overrule the model (steps that agree with it decide
+    after two)."""
     confirm_max_rounds: int = option(6, positive_int)
     """Turns each schedule may take in all when the steps lean against the model's choice within their
     noise (more turns until the difference is resolved; at least `confirm_rounds`)."""

@@ -7,7 +7,17 @@ from typing import Any, Optional
 
 from commsched.errors import bad_value
 from commsched.options.catalogue import FALLBACKS
-from commsched.options.validators import is_real, positive_int, non_negative_int, non_negative_number, flag, one_of, optional, text, option
+from commsched.options.validators import (
+    flag,
+    is_real,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    option,
+    optional,
+    positive_int,
+    text,
+)
 
 
 def capacity_value(name: str, value: Any) -> Optional[float]:
@@ -45,8 +55,8 @@ class DeFTOptions:
     compensation: str = option("auto", one_of("auto", "none", "spike", "predict", "spike+predict"))
     """What a generation applied late gets: "auto": the compensation measured to keep accuracy one
     iteration late with this run's optimizer ("spike+predict" for SGD with heavy-ball momentum >= 0.9,
-    "predict" for Adam and AdamW with beta1 >= 0.9, else "none"); "none" (its gradient as it is); "spike": under torch's SGD
-    with heavy-ball momentum, the moves its gradient missed while late, lr (1 - m^D) / (1 - m) for D
+    "predict" for Adam and AdamW with beta1 >= 0.9, else "none"); "none" (its gradient as it is); "spike": under
+    torch's SGD with heavy-ball momentum, the moves its gradient missed while late, lr (1 - m^D) / (1 - m) for D
     optimizer steps, are applied at once and its velocity scaled by m^D, so that each gradient's total
     weight is the synchronous one (Kosson et al. 2021; Nesterov's momentum at D = 1; other optimizers
     are refused with it); "predict": any optimizer; the forward and backward of an iteration whose
@@ -116,6 +126,12 @@ class PreserverOptions:
     """> 0: measure and solve again every N steps."""
 
 
-def check_preserver_settings(eps: float, max_tries: int, growth: float, prefix: str = "Preserver.") -> tuple[float, int, float]:
+def check_preserver_settings(
+    eps: float, max_tries: int, growth: float, prefix: str = "Preserver."
+) -> tuple[float, int, float]:
     """The Preserver's own arguments, checked as `PreserverOptions` checks its fields."""
-    return eps_value(f"{prefix}eps", eps), positive_int(f"{prefix}max_tries", max_tries), growth_value(f"{prefix}growth", growth)
+    return (
+        eps_value(f"{prefix}eps", eps),
+        positive_int(f"{prefix}max_tries", max_tries),
+        growth_value(f"{prefix}growth", growth),
+    )

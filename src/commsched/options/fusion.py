@@ -10,7 +10,20 @@ from typing import Any, Optional
 
 from commsched.errors import bad_value
 from commsched.options.catalogue import FUSION_POLICIES
-from commsched.options.validators import positive_number, positive_int, non_negative_int, non_negative_number, flag, choice, one_of, optional, text, option, validated, typed
+from commsched.options.validators import (
+    choice,
+    flag,
+    non_negative_int,
+    non_negative_number,
+    one_of,
+    option,
+    optional,
+    positive_int,
+    positive_number,
+    text,
+    typed,
+    validated,
+)
 
 
 @dataclass
@@ -34,8 +47,11 @@ class TuningOptions:
 
     def cross_check(self, prefix: str) -> None:
         if not self.min_mb <= self.first_mb <= self.max_mb:
-            raise bad_value(f"{prefix}first_mb", self.first_mb,
-                            f"a size within {prefix}min_mb..{prefix}max_mb ({self.min_mb}..{self.max_mb})")
+            raise bad_value(
+                f"{prefix}first_mb",
+                self.first_mb,
+                f"a size within {prefix}min_mb..{prefix}max_mb ({self.min_mb}..{self.max_mb})",
+            )
 
 
 @dataclass
@@ -58,7 +74,8 @@ class FusionOptions:
     confirm_steps: int = option(3, positive_int)
     """auto: timed steps per turn when fixed and planned buckets take turns (one more runs first, untimed)."""
     confirm_rounds: int = option(3, positive_int)
-    """auto: turns each layout takes before the measured steps may overrule the model (steps that agree with it decide after two)."""
+    """auto: turns each layout takes before the measured steps may overrule the model (steps that agree with it
+    decide after two)."""
     confirm_max_rounds: int = option(6, positive_int)
     """auto: turns each layout may take in all when the steps lean against the model's choice within their
     noise (more turns until the difference is resolved; at least `confirm_rounds`)."""
@@ -84,8 +101,11 @@ class ProfileOptions:
 
 def fusion_from(fusion: Any, bucket_cap_mb: Optional[float]) -> FusionOptions:
     """The strategy's `fusion=` (a policy name or options) with the `bucket_cap_mb=` shorthand applied."""
-    options = (FusionOptions(policy=choice("fusion", fusion, FUSION_POLICIES)) if isinstance(fusion, str)
-               else typed("fusion", fusion, FusionOptions))
+    options = (
+        FusionOptions(policy=choice("fusion", fusion, FUSION_POLICIES))
+        if isinstance(fusion, str)
+        else typed("fusion", fusion, FusionOptions)
+    )
     if bucket_cap_mb is not None:
         options = dataclasses.replace(options, bucket_cap_mb=positive_number("bucket_cap_mb", bucket_cap_mb))
         if fusion == "auto":  # DDP's one knob, set: the user chose their buckets

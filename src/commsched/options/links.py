@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from commsched.options.catalogue import BACKENDS
-from commsched.options.validators import one_of, optional, network_interface, option
+from commsched.options.validators import network_interface, one_of, option, optional
 
 
 @dataclass

@@ -7,14 +7,21 @@ from typing import Any
 
 from commsched.errors import Either, bad_value
 from commsched.options.catalogue import MAX_STREAMS
-from commsched.options.validators import positive_number, positive_int, non_negative_int, non_negative_number, flag, option
+from commsched.options.validators import (
+    flag,
+    non_negative_int,
+    non_negative_number,
+    option,
+    positive_int,
+    positive_number,
+)
 
 
 def streams_value(name: str, value: Any) -> int | str:
     if value == "auto":
         return "auto"
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STREAMS:
-        raise bad_value(name, value, f"an integer 1..{MAX_STREAMS} or \"auto\"")
+        raise bad_value(name, value, f'an integer 1..{MAX_STREAMS} or "auto"')
     return value
 
 
@@ -65,7 +72,9 @@ class StreamOptions:
         if self.max_streams > MAX_STREAMS:
             raise bad_value(f"{prefix}max_streams", self.max_streams, f"an integer 1..{MAX_STREAMS}")
         if self.min_unit_mb > self.max_unit_mb:
-            raise bad_value(f"{prefix}min_unit_mb", self.min_unit_mb, f"at most {prefix}max_unit_mb ({self.max_unit_mb})")
+            raise bad_value(
+                f"{prefix}min_unit_mb", self.min_unit_mb, f"at most {prefix}max_unit_mb ({self.max_unit_mb})"
+            )
 
 
 def check_streams(streams: Any, schedule: str, stripes: bool, compression: Any, fusion_policy: str = "fixed") -> None:
@@ -74,13 +83,29 @@ def check_streams(streams: Any, schedule: str, stripes: bool, compression: Any, 
     if streams == 1:
         return
     if streams == "auto" and fusion_policy == "bayes":
-        raise bad_value("streams", streams, "a fixed number with fusion policy 'bayes': both searches time the same "
-                        "steps and would read each other's changes as their own",
-                        fix="tune the bucket size first, then the streams.")
+        raise bad_value(
+            "streams",
+            streams,
+            "a fixed number with fusion policy 'bayes': both searches time the same "
+            "steps and would read each other's changes as their own",
+            fix="tune the bucket size first, then the streams.",
+        )
     if not stripes:
-        raise bad_value("streams", streams, f"1 with schedule {schedule} (DeFT already splits its buckets between two links)"
-                        if schedule == "deft" else f"1 with schedule {schedule}",
-                        fix=Either("several streams run on WFBPStrategy and DeARStrategy.", "several streams run on schedule=wfbp and schedule=dear."))
+        raise bad_value(
+            "streams",
+            streams,
+            f"1 with schedule {schedule} (DeFT already splits its buckets between two links)"
+            if schedule == "deft"
+            else f"1 with schedule {schedule}",
+            fix=Either(
+                "several streams run on WFBPStrategy and DeARStrategy.",
+                "several streams run on schedule=wfbp and schedule=dear.",
+            ),
+        )
     if compression.method != "none":
-        raise bad_value("streams", streams, f"1 with compression method {compression.method!r} (a sparse bucket "
-                        "is one small all-gather of its largest elements)")
+        raise bad_value(
+            "streams",
+            streams,
+            f"1 with compression method {compression.method!r} (a sparse bucket "
+            "is one small all-gather of its largest elements)",
+        )

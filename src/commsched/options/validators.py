@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional, TypeVar
 
 from commsched.errors import CommSchedConfigError, bad_value
 
-
 Check = Callable[[str, Any], Any]
 OptionsT = TypeVar("OptionsT")
 
@@ -85,8 +84,12 @@ def network_interface(name: str, value: Any) -> str:
     """An interface of this machine (found now, before any worker starts, rather than as a gloo error per rank)."""
     present = [ifname for _, ifname in socket.if_nameindex()]
     if value not in present:
-        raise bad_value(name, value, f"a network interface of this machine: {', '.join(present)}",
-                        fix="leave it unset to let the backend choose, or name one of those (`ip -brief link` lists them).")
+        raise bad_value(
+            name,
+            value,
+            f"a network interface of this machine: {', '.join(present)}",
+            fix="leave it unset to let the backend choose, or name one of those (`ip -brief link` lists them).",
+        )
     return value
 
 
@@ -119,7 +122,12 @@ def validated(options: OptionsT, prefix: str = "") -> OptionsT:
             try:
                 f.metadata["check"](f"{prefix}{f.name}", value)
             except CommSchedConfigError as error:
-                if error.fix is None and f.default is not dataclasses.MISSING and f.default is not None and f.default != value:
+                if (
+                    error.fix is None
+                    and f.default is not dataclasses.MISSING
+                    and f.default is not None
+                    and f.default != value
+                ):
                     raise bad_value(f"{prefix}{f.name}", value, error.allowed or "", default=f.default) from None
                 raise
     cross_check = getattr(options, "cross_check", None)

@@ -70,8 +70,13 @@ class AutoFusion:
         self.phase = FusionPhase.CONFIRM
         fixed_s, planned_s = candidate.details.get("fixed_predicted_s"), candidate.predicted_s
         predicted = [fixed_s, planned_s] if fixed_s and planned_s else None
-        self.turns = Comparison(2, self.fusion.confirm_steps * turn_factor, self.fusion.confirm_rounds, predicted,
-                                self.fusion.confirm_max_rounds)
+        self.turns = Comparison(
+            2,
+            self.fusion.confirm_steps * turn_factor,
+            self.fusion.confirm_rounds,
+            predicted,
+            self.fusion.confirm_max_rounds,
+        )
 
     def recheck_due(self) -> bool:
         """After a measured verdict, at every iteration start: True when a later check starts now."""
@@ -108,7 +113,8 @@ class AutoFusion:
         self.phase = FusionPhase.DECIDED
 
     def drifted(self, control: Any) -> bool:
-        """After a measured decision: True (every rank at once) when steps drifted slower than the kept layout measured."""
+        """After a measured decision: True (every rank at once) when steps drifted slower than the kept layout
+        measured."""
         return self._drift is not None and self._drift.at_boundary(control)
 
     def reopen(self, profile: Any) -> None:
@@ -122,8 +128,13 @@ class AutoFusion:
         not kept: a check the checkpoint caught is made again after the resume."""
         if self.verdict is None or self.candidate is None or fixed is None:
             return None
-        return {"verdict": self.verdict.to_json(), "rechecks": self.rechecks.state_dict(checking=self.turns is not None),
-                "steps_deciding": self.steps_deciding, "candidate": vars(self.candidate), "fixed": vars(fixed)}
+        return {
+            "verdict": self.verdict.to_json(),
+            "rechecks": self.rechecks.state_dict(checking=self.turns is not None),
+            "steps_deciding": self.steps_deciding,
+            "candidate": vars(self.candidate),
+            "fixed": vars(fixed),
+        }
 
     def load_state_dict(self, saved: dict[str, Any]) -> SavedPlan:
         """Take a checkpoint's measured decision; returns the fixed layout it was measured against."""

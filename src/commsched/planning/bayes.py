@@ -29,8 +29,12 @@ class BayesianSearch:
 
     def __init__(self, bounds: dict[str, tuple[float, float]], xi: float = 0.1, seed: int = 0) -> None:
         self._optimizer = BayesianOptimization(
-            f=None, pbounds=bounds, acquisition_function=acquisition.ExpectedImprovement(xi=xi),
-            random_state=seed, verbose=0, allow_duplicate_points=True,
+            f=None,
+            pbounds=bounds,
+            acquisition_function=acquisition.ExpectedImprovement(xi=xi),
+            random_state=seed,
+            verbose=0,
+            allow_duplicate_points=True,
         )
 
     def suggest(self) -> dict[str, float]:

@@ -52,16 +52,22 @@ def main(argv: list[str] | None = None) -> int:
             raise bad_value("--profile", str(args.profile), "an existing profile.json (or use --show PLAN)")
         profile = json.loads(args.profile.read_text())
         if "layer_params" not in profile:
-            raise bad_value("--profile", str(args.profile), "a profile written by commsched >= 0.4 (it lacks layer_params)")
+            raise bad_value(
+                "--profile", str(args.profile), "a profile written by commsched >= 0.4 (it lacks layer_params)"
+            )
         if args.out is not None and args.fusion is None:
             raise bad_value("--out", str(args.out), "only together with --fusion (which plan to save)")
     except CommSchedConfigError as error:
         parser.error(str(error))
 
-    plans = {policy: plan_from_profile(profile, policy) for policy in ((args.fusion,) if args.fusion else MODEL_POLICIES)}
+    plans = {
+        policy: plan_from_profile(profile, policy) for policy in ((args.fusion,) if args.fusion else MODEL_POLICIES)
+    }
     summary = profile["summary"]
-    table = Table(title=f"plans for the profiled {profile['schedule']} run on {profile['world_size']} workers "
-                        f"(measured: {summary['step_s'] * 1e3:.1f} ms/step with {len(profile['buckets'])} buckets)")
+    table = Table(
+        title=f"plans for the profiled {profile['schedule']} run on {profile['world_size']} workers "
+        f"(measured: {summary['step_s'] * 1e3:.1f} ms/step with {len(profile['buckets'])} buckets)"
+    )
     for column in ("policy", "buckets", "predicted ms/step", "lower bound ms"):
         table.add_column(column, justify="right")
     for policy, plan in plans.items():

@@ -42,14 +42,21 @@ def plan_from_profile(profile: dict, policy: str, fixed_cap_bytes: Optional[floa
         predicted = timelines.wfbp(workload, network, workers, layer_buckets).iteration_s
         bound = predicted if policy == "mgwfbp" else None  # the programme is exact for its model
     layer_params = profile["layer_params"]
-    buckets = [[name for i in bucket for name in reversed(layer_params[workload.layers[i].name])]
-               for bucket in layer_buckets]
+    buckets = [
+        [name for i in bucket for name in reversed(layer_params[workload.layers[i].name])] for bucket in layer_buckets
+    ]
     other = float(profile["summary"].get("t_other", 0.0))
     details = {"t_other_s": other, "profiled_schedule": profile.get("schedule")}
     if fixed_cap_bytes is not None:
         replay = timelines.dear if policy == "dear-model" else timelines.wfbp
-        details["fixed_predicted_s"] = replay(workload, network, workers, timelines.fixed_size(workload, fixed_cap_bytes)).iteration_s + other
+        details["fixed_predicted_s"] = (
+            replay(workload, network, workers, timelines.fixed_size(workload, fixed_cap_bytes)).iteration_s + other
+        )
     return SavedPlan(
-        policy, workers, [b for b in buckets if b],
-        predicted_s=predicted + other, lower_bound_s=bound + other if bound is not None else None, details=details,
+        policy,
+        workers,
+        [b for b in buckets if b],
+        predicted_s=predicted + other,
+        lower_bound_s=bound + other if bound is not None else None,
+        details=details,
     )

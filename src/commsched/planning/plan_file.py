@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.run_files import write_json
 from commsched.fusion import ParamInfo, plan_assigned
+from commsched.run_files import write_json
 
 
 @dataclass
@@ -43,12 +43,18 @@ class SavedPlan:
         the setting, when the file is missing, is not JSON, is not a plan or holds impossible numbers."""
         path = Path(path).expanduser()
         if not path.is_file():
-            raise bad_value(field, str(path), "a plan JSON written by commsched-plan or a previous run (file not found)")
+            raise bad_value(
+                field, str(path), "a plan JSON written by commsched-plan or a previous run (file not found)"
+            )
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise bad_value(field, str(path), "a plan JSON written by commsched-plan or a previous run's "
-                            f"commsched_plan.json (this is not a JSON plan: {error})") from None
+            raise bad_value(
+                field,
+                str(path),
+                "a plan JSON written by commsched-plan or a previous run's "
+                f"commsched_plan.json (this is not a JSON plan: {error})",
+            ) from None
         return cls.from_dict(data, field=field, path=str(path))
 
     @classmethod
@@ -66,11 +72,19 @@ class SavedPlan:
         if problem is not None:
             raise refused(problem)
         try:
-            plan = cls(str(data["policy"]), int(data["world_size"]), [[str(n) for n in b] for b in data["buckets"]],
-                       data.get("predicted_s"), data.get("lower_bound_s"), dict(data.get("details", {})))
+            plan = cls(
+                str(data["policy"]),
+                int(data["world_size"]),
+                [[str(n) for n in b] for b in data["buckets"]],
+                data.get("predicted_s"),
+                data.get("lower_bound_s"),
+                dict(data.get("details", {})),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise refused("a fusion plan: 'policy', 'world_size' and 'buckets' (lists of parameter names), as "
-                          f"commsched-plan writes it (this is not a fusion plan: missing or malformed {error})") from None
+            raise refused(
+                "a fusion plan: 'policy', 'world_size' and 'buckets' (lists of parameter names), as "
+                f"commsched-plan writes it (this is not a fusion plan: missing or malformed {error})"
+            ) from None
         if not plan.buckets or not all(plan.buckets):
             raise refused("a plan with at least one bucket and no empty one")
         return plan
@@ -83,7 +97,8 @@ class SavedPlan:
             raise CommSchedConfigError(
                 f"commsched: invalid {field}: the plan names {len(unknown)} parameter(s) this model does not have "
                 f"(e.g. {', '.join(unknown[:3])}); it was made for another model. Make one for this model with "
-                "commsched-plan, or let a run with fusion=mgwfbp, dear-model or bayes save one.")
+                "commsched-plan, or let a run with fusion=mgwfbp, dear-model or bayes save one."
+            )
 
     def print(self, console: Optional[Console] = None, sizes: Optional[dict[str, int]] = None) -> None:
         console = console or Console(width=140)
@@ -106,18 +121,28 @@ def number_problem(data: dict) -> Optional[str]:
     that is not a whole number of workers, a prediction that is NaN, infinite or negative, or a
     NaN or infinity anywhere else (the details), which strict JSON readers of the file reject."""
     size = data.get("world_size")
-    if "world_size" in data and (isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size)
-                                 or size != int(size) or size < 1):
+    if "world_size" in data and (
+        isinstance(size, bool)
+        or not isinstance(size, (int, float))
+        or not math.isfinite(size)
+        or size != int(size)
+        or size < 1
+    ):
         return f"a plan whose world_size is a whole number of workers >= 1, not {json_spelling(size)}"
     for key, null in (("predicted_s", "no prediction"), ("lower_bound_s", "no bound")):
         value = data.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 0):
-            return f"a plan whose {key} is a finite number of seconds >= 0, or null ({null}), not {json_spelling(value)}"
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+        ):
+            return (
+                f"a plan whose {key} is a finite number of seconds >= 0, or null ({null}), not {json_spelling(value)}"
+            )
     found = first_non_finite(data)
     if found is not None:
-        return (f"a plan whose {found[0]} is a finite number or null (NaN and Infinity are not JSON), "
-                f"not {json_spelling(found[1])}")
+        return (
+            f"a plan whose {found[0]} is a finite number or null (NaN and Infinity are not JSON), "
+            f"not {json_spelling(found[1])}"
+        )
     return None
 
 
@@ -127,7 +152,9 @@ def first_non_finite(value: Any, key: str = "") -> Optional[tuple[str, float]]:
         return key, value
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for name, item in items:
-        found = first_non_finite(item, f"{key}[{name}]" if isinstance(name, int) else f"{key}.{name}" if key else str(name))
+        found = first_non_finite(
+            item, f"{key}[{name}]" if isinstance(name, int) else f"{key}.{name}" if key else str(name)
+        )
         if found is not None:
             return found
     return None

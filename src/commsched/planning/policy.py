@@ -15,10 +15,9 @@ import time
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
-
 from commsched.comm.buckets import param_infos
-from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed, plan_layers
 from commsched.comm.links import Link
+from commsched.fusion import MODEL_POLICIES, ParamInfo, plan_fixed, plan_layers
 from commsched.options import FusionOptions, TuningOptions
 from commsched.planning.auto_fusion import PLANNED, AutoFusion, FusionPhase
 from commsched.planning.bayes import BucketSizeTuner
@@ -34,8 +33,14 @@ PLAN_FILE_NAME = "commsched_plan.json"
 
 
 class PlanPolicy:
-    def __init__(self, fusion: FusionOptions, tuning: TuningOptions, seed: int = 0, planner: str = "mgwfbp",
-                 hand_over_planners: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        fusion: FusionOptions,
+        tuning: TuningOptions,
+        seed: int = 0,
+        planner: str = "mgwfbp",
+        hand_over_planners: Sequence[str] = (),
+    ) -> None:
         """`planner`: the model policy `fusion="auto"` plans with (the schedule's own, `Schedule.planner`);
         `hand_over_planners`: those of the schedules it may hand its iterations to, planned from the same profile."""
         self.fusion = fusion
@@ -116,7 +121,9 @@ class PlanPolicy:
         if self._replan:
             self._replan = False
             self.decided = None
-            self._adaptive = self.fusion.policy in ADAPTIVE  # a fixed or layers policy has nothing to decide: its layout again
+            self._adaptive = (
+                self.fusion.policy in ADAPTIVE
+            )  # a fixed or layers policy has nothing to decide: its layout again
             self._start_tuning()
             if self.auto is not None:
                 self.auto.reopen(strategy.profile)
@@ -152,8 +159,10 @@ class PlanPolicy:
             if auto.verdict is None or (not auto.recheck_due() and not auto.drifted(link)):
                 return False
         if self.decided is not None and auto.turns is None:  # drifted (a later check has started its turns otherwise)
-            say(f"commsched fusion: steps have become more than {self.fusion.drift:.0%} slower than the kept layout "
-                "measured: deciding the buckets again")
+            say(
+                f"commsched fusion: steps have become more than {self.fusion.drift:.0%} slower than the kept layout "
+                "measured: deciding the buckets again"
+            )
             auto.reopen(strategy.profile)
             self.decided = None
             return True  # back to fixed buckets, profiled afresh
@@ -161,11 +170,15 @@ class PlanPolicy:
             self.decided = self._current(strategy, "fixed")
             auto.decided_without_confirming()
             if self.compiled:
-                say("commsched fusion: the model runs under torch.compile, whose backward hands every gradient over at "
-                    "its end: fixed buckets (a bucket plan could not overlap them)")
+                say(
+                    "commsched fusion: the model runs under torch.compile, whose backward hands every gradient over at "
+                    "its end: fixed buckets (a bucket plan could not overlap them)"
+                )
             elif self.sparse and strategy.world_size > 1:
-                say("commsched fusion: top-k selects within each bucket, so the buckets stay fixed: a layout chosen by "
-                    "timings would make what is sent, and the trained model, depend on them")
+                say(
+                    "commsched fusion: top-k selects within each bucket, so the buckets stay fixed: a layout chosen by "
+                    "timings would make what is sent, and the trained model, depend on them"
+                )
             return False
         if auto.phase is FusionPhase.PROFILE:
             profile = auto.fresh_profile(strategy.profile)
@@ -197,10 +210,17 @@ class PlanPolicy:
             return auto.next_arm() is not None
         kept = auto.candidate if verdict.keep == PLANNED else self._fixed_plan
         assert kept is not None
-        kept.details = {**kept.details, "auto": {"planner": auto.planner, "kept": "planned" if verdict.keep == PLANNED else "fixed",
-                                                   "step_ms": [s * 1e3 for s in verdict.medians_s], "margin": verdict.margin,
-                                                   "predicted_ms": [s * 1e3 for s in verdict.predicted_s] if verdict.predicted_s else None,
-                                                   "steps_deciding": auto.steps_deciding}}
+        kept.details = {
+            **kept.details,
+            "auto": {
+                "planner": auto.planner,
+                "kept": "planned" if verdict.keep == PLANNED else "fixed",
+                "step_ms": [s * 1e3 for s in verdict.medians_s],
+                "margin": verdict.margin,
+                "predicted_ms": [s * 1e3 for s in verdict.predicted_s] if verdict.predicted_s else None,
+                "steps_deciding": auto.steps_deciding,
+            },
+        }
         self.decided = kept
         if auto.arm == verdict.keep:
             self._announce(strategy)
@@ -237,12 +257,19 @@ class PlanPolicy:
         decision = self._bayes_decide(strategy) if link.rank == 0 else None
         step_s, chosen, final = link.broadcast_object(decision, 0, "bayes-decision")
         self.trials.append({"trial": len(self.trials), "bucket_mb": self._cap_mb, "step_ms": step_s * 1e3})
-        _log(strategy, {"bayes/trial": len(self.trials) - 1, "bayes/bucket_mb": self._cap_mb, "bayes/step_ms": step_s * 1e3})
-        say(f"commsched bayes: trial {len(self.trials) - 1}: {self._cap_mb:.2f} MB buckets, "
-                       f"median step {step_s * 1e3:.1f} ms")
+        _log(
+            strategy,
+            {"bayes/trial": len(self.trials) - 1, "bayes/bucket_mb": self._cap_mb, "bayes/step_ms": step_s * 1e3},
+        )
+        say(
+            f"commsched bayes: trial {len(self.trials) - 1}: {self._cap_mb:.2f} MB buckets, "
+            f"median step {step_s * 1e3:.1f} ms"
+        )
         if final and len(self.trials) < self.tuning_options.trials:  # after the trial's own line, in order
-            say(f"commsched bayes: every size proposed gives buckets already measured; "
-                           f"stopping after {len(self.trials)} of {self.tuning_options.trials} trials")
+            say(
+                f"commsched bayes: every size proposed gives buckets already measured; "
+                f"stopping after {len(self.trials)} of {self.tuning_options.trials} trials"
+            )
         self._cap_mb = chosen
         self._timing, self._batches_in_trial, self._last_start = [], 0, None
         self._final_pending = final
@@ -267,7 +294,9 @@ class PlanPolicy:
             return
         self._final_pending = False
         names = [list(b.names) for b in strategy.bucket_plan.buckets]
-        self.decided = SavedPlan("bayes", strategy.world_size, names, details={"bucket_mb": self._cap_mb, "trials": self.trials})
+        self.decided = SavedPlan(
+            "bayes", strategy.world_size, names, details={"bucket_mb": self._cap_mb, "trials": self.trials}
+        )
         self._announce(strategy)
 
     def _announce(self, strategy: Any) -> None:
@@ -278,24 +307,36 @@ class PlanPolicy:
             path = folder / PLAN_FILE_NAME if folder is not None else None
             if path is not None:
                 plan.save(path)
-            saved = f"saved to {path}" if path is not None else "not saved: the run has no folder (no logger, no checkpoints)"
+            saved = (
+                f"saved to {path}"
+                if path is not None
+                else "not saved: the run has no folder (no logger, no checkpoints)"
+            )
             sizes = sum(p.nbytes for p in param_infos(strategy.lightning_module)) / 2**20 / max(len(plan.buckets), 1)
             predicted = f", predicted {plan.predicted_s * 1e3:.1f} ms/step" if plan.predicted_s else ""
             if self.auto is not None:
-                say(f"commsched fusion: {self.auto.describe()}: {len(plan.buckets)} bucket(s) of {sizes:.2f} MB on average; "
-                    f"{saved}")
+                say(
+                    f"commsched fusion: {self.auto.describe()}: {len(plan.buckets)} bucket(s) of {sizes:.2f} MB "
+                    f"on average; {saved}"
+                )
             else:
-                say(f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
-                    f"{sizes:.2f} MB on average{predicted}; {saved}")
+                say(
+                    f"commsched: fusion '{plan.policy}' chose {len(plan.buckets)} bucket(s) of "
+                    f"{sizes:.2f} MB on average{predicted}; {saved}"
+                )
 
     # ---------------------------------------------------- communication state
     def state_dict(self) -> dict[str, Any]:
-        return {"decided": vars(self.decided) if self.decided is not None else None, "trials": list(self.trials),
-                "auto": self.auto.state_dict(self._fixed_plan) if self.auto is not None else None,
-                "hand_over_layouts": {p: vars(plan) for p, plan in self.hand_over_layouts.items()}}
+        return {
+            "decided": vars(self.decided) if self.decided is not None else None,
+            "trials": list(self.trials),
+            "auto": self.auto.state_dict(self._fixed_plan) if self.auto is not None else None,
+            "hand_over_layouts": {p: vars(plan) for p, plan in self.hand_over_layouts.items()},
+        }
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
-        """A plan decided before the checkpoint is kept (no tuning again); a plan file or a fixed policy given now wins."""
+        """A plan decided before the checkpoint is kept (no tuning again); a plan file or a fixed policy given now
+        wins."""
         if not state or self.fusion.plan_file or not self._adaptive:
             return
         self.trials = list(state.get("trials", []))
@@ -303,8 +344,11 @@ class PlanPolicy:
             self.decided = SavedPlan.from_dict(state["decided"])
             if self.auto is not None and state.get("auto") is not None:  # its later checks and drift watch go on
                 self._fixed_plan = self.auto.load_state_dict(state["auto"])
-            self.hand_over_layouts = {p: SavedPlan.from_dict(plan) for p, plan in state.get("hand_over_layouts", {}).items()
-                                      if p in self._hand_over_planners}
+            self.hand_over_layouts = {
+                p: SavedPlan.from_dict(plan)
+                for p, plan in state.get("hand_over_layouts", {}).items()
+                if p in self._hand_over_planners
+            }
 
 
 def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:

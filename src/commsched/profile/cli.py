@@ -27,8 +27,11 @@ from commsched.profile import DEFAULT_SIZES
 from commsched.rates import parse_rate
 
 UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
-BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-              "all_gather": lambda p: (p - 1) / p}
+BUS_FACTOR = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+}
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -67,27 +70,47 @@ def _probe_worker(rank: int, sizes: tuple[int, ...], repeats: int, link_name: st
 def print_probe_table(result: dict, console: Console, title: str) -> None:
     if "concurrent" in result:
         c = result["concurrent"]
-        console.print(f"{title}: {c['groups']} process groups all-gathering {c['bytes'] / 2**20:.1f} MiB each at once: "
-                      f"{c['seconds'] * 1e3:.1f} ms, bus bandwidth {c['bus_gbit_s']:.3f} Gbit/s in all")
+        console.print(
+            f"{title}: {c['groups']} process groups all-gathering {c['bytes'] / 2**20:.1f} MiB each at once: "
+            f"{c['seconds'] * 1e3:.1f} ms, bus bandwidth {c['bus_gbit_s']:.3f} Gbit/s in all"
+        )
         return
     link, probe = result["link"], result["probe"]
     workers = link["workers"]
     table = Table(title=f"{title}: t(m) = a + b*m on {workers} workers")
-    for column in ("collective", "a (latency, us)", "1 MiB (ms)", "16 MiB (ms)", "rel. RMS residual",
-                   f"bus bandwidth at {probe['bytes'][-1] / 2**20:.0f} MiB (Gbit/s)"):
+    for column in (
+        "collective",
+        "a (latency, us)",
+        "1 MiB (ms)",
+        "16 MiB (ms)",
+        "rel. RMS residual",
+        f"bus bandwidth at {probe['bytes'][-1] / 2**20:.0f} MiB (Gbit/s)",
+    ):
         table.add_column(column, justify="right")
     for name in ("all_reduce", "reduce_scatter", "all_gather"):
         line = link[name]
         bus = BUS_FACTOR[name](workers) * probe["bytes"][-1] * 8 / probe[name][-1] / 1e9
-        table.add_row(name, f"{line['a'] * 1e6:.1f}", f"{(line['a'] + line['b'] * 2**20) * 1e3:.2f}",
-                      f"{(line['a'] + line['b'] * 2**24) * 1e3:.2f}", f"{line['residual']:.1%}", f"{bus:.3f}")
+        table.add_row(
+            name,
+            f"{line['a'] * 1e6:.1f}",
+            f"{(line['a'] + line['b'] * 2**20) * 1e3:.2f}",
+            f"{(line['a'] + line['b'] * 2**24) * 1e3:.2f}",
+            f"{line['residual']:.1%}",
+            f"{bus:.3f}",
+        )
     console.print(table)
 
 
 def probe_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="commsched-probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="commsched-probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workers", type=int, default=2, help="workers on this machine (without --nodes)")
-    p.add_argument("--rate", default="none", help="emulated link rate, e.g. 1gbit; none: unlimited (with --nodes: the primary link)")
+    p.add_argument(
+        "--rate",
+        default="none",
+        help="emulated link rate, e.g. 1gbit; none: unlimited (with --nodes: the primary link)",
+    )
     p.add_argument("--nodes", type=int, default=None, help="run inside an emulated cluster of this many nodes")
     p.add_argument("--workers-per-node", type=int, default=1)
     p.add_argument("--secondary-rate", default=None, help="cluster: a second link per node")
@@ -112,7 +135,9 @@ def _check(args: argparse.Namespace) -> tuple[int, ...]:
     if args.rate != "none":
         parse_rate(args.rate)
     if args.nodes is None and (args.secondary_rate or args.flow_rate or args.link == "secondary"):
-        raise bad_value("--link/--secondary-rate/--flow-rate", "given", "only together with --nodes (an emulated cluster)")
+        raise bad_value(
+            "--link/--secondary-rate/--flow-rate", "given", "only together with --nodes (an emulated cluster)"
+        )
     if args.link == "secondary" and args.secondary_rate is None:
         raise bad_value("--link", "secondary", "primary, unless --secondary-rate gives the cluster a second link")
     return sizes
@@ -157,8 +182,13 @@ def _in_cluster(args: argparse.Namespace, argv: list[str]) -> int:
     from commsched.cluster.launch import run_on_nodes
     from commsched.cluster.spec import ClusterSpec
 
-    spec = ClusterSpec(args.nodes, args.workers_per_node, args.rate if args.rate != "none" else "100gbit",
-                       args.secondary_rate, args.flow_rate).check()
+    spec = ClusterSpec(
+        args.nodes,
+        args.workers_per_node,
+        args.rate if args.rate != "none" else "100gbit",
+        args.secondary_rate,
+        args.flow_rate,
+    ).check()
     reason = netns.unavailable_reason()
     if reason is not None:
         raise CommSchedConfigError(f"commsched: {reason}; an emulated cluster cannot be made here")

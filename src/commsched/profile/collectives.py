@@ -31,7 +31,9 @@ def time_collective(link: Link, collective: str, numel: int, repeats: int, dtype
     return median_seconds(ops[collective], repeats, device=link.device)
 
 
-def time_buckets(plan: BucketPlan, link: Link, collectives: Sequence[str] = COLLECTIVES, repeats: int = 5) -> list[dict[str, float]]:
+def time_buckets(
+    plan: BucketPlan, link: Link, collectives: Sequence[str] = COLLECTIVES, repeats: int = 5
+) -> list[dict[str, float]]:
     """Per bucket: seconds of each of `collectives` on its buffer, run alone."""
     return [
         {c: time_collective(link, c, bucket.buffer.numel(), repeats, bucket.buffer.dtype) for c in collectives}

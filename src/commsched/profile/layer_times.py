@@ -61,9 +61,13 @@ class LayerTimer:
     def attach(self) -> "LayerTimer":
         for index, owner in enumerate(self._owners):
             self._handles.append(owner.module.register_forward_pre_hook(OwnHook(lambda *_, i=index: self._enter(i))))
-            self._handles.append(owner.module.register_forward_hook(OwnHook(lambda *_, i=index: self._leave(i)), always_call=True))
+            self._handles.append(
+                owner.module.register_forward_hook(OwnHook(lambda *_, i=index: self._leave(i)), always_call=True)
+            )
             for param in owner.params:
-                self._handles.append(param.register_post_accumulate_grad_hook(OwnHook(lambda _p, i=index: self._grad(i))))
+                self._handles.append(
+                    param.register_post_accumulate_grad_hook(OwnHook(lambda _p, i=index: self._grad(i)))
+                )
         return self
 
     def detach(self) -> None:
@@ -130,8 +134,9 @@ class LayerTimer:
         called = list(self._first_called)
         return [i for i in range(len(self._owners)) if i not in called] + called
 
-    def workload(self, name: str, batch_size: int, skip: int = 1,
-                 totals: tuple[float, float] | None = None) -> Workload:
+    def workload(
+        self, name: str, batch_size: int, skip: int = 1, totals: tuple[float, float] | None = None
+    ) -> Workload:
         """Median over the steps after the first `skip` (warm-up), layers in the order forward called them.
 
         `totals`: measured (forward, backward) seconds of the whole step; layer times are scaled to
@@ -145,9 +150,16 @@ class LayerTimer:
         if totals is not None:
             forward = _scaled(forward, totals[0])
             backward = _scaled(backward, totals[1])
-        layers = [Layer(self._owners[i].name, self._owners[i].nbytes, f, b,
-                        sum(p.numel() * p.element_size() for p in self._owners[i].params if p.dim() <= 1))
-                  for i, f, b in zip(order, forward, backward)]
+        layers = [
+            Layer(
+                self._owners[i].name,
+                self._owners[i].nbytes,
+                f,
+                b,
+                sum(p.numel() * p.element_size() for p in self._owners[i].params if p.dim() <= 1),
+            )
+            for i, f, b in zip(order, forward, backward)
+        ]
         return Workload(name, tuple(layers), batch_size)
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from commsched.comm.links import Link
 from commsched.comm.device_time import median_seconds
+from commsched.comm.links import Link
+from commsched.profile import DEFAULT_SIZES
 from commsched.profile.collectives import COLLECTIVES, time_collective
 from commsched.sim.cost_models import Fitted, Line
-
-from commsched.profile import DEFAULT_SIZES
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> Line:
@@ -32,8 +31,9 @@ def fit_line(sizes: list[float], seconds: list[float]) -> Line:
     return Line(a, b, float(relative.pow(2).mean().sqrt()))
 
 
-def probe_link(link: Link, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
-               collectives: tuple[str, ...] = COLLECTIVES) -> tuple[Fitted, dict[str, list[float]]]:
+def probe_link(
+    link: Link, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5, collectives: tuple[str, ...] = COLLECTIVES
+) -> tuple[Fitted, dict[str, list[float]]]:
     """Returns the fit and the measured medians (seconds per size, per collective), same on all ranks."""
     decision = link.tensor([repeats, len(sizes), *sizes], torch.int64)
     header = torch.zeros(2, dtype=torch.int64, device=link.device)
@@ -44,8 +44,9 @@ def probe_link(link: Link, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int 
     link.broadcast(plan, 0, "probe-plan").wait()
     repeats, sizes = int(plan[0]), [int(s) for s in plan[2:]]
 
-    measured = link.tensor([[time_collective(link, c, max(1, size // 4), repeats) for size in sizes]
-                            for c in collectives], torch.float64)
+    measured = link.tensor(
+        [[time_collective(link, c, max(1, size // 4), repeats) for size in sizes] for c in collectives], torch.float64
+    )
     link.all_reduce(measured, "probe-times", torch.distributed.ReduceOp.MAX).wait()
     fits = torch.zeros(len(collectives), 3, dtype=torch.float64, device=link.device)
     if link.rank == 0:
@@ -63,7 +64,9 @@ def probe_concurrent(links: list[Link], nbytes: int, repeats: int = 5) -> dict[s
     flows): the median time until all are done, and the bus bandwidth they reach together."""
     world = links[0].world_size
     numel = -(-max(1, nbytes // 4) // world) * world
-    buffers = [(torch.zeros(numel, device=link.device), torch.zeros(numel // world, device=link.device)) for link in links]
+    buffers = [
+        (torch.zeros(numel, device=link.device), torch.zeros(numel // world, device=link.device)) for link in links
+    ]
 
     def once() -> None:
         for pending in [link.all_gather(full, shard, "probe") for link, (full, shard) in zip(links, buffers)]:

@@ -24,9 +24,9 @@ from commsched.comm.links import Link, Links
 from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layer_times import LayerTimer
 from commsched.profile.probe import probe_link
-from commsched.trace import Span, write_chrome_trace
 from commsched.run_files import folder_of, write_json
 from commsched.say import say
+from commsched.trace import Span, write_chrome_trace
 
 
 def theoretical_best(t_ff: float, t_bp: float, totals: dict[str, float]) -> dict[str, float]:
@@ -45,8 +45,15 @@ def collectives_to_time() -> list[str]:
 
 
 class RunProfiler:
-    def __init__(self, steps: int, out_dir: Optional[str | Path], probe: bool, repeats: int = 5, warmup: int = 1,
-                 announce: bool = True) -> None:
+    def __init__(
+        self,
+        steps: int,
+        out_dir: Optional[str | Path],
+        probe: bool,
+        repeats: int = 5,
+        warmup: int = 1,
+        announce: bool = True,
+    ) -> None:
         """`announce`: say where the profile went (a profile the user asked for; a planner's own is
         reported by the plan it led to)."""
         self.steps = steps
@@ -149,8 +156,11 @@ class RunProfiler:
         result = self._summarise(strategy, timer, plan, bucket_times)
         skip = min(self.warmup, timer.steps - 1)
         window = (self._step_starts[skip], self._step_starts[timer.steps])
-        result["summary"]["busy_s"] = {lane.removeprefix("link: "): seconds / max(1, timer.steps - skip)
-                                       for lane, seconds in busy_per_lane(spans, *window).items() if lane.startswith("link: ")}
+        result["summary"]["busy_s"] = {
+            lane.removeprefix("link: "): seconds / max(1, timer.steps - skip)
+            for lane, seconds in busy_per_lane(spans, *window).items()
+            if lane.startswith("link: ")
+        }
         if fitted is not None:
             result["link"] = fitted.to_dict()
             result["probe"] = probe_medians
@@ -165,48 +175,65 @@ class RunProfiler:
         rank = dist.get_rank()
         return [Span(s.lane, s.name, s.start - perf + wall, s.end - perf + wall, rank) for s in spans]
 
-    def _summarise(self, strategy: Any, timer: LayerTimer, plan: BucketPlan, bucket_times: list[dict[str, float]]) -> dict:
+    def _summarise(
+        self, strategy: Any, timer: LayerTimer, plan: BucketPlan, bucket_times: list[dict[str, float]]
+    ) -> dict:
         module = strategy.lightning_module
         schedule = strategy.schedule
         schedule_name = schedule.name
         skip = min(self.warmup, timer.steps - 1)
-        t_ff = statistics.median(self._forward[skip:timer.steps])
-        t_bp = statistics.median(self._backward[skip:timer.steps])
+        t_ff = statistics.median(self._forward[skip : timer.steps])
+        t_bp = statistics.median(self._backward[skip : timer.steps])
         workload = timer.workload(type(module).__name__, _batch_size(strategy), skip, totals=(t_ff, t_bp))
         layer_of_param = timer.layer_of_param()
         by_name = {layer.name: layer for layer in workload.layers}
         buckets = []
         for bucket, times in zip(plan.buckets, bucket_times):
             names = list(dict.fromkeys(layer_of_param[id(p)] for p in bucket.params if id(p) in layer_of_param))
-            buckets.append({
-                "index": bucket.index, "nbytes": bucket.numel * bucket.buffer.element_size(), "layers": names,
-                "forward_s": sum(by_name[n].forward_s for n in names if n in by_name),
-                "backward_s": sum(by_name[n].backward_s for n in names if n in by_name),
-                **{f"{c}_s": t for c, t in times.items()},
-            })
+            buckets.append(
+                {
+                    "index": bucket.index,
+                    "nbytes": bucket.numel * bucket.buffer.element_size(),
+                    "layers": names,
+                    "forward_s": sum(by_name[n].forward_s for n in names if n in by_name),
+                    "backward_s": sum(by_name[n].backward_s for n in names if n in by_name),
+                    **{f"{c}_s": t for c, t in times.items()},
+                }
+            )
         isolated = sum(t[c] for t in bucket_times for c in schedule.step_collectives)
         steps = []
         for k in range(timer.steps):
             exposed = self._exposed[k + 1] - self._exposed[k]
             step_s = self._step_starts[k + 1] - self._step_starts[k]
             wire = {name: self._wire[k + 1].get(name, 0.0) - self._wire[k].get(name, 0.0) for name in self._wire[k + 1]}
-            steps.append({
-                "step": k, "step_s": step_s, "forward_s": self._forward[k], "backward_s": self._backward[k],
-                "exposed_comm_s": exposed, "other_s": step_s - self._forward[k] - self._backward[k] - exposed,
-                # the share of the step's communication hidden behind compute; 0 when the loop waited as long as
-                # the collectives take alone, or longer (contention, a slower peer): nothing was hidden
-                "overlap_ratio": min(1.0, max(0.0, 1.0 - exposed / isolated)) if isolated > 0 else 1.0,
-                "wire_bytes": wire,  # sent by this rank, per link
-            })
+            steps.append(
+                {
+                    "step": k,
+                    "step_s": step_s,
+                    "forward_s": self._forward[k],
+                    "backward_s": self._backward[k],
+                    "exposed_comm_s": exposed,
+                    "other_s": step_s - self._forward[k] - self._backward[k] - exposed,
+                    # the share of the step's communication hidden behind compute; 0 when the loop waited as long as
+                    # the collectives take alone, or longer (contention, a slower peer): nothing was hidden
+                    "overlap_ratio": min(1.0, max(0.0, 1.0 - exposed / isolated)) if isolated > 0 else 1.0,
+                    "wire_bytes": wire,  # sent by this rank, per link
+                }
+            )
         timed = steps[skip:]
         comm_totals = {c: sum(t[c] for t in bucket_times) for c in bucket_times[0]}
         summary = {
             "step_s": statistics.median(s["step_s"] for s in timed),
-            "t_ff": t_ff, "t_bp": t_bp, **{f"t_{_SHORT.get(c, c)}": v for c, v in comm_totals.items()},
+            "t_ff": t_ff,
+            "t_bp": t_bp,
+            **{f"t_{_SHORT.get(c, c)}": v for c, v in comm_totals.items()},
             "t_other": statistics.median(s["other_s"] for s in timed),
             "exposed_comm_s": statistics.median(s["exposed_comm_s"] for s in timed),
             "overlap_ratio": statistics.median(s["overlap_ratio"] for s in timed),
-            "wire_bytes": {name: statistics.median(s["wire_bytes"].get(name, 0.0) for s in timed) for name in timed[-1]["wire_bytes"]},
+            "wire_bytes": {
+                name: statistics.median(s["wire_bytes"].get(name, 0.0) for s in timed)
+                for name in timed[-1]["wire_bytes"]
+            },
             "theoretical_best_s": theoretical_best(t_ff, t_bp, comm_totals),
         }
         layer_params: dict[str, list[str]] = {}
@@ -214,9 +241,17 @@ class RunProfiler:
             if id(param) in layer_of_param:
                 layer_params.setdefault(layer_of_param[id(param)], []).append(name)
         return {
-            "version": 1, "schedule": schedule_name, "layer_params": layer_params, "world_size": plan.world_size,
-            "backend": dist.get_backend(), "profiled_steps": len(steps), "warmup_steps": self.warmup,
-            "summary": summary, "steps": steps, "buckets": buckets, "workload": workload.to_dict(),
+            "version": 1,
+            "schedule": schedule_name,
+            "layer_params": layer_params,
+            "world_size": plan.world_size,
+            "backend": dist.get_backend(),
+            "profiled_steps": len(steps),
+            "warmup_steps": self.warmup,
+            "summary": summary,
+            "steps": steps,
+            "buckets": buckets,
+            "workload": workload.to_dict(),
         }
 
     def _write(self, strategy: Any, result: dict, spans: list[Span]) -> None:
@@ -232,20 +267,26 @@ class RunProfiler:
         result["files"] = {"profile": str(out_dir / "profile.json"), "trace": str(out_dir / "trace.json")}
         summary = result["summary"]
         if self.announce:
-            say(f"commsched: profiled {result['profiled_steps']} steps: {summary['step_s'] * 1e3:.1f} ms/step, "
-                           f"{summary['exposed_comm_s'] * 1e3:.1f} ms of it waiting on communication, overlap ratio "
-                           f"{summary['overlap_ratio']:.2f}; wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} "
-                           "(chrome://tracing or ui.perfetto.dev)")
+            say(
+                f"commsched: profiled {result['profiled_steps']} steps: {summary['step_s'] * 1e3:.1f} ms/step, "
+                f"{summary['exposed_comm_s'] * 1e3:.1f} ms of it waiting on communication, overlap ratio "
+                f"{summary['overlap_ratio']:.2f}; wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} "
+                "(chrome://tracing or ui.perfetto.dev)"
+            )
         logger = strategy.lightning_module.trainer.logger
         if logger is not None:
             for step in result["steps"]:
-                logger.log_metrics({
-                    "profile/step_ms": step["step_s"] * 1e3, "profile/forward_ms": step["forward_s"] * 1e3,
-                    "profile/backward_ms": step["backward_s"] * 1e3,
-                    "profile/exposed_comm_ms": step["exposed_comm_s"] * 1e3,
-                    "profile/overlap_ratio": step["overlap_ratio"],
-                    **{f"profile/wire_mb/{name}": sent / 1e6 for name, sent in step["wire_bytes"].items()},
-                }, step=step["step"])
+                logger.log_metrics(
+                    {
+                        "profile/step_ms": step["step_s"] * 1e3,
+                        "profile/forward_ms": step["forward_s"] * 1e3,
+                        "profile/backward_ms": step["backward_s"] * 1e3,
+                        "profile/exposed_comm_ms": step["exposed_comm_s"] * 1e3,
+                        "profile/overlap_ratio": step["overlap_ratio"],
+                        **{f"profile/wire_mb/{name}": sent / 1e6 for name, sent in step["wire_bytes"].items()},
+                    },
+                    step=step["step"],
+                )
 
 
 _SHORT = {"all_reduce": "ar", "reduce_scatter": "rs", "all_gather": "ag"}

@@ -36,8 +36,10 @@ class Reducer:
 
 def by_parameter(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """A bucket-shaped tensor split into one copy per parameter name."""
-    return {name: flat.narrow(0, start, p.numel()).view_as(p).clone()
-            for name, p, start in zip(bucket.names, bucket.params, bucket.offsets())}
+    return {
+        name: flat.narrow(0, start, p.numel()).view_as(p).clone()
+        for name, p, start in zip(bucket.names, bucket.params, bucket.offsets())
+    }
 
 
 def into_bucket(bucket: Bucket, saved: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:

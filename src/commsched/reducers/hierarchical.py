@@ -25,18 +25,26 @@ from typing import Mapping, Optional
 import torch
 
 from commsched.comm.buckets import Bucket
+from commsched.comm.links import Link, Pending
 from commsched.compression.dgc import Corrections
 from commsched.compression.whole_vectors import Selector, WholeVectors
-from commsched.comm.links import Link, Pending
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
 from commsched.reducers.sharded import ShardedReduce
 from commsched.reducers.topk import SparsePacket
 
 
 class HierarchicalReduce(Reducer):
-    def __init__(self, bucket: Bucket, intra: Link, inter: Link, density: Optional[float] = None,
-                 select: Optional[Selector] = None, error_feedback: bool = True, whole_vectors: bool = True,
-                 corrections: Optional[Corrections] = None) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        intra: Link,
+        inter: Link,
+        density: Optional[float] = None,
+        select: Optional[Selector] = None,
+        error_feedback: bool = True,
+        whole_vectors: bool = True,
+        corrections: Optional[Corrections] = None,
+    ) -> None:
         """`density` None: the dense two-level all-reduce; else HiTopKComm with `select`."""
         self.bucket = bucket
         self.intra, self.inter = intra, inter
@@ -45,11 +53,17 @@ class HierarchicalReduce(Reducer):
         self.sparse = density is not None
         self.residual: Optional[torch.Tensor] = torch.zeros_like(shard) if self.sparse and error_feedback else None
         corrections = corrections if self.sparse else None
-        self._local = corrections.local(bucket, intra.world_size * inter.world_size) if corrections is not None else None
+        self._local = (
+            corrections.local(bucket, intra.world_size * inter.world_size) if corrections is not None else None
+        )
         start = intra.rank * shard.numel()
-        self.velocity = corrections.velocity(bucket, start, shard.numel()) if corrections is not None and error_feedback else None
+        self.velocity = (
+            corrections.velocity(bucket, start, shard.numel()) if corrections is not None and error_feedback else None
+        )
         self._masking = corrections is not None and corrections.masking
-        self.kinds: tuple[str, ...] = (("residual",) if self.residual is not None else ()) + (("momentum",) if self.velocity is not None else ())
+        self.kinds: tuple[str, ...] = (("residual",) if self.residual is not None else ()) + (
+            ("momentum",) if self.velocity is not None else ()
+        )
         if self.sparse:
             assert select is not None and density is not None
             self._select = select
@@ -73,7 +87,8 @@ class HierarchicalReduce(Reducer):
         elif self.sparse:
             scattered.then(self._select_from_shard)
             across = self.inter.all_gather(self._packet.everyone, self._packet.mine, tag, after=scattered).then(
-                lambda: self._packet.add_everyones(self._node.shard))
+                lambda: self._packet.add_everyones(self._node.shard)
+            )
         else:
             across = self.inter.all_reduce(self._node.shard, tag, after=scattered)
         return self._node.gather(tag, after=across)
@@ -103,7 +118,9 @@ class HierarchicalReduce(Reducer):
         return kept
 
     def state_dict(self) -> ReducerState:
-        kept = {kind: shard for kind, shard in self._kept().items() if kind != "momentum" or shard.any()}  # no velocity without momentum
+        kept = {
+            kind: shard for kind, shard in self._kept().items() if kind != "momentum" or shard.any()
+        }  # no velocity without momentum
         return {kind: by_parameter(self.bucket, self._whole(shard)) for kind, shard in kept.items()}
 
     def _whole(self, shard: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,9 @@ class Staging:
         if self._copy is None:
             return None
         numel = self.buffer.numel() - start if numel is None else numel
-        self._copy.narrow(0, start, numel).copy_(self.buffer.narrow(0, start, numel), non_blocking=self._stream is not None)
+        self._copy.narrow(0, start, numel).copy_(
+            self.buffer.narrow(0, start, numel), non_blocking=self._stream is not None
+        )
         if self._stream is None:
             return None
         ready = torch.cuda.Event()

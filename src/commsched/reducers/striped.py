@@ -37,21 +37,29 @@ class Together:
 
 def unit_bucket(bucket: Bucket, unit: Unit, world: int) -> Bucket:
     """A unit as a bucket of no parameters (the two-level reducer's input; it keeps no state when dense)."""
-    return Bucket(bucket.index, [], [], bucket.buffer.narrow(0, unit.start, unit.numel), [], unit.numel, unit.numel // world)
+    return Bucket(
+        bucket.index, [], [], bucket.buffer.narrow(0, unit.start, unit.numel), [], unit.numel, unit.numel // world
+    )
 
 
 class StripedAllReduce(Reducer):
     """wfbp's dense exchange of one bucket, unit by unit: flat (one all-reduce per unit) or two-level."""
 
-    def __init__(self, bucket: Bucket, units: list[Unit], flat: Sequence[Link],
-                 two_level: Optional[tuple[Sequence[Link], Sequence[Link]]] = None) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        units: list[Unit],
+        flat: Sequence[Link],
+        two_level: Optional[tuple[Sequence[Link], Sequence[Link]]] = None,
+    ) -> None:
         """`flat`: the primary's streams; `two_level`: the intra- and inter-node links' streams (then used instead)."""
         self.units = units
         if two_level is not None:
             intra, inter = two_level
             world = intra[0].world_size * inter[0].world_size
-            self._parts: list = [HierarchicalReduce(unit_bucket(bucket, u, world), intra[u.stream], inter[u.stream])
-                                 for u in units]
+            self._parts: list = [
+                HierarchicalReduce(unit_bucket(bucket, u, world), intra[u.stream], inter[u.stream]) for u in units
+            ]
         else:
             staging = Staging(bucket.buffer, flat[0])
             self._parts = [AllReduce(bucket.buffer, flat[u.stream], staging) for u in units]
@@ -69,7 +77,9 @@ class StripedShards(Reducer):
     def __init__(self, bucket: Bucket, units: list[Unit], streams: Sequence[Link]) -> None:
         self.units = units
         self.links = [streams[u.stream] for u in units]
-        self.parts = [ShardedReduce(bucket.buffer.narrow(0, u.start, u.numel), link) for u, link in zip(units, self.links)]
+        self.parts = [
+            ShardedReduce(bucket.buffer.narrow(0, u.start, u.numel), link) for u, link in zip(units, self.links)
+        ]
 
     def scatter(self, tag: str) -> Together:
         return Together([part.scatter(u.tag) for part, u in zip(self.parts, self.units)])

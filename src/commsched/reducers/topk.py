@@ -25,11 +25,12 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from commsched.comm.buckets import Bucket
+from commsched.comm.links import Link, Pending
 from commsched.compression.dgc import Corrections
 from commsched.compression.whole_vectors import Selector, WholeVectors
-from commsched.comm.links import Link, Pending
 from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
+
 
 def k_of(density: float, numel: int) -> int:
     """Elements a rank sends for a bucket of `numel`: at least one, at most all."""
@@ -92,16 +93,31 @@ class SparseExchange:
 
 
 class TopKAllReduce(Reducer):
-    def __init__(self, bucket: Bucket, link: Link, density: float, select: Selector, error_feedback: bool = True,
-                 whole_vectors: bool = True, corrections: Optional[Corrections] = None) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        link: Link,
+        density: float,
+        select: Selector,
+        error_feedback: bool = True,
+        whole_vectors: bool = True,
+        corrections: Optional[Corrections] = None,
+    ) -> None:
         if bucket.buffer.dtype != torch.float32:
-            raise TypeError(f"commsched compression: sparse exchanges carry float32 gradients, this bucket holds {bucket.buffer.dtype}")
+            raise TypeError(
+                "commsched compression: sparse exchanges carry float32 gradients, "
+                f"this bucket holds {bucket.buffer.dtype}"
+            )
         self.bucket = bucket
         self.link = link
         self._select = select
         self.residual: Optional[torch.Tensor] = torch.zeros_like(bucket.buffer) if error_feedback else None
         self._local = corrections.local(bucket, link.world_size) if corrections is not None else None
-        self.velocity = corrections.velocity(bucket, 0, bucket.buffer.numel()) if corrections is not None and error_feedback else None
+        self.velocity = (
+            corrections.velocity(bucket, 0, bucket.buffer.numel())
+            if corrections is not None and error_feedback
+            else None
+        )
         self._masking = corrections is not None and corrections.masking
         self.kinds = (("residual",) if error_feedback else ()) + (("momentum",) if self.velocity is not None else ())
         self._packet = SparsePacket(density, WholeVectors(bucket, 0, bucket.buffer.numel(), whole_vectors), link)
@@ -148,7 +164,10 @@ class TopKAllReduce(Reducer):
     def load_total(self, totals: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Every old rank's residuals and velocities summed, by kind (a resume at another world size):
         each rank takes 1/P of each."""
-        for kind, kept in (("residual", self.residual), ("momentum", self.velocity.u if self.velocity is not None else None)):
+        for kind, kept in (
+            ("residual", self.residual),
+            ("momentum", self.velocity.u if self.velocity is not None else None),
+        ):
             if kept is not None:
                 into_bucket(self.bucket, totals.get(kind, {}), kept)
                 kept.div_(self.link.world_size)

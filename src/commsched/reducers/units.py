@@ -3,9 +3,9 @@
 The bucket plan stays the single source of order: units are numbered in bucket (ready) order, and
 unit i goes on stream i mod S, the same on every rank. AIACC hands a unit to "the first free
 thread", which is decided per rank and would pair different collectives on the same group
-(ranks would disagree on which collective a group carries next, and hang or mix them). A unit is a contiguous slice of its bucket's flat buffer, so a large tensor is
-split across units, and its length is a multiple of the world size (a bucket is padded to one),
-so each unit can be reduce-scattered on its own.
+(ranks would disagree on which collective a group carries next, and hang or mix them). A unit is a contiguous
+slice of its bucket's flat buffer, so a large tensor is split across units, and its length is a multiple of the
+world size (a bucket is padded to one), so each unit can be reduce-scattered on its own.
 """
 
 from __future__ import annotations

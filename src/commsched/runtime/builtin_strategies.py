@@ -33,4 +33,8 @@ class DeFTStrategy(CommSchedStrategy):
     default_schedule = "deft"
 
 
-BUILTIN_STRATEGIES: dict[str, type[CommSchedStrategy]] = {"wfbp": WFBPStrategy, "dear": DeARStrategy, "deft": DeFTStrategy}
+BUILTIN_STRATEGIES: dict[str, type[CommSchedStrategy]] = {
+    "wfbp": WFBPStrategy,
+    "dear": DeARStrategy,
+    "deft": DeFTStrategy,
+}

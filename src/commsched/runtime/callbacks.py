@@ -27,12 +27,16 @@ class StepMetrics(pl.Callback):
     def _comm_seconds(trainer: pl.Trainer) -> float | None:
         return getattr(trainer.strategy, "exposed_comm_seconds", None)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._started = time.perf_counter()
         self._comm_at_start = self._comm_seconds(trainer) or 0.0
         self._wire_at_start = dict(getattr(trainer.strategy, "wire_bytes", {}))
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         seconds = time.perf_counter() - self._started
         self.step_seconds.append(seconds)
         pl_module.log("samples_per_s", self.samples_per_step / seconds, on_step=True, on_epoch=False, prog_bar=True)

@@ -44,8 +44,12 @@ class Engine:
         fusion = options.fusion
         if fusion.policy == "auto" and schedule_class.keeps_its_buckets(options):
             fusion = dataclasses.replace(fusion, policy="fixed")
-        self.policy = PlanPolicy(fusion, options.tuning, planner=schedule_class.planner,
-                                 hand_over_planners=[SCHEDULES[name].planner for name in schedule_class.hands_over_to])
+        self.policy = PlanPolicy(
+            fusion,
+            options.tuning,
+            planner=schedule_class.planner,
+            hand_over_planners=[SCHEDULES[name].planner for name in schedule_class.hands_over_to],
+        )
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.owner: Optional[Schedule] = None
         """The configured schedule: it decides hand-overs and keeps the communication state."""
@@ -63,13 +67,23 @@ class Engine:
         self._hand_over_plan: Optional[tuple[SavedPlan, BucketPlan]] = None  # (layout, its buckets) for `_plan_for`
         self._iteration_starts = True
 
-    def start(self, module: nn.Module, world_size: int, timeout: Optional[timedelta], default_backend: Optional[str],
-              restored: Optional[state.Restored], device: torch.device, per_node: int) -> None:
+    def start(
+        self,
+        module: nn.Module,
+        world_size: int,
+        timeout: Optional[timedelta],
+        default_backend: Optional[str],
+        restored: Optional[state.Restored],
+        device: torch.device,
+        per_node: int,
+    ) -> None:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
         `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
         processes per node (the sub-group links: one group per node, one per local rank)."""
-        log.debug(f"commsched: creating links {self.schedule_class.links_for(self.settings)}, "
-                  f"{self.schedule_class.streams_for(self.settings)} stream(s) each")
+        log.debug(
+            f"commsched: creating links {self.schedule_class.links_for(self.settings)}, "
+            f"{self.schedule_class.streams_for(self.settings)} stream(s) each"
+        )
         if self.trace is not None:
             self.trace.clear()
         self.links = Links(self._link_specs(default_backend, world_size, per_node), timeout, self.trace, device)
@@ -97,15 +111,22 @@ class Engine:
         secondary_ifname = o.secondary_ifname or os.environ.get(SECONDARY_IFNAME_ENV) or None
         names = self.schedule_class.links_for(self.settings)
         if "secondary" in names and secondary_ifname is None:
-            say("commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
-                           "the secondary link is a second gloo group on the primary's network")
+            say(
+                "commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
+                "the secondary link is a second gloo group on the primary's network"
+            )
         primary = o.primary_backend or default_backend
         streams = self.schedule_class.streams_for(self.settings)
-        specs = {"primary": LinkSpec("primary", primary, o.primary_ifname, streams=streams),
-                 "secondary": LinkSpec("secondary", o.secondary_backend, secondary_ifname),
-                 "intra": LinkSpec("intra", primary, o.primary_ifname, groups=node_groups(world_size, per_node), streams=streams),
-                 "inter": LinkSpec("inter", primary, o.primary_ifname, groups=local_rank_groups(world_size, per_node),
-                                   streams=streams)}
+        specs = {
+            "primary": LinkSpec("primary", primary, o.primary_ifname, streams=streams),
+            "secondary": LinkSpec("secondary", o.secondary_backend, secondary_ifname),
+            "intra": LinkSpec(
+                "intra", primary, o.primary_ifname, groups=node_groups(world_size, per_node), streams=streams
+            ),
+            "inter": LinkSpec(
+                "inter", primary, o.primary_ifname, groups=local_rank_groups(world_size, per_node), streams=streams
+            ),
+        }
         return [specs[name] for name in names]  # names checked by register_schedule
 
     def build(self, module: nn.Module, world_size: int) -> None:
@@ -127,7 +148,9 @@ class Engine:
         self.owner.detach()
         self._hand_over_plan = None  # the trainable parameters may have changed
         self.build(module, world_size)
-        self.owner.settling = self.policy.deciding or self.policy.comparing  # a layout tried while deciding or checked, or the one kept
+        self.owner.settling = (
+            self.policy.deciding or self.policy.comparing
+        )  # a layout tried while deciding or checked, or the one kept
         self._load(merged(carried.get("shared", {}), carried.get("per_rank", {})))
         self.owner.sync_enabled = sync_enabled
 
@@ -174,7 +197,9 @@ class Engine:
             return
         self._take_back(module)
         self.owner.detach()
-        self.schedule = SCHEDULES[handover.schedule](self._plan_for(handover.schedule, module), self.owner.links, handover.settings)
+        self.schedule = SCHEDULES[handover.schedule](
+            self._plan_for(handover.schedule, module), self.owner.links, handover.settings
+        )
         self.schedule.attach(module)
         log.debug(f"commsched: '{self.owner.name}' hands its iterations to '{handover.schedule}'")
 
@@ -213,8 +238,9 @@ class Engine:
             return
         warmup = self._fusion.profile_warmup_steps if planning else 1
         steps = max(self._profile.steps, self._fusion.profile_steps + warmup if planning else 0)
-        self.profiler = RunProfiler(steps, self._profile.dir, self._profile.probe or planning, warmup=warmup,
-                                    announce=bool(self._profile.steps))
+        self.profiler = RunProfiler(
+            steps, self._profile.dir, self._profile.probe or planning, warmup=warmup, announce=bool(self._profile.steps)
+        )
         self.profiler.start(module, self.links)
         self._profile = dataclasses.replace(self._profile, steps=0)  # the asked-for profile runs once
 

@@ -44,7 +44,8 @@ launcher's forwarded copy), not a second request to stop at once."""
 
 
 class StoppedBySignal(SystemExit):
-    """Raised on every rank at the agreed step, after the checkpoint is written: exit code 130, as a shell gives Ctrl-C."""
+    """Raised on every rank at the agreed step, after the checkpoint is written: exit code 130, as a shell gives
+    Ctrl-C."""
 
     def __init__(self, step: int, saved: Path) -> None:
         super().__init__(130)
@@ -82,8 +83,13 @@ class StopAndSave(pl.Callback):
             and the command prints its own line when the run is interrupted.
     """
 
-    def __init__(self, dirpath: Optional[Union[str, Path]] = None, filename: Optional[str] = None, every_epoch: bool = True,
-                 command_line: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: Optional[Union[str, Path]] = None,
+        filename: Optional[str] = None,
+        every_epoch: bool = True,
+        command_line: bool = False,
+    ) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.filename = filename
         self.every_epoch = every_epoch
@@ -125,7 +131,9 @@ class StopAndSave(pl.Callback):
             return Path("checkpoints")  # not set up yet: only a signal before fit asks
         chosen = trainer.checkpoint_callback
         found = getattr(chosen, "dirpath", None)
-        return Path(found) if found else (run_files.folder_of(trainer) or Path(trainer.default_root_dir)) / "checkpoints"
+        return (
+            Path(found) if found else (run_files.folder_of(trainer) or Path(trainer.default_root_dir)) / "checkpoints"
+        )
 
     @property
     def path(self) -> Path:
@@ -170,7 +178,11 @@ class StopAndSave(pl.Callback):
         if self.last_step == trainer.global_step and self.last_saved is not None:
             return True
         owner = self._owner(trainer)
-        if owner is not None and owner.last_model_path and getattr(owner, "_last_global_step_saved", None) == trainer.global_step:
+        if (
+            owner is not None
+            and owner.last_model_path
+            and getattr(owner, "_last_global_step_saved", None) == trainer.global_step
+        ):
             self.last_saved, self.last_step = Path(owner.last_model_path), trainer.global_step
             return True
         return False
@@ -217,8 +229,11 @@ class StopAndSave(pl.Callback):
 
     @rank_zero_only
     def _announce(self, name: str) -> None:
-        print(f"commsched: {name} received: stopping at the next step every rank reaches and saving {self.path} "
-              "(press Ctrl-C again to stop at once, without saving)", flush=True)
+        print(
+            f"commsched: {name} received: stopping at the next step every rank reaches and saving {self.path} "
+            "(press Ctrl-C again to stop at once, without saving)",
+            flush=True,
+        )
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -236,25 +251,34 @@ class StopAndSave(pl.Callback):
         self._trainer = trainer
         self.last_saved = self.last_step = None
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # A ModelCheckpoint whose folder is not the one its state was saved in keeps only best_model_path, and
         # warns on every rank; a resumed run in a new folder is the usual case, so: the same, without the warning.
         states = checkpoint.get("callbacks") or {}
         for callback in trainer.checkpoint_callbacks:
             state = states.get(callback.state_key) if isinstance(callback, ModelCheckpoint) else None
             if state and "dirpath" in state and state["dirpath"] != callback.dirpath:
-                states[callback.state_key] = {"dirpath": callback.dirpath, "best_model_score": callback.best_model_score,
-                                              "best_model_path": state.get("best_model_path", "")}
+                states[callback.state_key] = {
+                    "dirpath": callback.dirpath,
+                    "best_model_score": callback.best_model_score,
+                    "best_model_path": state.get("best_model_path", ""),
+                }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning registered its own SIGTERM handler (which stops each rank wherever it is).
         if trainer.state.fn == "fit":
             self._install()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._step_at_batch_start = trainer.global_step
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == self._step_at_batch_start:
             return  # mid-accumulation (or a batch that took no step): a checkpoint here would lose gradients
@@ -281,7 +305,12 @@ class StopAndSave(pl.Callback):
         return None
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.every_epoch and self.stopped_at is None and not trainer.sanity_checking and not self._saved_this_step(trainer):
+        if (
+            self.every_epoch
+            and self.stopped_at is None
+            and not trainer.sanity_checking
+            and not self._saved_this_step(trainer)
+        ):
             self._save(trainer, at_epoch_end=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -300,5 +329,7 @@ class StopAndSave(pl.Callback):
         self._restore()
         if self._posted or self._stop_at is not None:  # every rank read the key before the save they joined
             if trainer.is_global_zero and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.distributed_c10d._get_default_store().delete_key(STOP_KEY)  # a later fit in these processes starts clean
+                dist.distributed_c10d._get_default_store().delete_key(
+                    STOP_KEY
+                )  # a later fit in these processes starts clean
             self._posted, self._stop_at = False, None

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lightning.pytorch.utilities import rank_zero_warn
-
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 
 
 class FollowOptimizerSteps:
@@ -27,8 +26,10 @@ class FollowOptimizerSteps:
             if config.interval != "step":
                 continue
             if config.frequency != 1:
-                rank_zero_warn(f"commsched: LR scheduler {type(config.scheduler).__name__} steps every {config.frequency} "
-                               "batches; it follows iterations, not optimizer steps")
+                rank_zero_warn(
+                    f"commsched: LR scheduler {type(config.scheduler).__name__} steps every {config.frequency} "
+                    "batches; it follows iterations, not optimizer steps"
+                )
                 continue
             self._followed.append(config.scheduler)
         original = module.lr_scheduler_step

@@ -29,9 +29,10 @@ def refuse_before_launch(strategy: Any, grads_complete_after_closure: bool, name
     compression = getattr(getattr(strategy, "options", None), "compression", None)
     if scaled and compression is not None and compression.method != "none":
         raise CommSchedConfigError(
-            f"commsched: precision with a GradScaler (fp16 '16-mixed') is not supported with {compression.method} compression: "
-            "the residuals and velocities a sparse exchange keeps across steps would mix gradients of different loss "
-            "scales, and an overflowing step would leave inf in them. Use precision='bf16-mixed' or '32-true', or compression='none'."
+            "commsched: precision with a GradScaler (fp16 '16-mixed') is not supported with "
+            f"{compression.method} compression: the residuals and velocities a sparse exchange keeps across steps "
+            "would mix gradients of different loss scales, and an overflowing step would leave inf in them. "
+            "Use precision='bf16-mixed' or '32-true', or compression='none'."
         )
 
 
@@ -47,7 +48,8 @@ def refuse_manual_optimization(module: Any, name: str) -> None:
 def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool = True) -> None:
     if len(optimizers) != 1:
         raise CommSchedConfigError(
-            f"commsched: strategy='{name}' supports exactly one optimizer; configure_optimizers returned {len(optimizers)}."
+            f"commsched: strategy='{name}' supports exactly one optimizer; "
+            f"configure_optimizers returned {len(optimizers)}."
         )
     if isinstance(optimizers[0], _CLOSURE_OPTIMIZERS):
         raise CommSchedConfigError(
@@ -59,7 +61,8 @@ def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool =
         raise CommSchedConfigError(
             f"commsched: LARS(parallel_norms=True) all-reduces its per-layer norms inside step(), which needs every "
             f"rank to hold whole gradients and step at once; strategy='{name}' steps parts of the model at different "
-            "times. Use LARS(parallel_norms=False) here, or strategy='wfbp' (or 'topk', or Lightning's 'ddp').")
+            "times. Use LARS(parallel_norms=False) here, or strategy='wfbp' (or 'topk', or Lightning's 'ddp')."
+        )
 
 
 def refuse_streams(options: Any, schedule: Any) -> None:

@@ -13,13 +13,13 @@ import dataclasses
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.errors import CommSchedConfigError
 from commsched.fusion import MODEL_POLICIES
-from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
-from commsched.schedules import SCHEDULES, Schedule
-from commsched.sim.simulate import register as register_simulation
 from commsched.runtime.builtin_strategies import BUILTIN_STRATEGIES, DeARStrategy, DeFTStrategy, WFBPStrategy
 from commsched.runtime.strategy import CommSchedStrategy
+from commsched.schedules import SCHEDULES, Schedule
+from commsched.sim.simulate import register as register_simulation
 
 STRATEGIES: dict[str, type[CommSchedStrategy]] = {}
 """The strategy class of every registered schedule, by name."""
@@ -34,25 +34,36 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
         raise CommSchedConfigError(f"commsched.register_schedule: {cls!r} is not a subclass of commsched.Schedule")
     name = cls.name
     if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
-        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.name = {name!r}: a Python identifier "
-                                   f"other than {', '.join(RESERVED)} (each schedule sets its own `name`)")
-    for field, names, known in (("step_collectives", cls.step_collectives, KNOWN_COLLECTIVES),
-                                ("links_used", cls.links_used, KNOWN_LINKS), ("planner", (cls.planner,), MODEL_POLICIES)):
+        raise CommSchedConfigError(
+            f"commsched.register_schedule: {cls.__name__}.name = {name!r}: a Python identifier "
+            f"other than {', '.join(RESERVED)} (each schedule sets its own `name`)"
+        )
+    for field, names, known in (
+        ("step_collectives", cls.step_collectives, KNOWN_COLLECTIVES),
+        ("links_used", cls.links_used, KNOWN_LINKS),
+        ("planner", (cls.planner,), MODEL_POLICIES),
+    ):
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.{field} has {unknown}; "
-                                       f"allowed: {', '.join(known)}")
+            raise CommSchedConfigError(
+                f"commsched.register_schedule: {cls.__name__}.{field} has {unknown}; allowed: {', '.join(known)}"
+            )
     refuse_options_class(cls)
     missing = [hook for hook in ("on_bucket_ready", "on_backward_end") if getattr(cls, hook) is getattr(Schedule, hook)]
     if missing:
-        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__} does not implement {' and '.join(missing)}: "
-                                   "every schedule says what happens when a bucket is full and when backward ends")
+        raise CommSchedConfigError(
+            f"commsched.register_schedule: {cls.__name__} does not implement {' and '.join(missing)}: "
+            "every schedule says what happens when a bucket is full and when backward ends"
+        )
     builtin = BUILTIN_STRATEGIES.get(name)
     if builtin is not None and _BUILTIN_SCHEDULES.get(name) is cls:
         STRATEGIES[name] = builtin
     elif SCHEDULES.get(name) is not cls or name not in STRATEGIES:
-        STRATEGIES[name] = type(f"{cls.__name__.removesuffix('Schedule')}Strategy", (CommSchedStrategy,),
-                                {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__})
+        STRATEGIES[name] = type(
+            f"{cls.__name__.removesuffix('Schedule')}Strategy",
+            (CommSchedStrategy,),
+            {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__},
+        )
     SCHEDULES[name] = cls
     register_simulation(name, cls.simulate)
     StrategyRegistry.register(name, STRATEGIES[name], description=cls.description, override=True)
@@ -66,19 +77,28 @@ def refuse_options_class(cls: type[Schedule]) -> None:
     if options_class is None:
         return
     if not (isinstance(options_class, type) and dataclasses.is_dataclass(options_class)):
-        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.options_class = {options_class!r}: "
-                                   "a dataclass (a default and a docstring per field), or None")
+        raise CommSchedConfigError(
+            f"commsched.register_schedule: {cls.__name__}.options_class = {options_class!r}: "
+            "a dataclass (a default and a docstring per field), or None"
+        )
     builder = next(c for c in cls.__mro__ if "settings_for" in vars(c))
     if builder is not Schedule and builder.options_class is not options_class:
-        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.options_class {options_class.__name__} would "
-                                   f"never reach the schedule: the settings_for it inherits from {builder.__name__} builds "
-                                   f"{builder.__name__}'s own settings. Override settings_for (options.schedule_options "
-                                   "holds the validated instance)")
-    required = [f.name for f in dataclasses.fields(options_class)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        raise CommSchedConfigError(
+            f"commsched.register_schedule: {cls.__name__}.options_class {options_class.__name__} would "
+            f"never reach the schedule: the settings_for it inherits from {builder.__name__} builds "
+            f"{builder.__name__}'s own settings. Override settings_for (options.schedule_options "
+            "holds the validated instance)"
+        )
+    required = [
+        f.name
+        for f in dataclasses.fields(options_class)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if required:
-        raise CommSchedConfigError(f"commsched.register_schedule: {cls.__name__}.options_class {options_class.__name__} "
-                                   f"has fields without a default ({', '.join(required)}): give each one")
+        raise CommSchedConfigError(
+            f"commsched.register_schedule: {cls.__name__}.options_class {options_class.__name__} "
+            f"has fields without a default ({', '.join(required)}): give each one"
+        )
 
 
 _BUILTIN_SCHEDULES = dict(SCHEDULES)
@@ -88,5 +108,11 @@ for _builtin in list(SCHEDULES.values()):
 
 __all__ = ["DeARStrategy", "DeFTStrategy", "STRATEGIES", "WFBPStrategy", "register_schedule"]
 
-StrategyRegistry.register("topk", WFBPStrategy, description="commsched WFBP with top-k sparse exchanges (density 0.01, "
-                          "error feedback; the faster selection, and dense where sparse does not pay)", override=True, compression="auto")
+StrategyRegistry.register(
+    "topk",
+    WFBPStrategy,
+    description="commsched WFBP with top-k sparse exchanges (density 0.01, "
+    "error feedback; the faster selection, and dense where sparse does not pay)",
+    override=True,
+    compression="auto",
+)

@@ -17,7 +17,6 @@ from typing import Any, Optional
 from commsched.errors import current_syntax
 from commsched.say import size_text
 
-
 RECENT_STEPS = 50
 """The closing summary's per-step figures are medians over the fit's last steps (its steady state:
 after warm-up, profiling and whatever was decided on timed steps)."""
@@ -54,8 +53,11 @@ def describe_buckets(strategy: Any) -> str:
     auto = decided.details.get("auto") if decided is not None else None
     if auto is not None:
         fixed_ms, planned_ms = auto["step_ms"]
-        how = (f"{auto['planner']}'s plan, {fixed_ms / planned_ms:.2f}x fixed buckets" if auto["kept"] == "planned"
-               else f"fixed {fusion.bucket_cap_mb:.3g} MB buckets: {auto['planner']}'s plan was not faster")
+        how = (
+            f"{auto['planner']}'s plan, {fixed_ms / planned_ms:.2f}x fixed buckets"
+            if auto["kept"] == "planned"
+            else f"fixed {fusion.bucket_cap_mb:.3g} MB buckets: {auto['planner']}'s plan was not faster"
+        )
         how += f"; decided in {auto['steps_deciding']} steps"
     elif decided is not None:
         how = f"plan file {fusion.plan_file}" if fusion.plan_file else f"chosen by {decided.policy}"
@@ -72,8 +74,10 @@ def describe_time(clock: StepClock) -> Optional[str]:
         return None
     step, waited, sent = recent
     last = min(clock.steps - 1, RECENT_STEPS)
-    return (f"{clock.steps} steps; over the last {last}, a median step of {step * 1e3:.1f} ms, of which the training loop "
-            f"waited {waited * 1e3:.1f} ms on communication ({waited / step:.0%}); this rank sent {size_text(sent)} a step")
+    return (
+        f"{clock.steps} steps; over the last {last}, a median step of {step * 1e3:.1f} ms, of which the training loop "
+        f"waited {waited * 1e3:.1f} ms on communication ({waited / step:.0%}); this rank sent {size_text(sent)} a step"
+    )
 
 
 def describe_files(folder: Optional[Path], written: list[Path]) -> Optional[str]:
@@ -105,12 +109,22 @@ def resume_hint(trainer: Any) -> Optional[str]:
     if not last:
         return None
     if not python:
-        return f"last checkpoint {last}; continue with: commsched-train resume={Path(last).parent.parent} (and the same options)"
+        return (
+            f"last checkpoint {last}; continue with: commsched-train resume={Path(last).parent.parent} "
+            "(and the same options)"
+        )
     return f"last checkpoint {last}; continue with: trainer.fit(model, ckpt_path={last!r})"
 
 
-def closing_lines(strategy: Any, trainer: Any, clock: StepClock, schedule_lines: list[str], written: list[Path]) -> list[str]:
-    parts = [describe_buckets(strategy), describe_time(clock), *schedule_lines,
-             describe_files(strategy.run_dir, written), resume_hint(trainer)]
+def closing_lines(
+    strategy: Any, trainer: Any, clock: StepClock, schedule_lines: list[str], written: list[Path]
+) -> list[str]:
+    parts = [
+        describe_buckets(strategy),
+        describe_time(clock),
+        *schedule_lines,
+        describe_files(strategy.run_dir, written),
+        resume_hint(trainer),
+    ]
     name = strategy.schedule_class.name
     return [f"commsched {name}: " + part for part in parts if part]

@@ -19,6 +19,7 @@ from functools import partial, partialmethod
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Generator, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
@@ -31,16 +32,25 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from commsched import errors, options, run_files, state
-from commsched.runtime import refusals, observers, run_summary
 from commsched.comm import peers
+from commsched.errors import PeerFailureError
+from commsched.options import (
+    CompressionOptions,
+    DeAROptions,
+    DeFTOptions,
+    FusionOptions,
+    LinkOptions,
+    PreserverOptions,
+    ProfileOptions,
+    StreamOptions,
+    TuningOptions,
+)
+from commsched.runtime import observers, refusals, run_summary
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
-from commsched.errors import PeerFailureError
 from commsched.runtime.interrupt import StoppedBySignal
 from commsched.runtime.lr_follow import FollowOptimizerSteps
-from commsched.options import CompressionOptions, DeAROptions, DeFTOptions, FusionOptions, LinkOptions, PreserverOptions, ProfileOptions, StreamOptions, TuningOptions
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say, say_from_this_rank
 from commsched.schedules import SCHEDULES, Schedule
@@ -119,9 +129,22 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         with errors.owned_by(type(self).__name__):
             name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
             self.schedule_class: type[Schedule] = SCHEDULES[name]
-            self.options = options.StrategyOptions.from_arguments(fusion, bucket_cap_mb, tuning, profile, links, deft, preserver,
-                                                                  compression, streams, stream_options, dear, name,
-                                                                  self.schedule_class.options_class, schedule_options)
+            self.options = options.StrategyOptions.from_arguments(
+                fusion,
+                bucket_cap_mb,
+                tuning,
+                profile,
+                links,
+                deft,
+                preserver,
+                compression,
+                streams,
+                stream_options,
+                dear,
+                name,
+                self.schedule_class.options_class,
+                schedule_options,
+            )
             refusals.refuse_compression(self.options.compression, self.schedule_class)
             refusals.refuse_streams(self.options, self.schedule_class)
             checked_timeout = options.timeout(timeout)
@@ -129,9 +152,14 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             trace = options.flag("trace_collectives", trace_collectives)
             sync_buffers = options.flag("broadcast_buffers", broadcast_buffers)
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            timeout=checked_timeout, start_method=checked_start,  # type: ignore[arg-type]
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=checked_timeout,
+            start_method=checked_start,  # type: ignore[arg-type]
         )
         self._engine = Engine(self.schedule_class, self.options, trace)
         self._buffers = BufferSync(sync_buffers)
@@ -143,11 +171,13 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._clock = run_summary.StepClock()
         self._files_before = 0
         self.run_dir: Optional[Path] = None
-        """This fit's folder for the files commsched writes (`commsched.run_files.run_folder`; None: the run has none)."""
+        """This fit's folder for the files commsched writes (`commsched.run_files.run_folder`; None: the run has
+        none)."""
         self.run_dir_resolved = False
 
     def request_replan(self) -> None:
-        """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask together)."""
+        """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask
+        together)."""
         self._engine.request_replan()
 
     @override
@@ -167,23 +197,38 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper."""
         module = self.lightning_module
         refusals.refuse_manual_optimization(module, self.schedule_class.name)
-        self._engine.start(module, self.world_size, self._timeout, self._process_group_backend, self._restored, self.root_device,
-                           self.num_processes)
+        self._engine.start(
+            module,
+            self.world_size,
+            self._timeout,
+            self._process_group_backend,
+            self._restored,
+            self.root_device,
+            self.num_processes,
+        )
         self._restored = None
         self._buffers.needed = True
         self._failed = False
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self.run_dir, self.run_dir_resolved = run_files.run_folder(trainer), True  # collective: every rank, before anything writes
+        self.run_dir, self.run_dir_resolved = (
+            run_files.run_folder(trainer),
+            True,
+        )  # collective: every rank, before anything writes
         peers.learn()  # collective: a failed collective can then name the rank that is gone
         self._clock, self._files_before = run_summary.StepClock(), len(run_files.WRITTEN)
-        log.debug(f"{self.__class__.__name__}: files of this run go to {self.run_dir or 'no folder (no logger, no checkpoints)'}")
+        log.debug(
+            f"{self.__class__.__name__}: files of this run go to "
+            f"{self.run_dir or 'no folder (no logger, no checkpoints)'}"
+        )
         self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             if self.schedule_class.skips_steps:
-                self._lr_follow = FollowOptimizerSteps(trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration)
+                self._lr_follow = FollowOptimizerSteps(
+                    trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration
+                )
             refusals.refuse_optimizer_setup(self.optimizers, self.schedule_class.name, self.schedule_class.steps_whole)
             self.schedule_class.refuse_optimizers(self.options, self.optimizers)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
@@ -231,8 +276,13 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     predict_step = override(partialmethod(_evaluation_step, "predict_step"))
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: Optional[Union["pl.LightningModule", nn.Module]] = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
         schedule = self._engine.schedule
         if schedule is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -244,7 +294,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
         # Strategy.optimizer_step, not DDPStrategy's: DDP's only adds post-localSGD model averaging.
         try:
-            output = schedule.optimizer_step(optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs))
+            output = schedule.optimizer_step(
+                optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs)
+            )
         finally:
             self._engine.iteration_done()
         self._clock.stepped(self.exposed_comm_seconds, sum(self.wire_bytes.values()))
@@ -264,10 +316,16 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         if self._engine.profiler is not None:
             getattr(self._engine.profiler, event)(self)
 
-    def _clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,
-                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+    def _clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
         if clip_val > 0 and self._engine.schedule is not None:
-            self._engine.schedule.clip_gradients(optimizer, float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value)
+            self._engine.schedule.clip_gradients(
+                optimizer, float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value
+            )
 
     def _steps_this_iteration(self) -> int:
         return self._engine.schedule.steps_this_iteration if self._engine.schedule is not None else 1
@@ -296,14 +354,18 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         if not self._failed:
             self._engine.finish_profile(self)  # a run shorter than its profile: report what there is
         self._flush()
-        if not self._failed and self._engine.owner is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+        if (
+            not self._failed
+            and self._engine.owner is not None
+            and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        ):
             self._say_summary()
 
     def _say_summary(self) -> None:
         """The fit's closing lines (rank 0 says them; every rank gathers the schedule's part)."""
         assert self._engine.owner is not None
         decided = self._engine.owner.summary()  # may write files (an unfinished search's trials)
-        written = run_files.WRITTEN[self._files_before:]
+        written = run_files.WRITTEN[self._files_before :]
         lines = run_summary.closing_lines(self, self.lightning_module.trainer, self._clock, decided, written)
         say("\n".join(lines))
 
@@ -316,7 +378,11 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
         self._flush()
         saved, owner = super().optimizer_state(optimizer), self._engine.owner or self._engine.finished  # after fit too
-        return owner.optimizer_state(optimizer, saved) if owner and dist.is_initialized() and not self._run_failed() else saved
+        return (
+            owner.optimizer_state(optimizer, saved)
+            if owner and dist.is_initialized() and not self._run_failed()
+            else saved
+        )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -326,8 +392,10 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             # the process group may be broken: gathering the ranks' state would wait for the timeout
             self._note_failure()
             what = "as said above" if self._failure_state else "those of the last step taken, whole"
-            say_from_this_rank(f"commsched: this checkpoint, saved after the run failed, holds this rank's weights ({what}) "
-                               "and no communication state")
+            say_from_this_rank(
+                f"commsched: this checkpoint, saved after the run failed, holds this rank's weights ({what}) "
+                "and no communication state"
+            )
             if self._failure_state is not None:  # the step counters count a step these weights do not hold
                 checkpoint[state.AFTER_FAILURE_KEY] = self._failure_state
         elif self._engine.schedule is not None or (self._engine.finished is not None and dist.is_initialized()):
@@ -356,8 +424,12 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         if self._failed:
             return True
         exception = sys.exc_info()[1]
-        return exception is not None and not isinstance(exception, StoppedBySignal) and \
-            self.lightning_module is not None and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED
+        return (
+            exception is not None
+            and not isinstance(exception, StoppedBySignal)
+            and self.lightning_module is not None
+            and self.lightning_module.trainer.state.status == TrainerStatus.INTERRUPTED
+        )
 
     def _note_failure(self, exception: Optional[BaseException] = None) -> None:
         """Say once, from this rank, what its model holds when that is not simply one step's weights
@@ -375,9 +447,13 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         # Every rank stops by signal at the same step, everything applied and saved: not a failure.
         self._failed = not isinstance(exception, StoppedBySignal)
         if self._failed:
-            gone = None if isinstance(exception, KeyboardInterrupt) else peers.describe_gone()  # Ctrl-C: the user stops every rank
+            gone = (
+                None if isinstance(exception, KeyboardInterrupt) else peers.describe_gone()
+            )  # Ctrl-C: the user stops every rank
             if gone is not None and gone not in str(exception):  # e.g. Lightning's own collective failed first
-                say_from_this_rank(f"commsched: {gone}: the run stops on rank {self.global_rank} ({type(exception).__name__})")
+                say_from_this_rank(
+                    f"commsched: {gone}: the run stops on rank {self.global_rank} ({type(exception).__name__})"
+                )
             self._note_failure(exception)
         super().on_exception(exception)
         if isinstance(exception, PeerFailureError) and self.launcher is not None:

@@ -33,11 +33,11 @@ from commsched.state import refuse_unknown
 if TYPE_CHECKING:
     from commsched.interleaved import MeasuredChoice
     from commsched.options import StrategyOptions
-    from commsched.streams.control import StreamControl
     from commsched.reducers.units import Striping
     from commsched.sim.cost_models import CostModel
     from commsched.sim.timelines import Buckets, Result
     from commsched.sim.workload import Workload
+    from commsched.streams.control import StreamControl
 
 
 SettingsT = TypeVar("SettingsT")
@@ -77,7 +77,8 @@ class Schedule(Generic[SettingsT]):
     """The link of the per-step used-mask all-reduce ("control": the default group, when the primary
     carries traffic that must not be waited for at the end of backward)."""
     planner: ClassVar[str] = "mgwfbp"
-    """The model policy that plans this schedule's buckets under ``fusion="auto"`` (a `commsched.fusion.MODEL_POLICIES` name)."""
+    """The model policy that plans this schedule's buckets under ``fusion="auto"`` (a
+    `commsched.fusion.MODEL_POLICIES` name)."""
     hands_over_to: ClassVar[tuple[str, ...]] = ()
     """The schedules `at_boundary` may hand the iterations to (`Handover`): under ``fusion="auto"`` each
     runs on the layout its own planner makes from the same profile, where that differs."""
@@ -239,7 +240,9 @@ class Schedule(Generic[SettingsT]):
         if self.streams.auto and not self.streams.searching:
             s = self.streams.striping
             two_level = s.streams if s.hierarchical else 0  # the node-first links, made again if a search re-opens
-            self.links.release_streams({"primary": 1 if s.hierarchical else s.streams, "intra": two_level, "inter": two_level})
+            self.links.release_streams(
+                {"primary": 1 if s.hierarchical else s.streams, "intra": two_level, "inter": two_level}
+            )
 
     @classmethod
     def refuse_optimizers(cls, options: StrategyOptions, optimizers: list[Optimizer]) -> None:
@@ -351,7 +354,9 @@ def runs_compiled(module: nn.Module) -> bool:
         return True
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
+    )
 
 
 def params_of(optimizer: Optimizer) -> list[nn.Parameter]:

@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from commsched.comm.buckets import BucketPlan
+from commsched.comm.links import Link, Pending
 from commsched.errors import ScheduleError
 from commsched.hooks import OwnHook
-from commsched.comm.links import Link, Pending
 
 
 class CapturePhase(enum.Enum):
@@ -35,8 +35,14 @@ class CapturePhase(enum.Enum):
 class GradientCapture:
     """Calls `on_bucket(b)` for each complete bucket in order and `on_backward_end()` once per step."""
 
-    def __init__(self, plan: BucketPlan, mask_link: Link, schedule_name: str,
-                 on_bucket: Callable[[int], None], on_backward_end: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        plan: BucketPlan,
+        mask_link: Link,
+        schedule_name: str,
+        on_bucket: Callable[[int], None],
+        on_backward_end: Callable[[], None],
+    ) -> None:
         self.plan = plan
         self.sync_enabled = True  # False inside Lightning's no-sync accumulation micro-batches
         self.phase = CapturePhase.IDLE
@@ -57,7 +63,9 @@ class GradientCapture:
     def attach(self) -> None:
         for bucket in self.plan.buckets:
             for slot, param in enumerate(bucket.params):
-                self._handles.append(param.register_post_accumulate_grad_hook(OwnHook(partial(self._grad_ready, bucket.index, slot))))
+                self._handles.append(
+                    param.register_post_accumulate_grad_hook(OwnHook(partial(self._grad_ready, bucket.index, slot)))
+                )
 
     def detach(self) -> None:
         for handle in self._handles:

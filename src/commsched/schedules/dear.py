@@ -37,22 +37,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from commsched.comm.buckets import BucketPlan
-from commsched.hooks import OwnHook
 from commsched.comm.links import InOrder, Links, Pending
-from commsched.reducers.striped import StripedShards, Together
+from commsched.hooks import OwnHook
 from commsched.interleaved import MeasuredChoice
-from commsched.schedules.dear_fallback import WFBP, describe_fallback, fallback_choice
+from commsched.options import BUILTIN, DeAROptions, StrategyOptions, StreamOptions
+from commsched.reducers.striped import StripedShards, Together
+from commsched.reducers.units import Striping, Unit, plan_units
 from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
+from commsched.schedules.dear_fallback import WFBP, describe_fallback, fallback_choice
 from commsched.schedules.deferred_step import DeferredStep, SubsetStepper
 from commsched.schedules.per_parameter import per_parameter_classes
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
-from commsched.options import BUILTIN, DeAROptions, StrategyOptions, StreamOptions
 from commsched.streams.control import StreamControl
-from commsched.reducers.units import Striping, Unit, plan_units
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,9 @@ class DeARSchedule(Schedule[DeARSettings]):
         self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self._compiled = False
-        self.deferred = DeferredStep(plan, self.hand_back_gradients, self.settings.rollback, self.settings.per_parameter)
+        self.deferred = DeferredStep(
+            plan, self.hand_back_gradients, self.settings.rollback, self.settings.per_parameter
+        )
         """The step from the end of backward to its last bucket applied in the next forward."""
 
     # ----------------------------------------------------------------- lifecycle
@@ -107,7 +109,9 @@ class DeARSchedule(Schedule[DeARSettings]):
                 self._owner_buckets[id(sub)] = tuple(sorted(buckets, reverse=True))
                 self._handles.append(sub.register_forward_pre_hook(OwnHook(partial(self._before_module, id(sub)))))
             if self.settings.rollback and any(name not in sub._non_persistent_buffers_set for name in sub._buffers):
-                self._handles.append(sub.register_forward_pre_hook(OwnHook(lambda module, args: self.deferred.keep_buffers(module))))
+                self._handles.append(
+                    sub.register_forward_pre_hook(OwnHook(lambda module, args: self.deferred.keep_buffers(module)))
+                )
 
     @override
     def after_failure(self) -> Optional[str]:
@@ -123,19 +127,32 @@ class DeARSchedule(Schedule[DeARSettings]):
         """Each bucket's units on their streams (one unit per bucket with one stream); DeFT's hand-over
         names a link per bucket instead."""
         if self.settings.bucket_links is not None:
-            return [StripedShards(b, [Unit(b.index, 0, b.buffer.numel(), 0)], [self.links[name]])
-                    for b, name in zip(self.plan.buckets, self.settings.bucket_links)]
+            return [
+                StripedShards(b, [Unit(b.index, 0, b.buffer.numel(), 0)], [self.links[name]])
+                for b, name in zip(self.plan.buckets, self.settings.bucket_links)
+            ]
         streams = self.links.streams("primary", striping.streams)
-        return [StripedShards(b, units, streams) for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
+        return [
+            StripedShards(b, units, streams) for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))
+        ]
 
     @classmethod
     @override
-    def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> DeARSettings:
+    def settings_for(
+        cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]
+    ) -> DeARSettings:
         o = options.dear
-        fallback = (fallback_choice(o, lambda: getattr(trainer.strategy, "profile", None))
-                    if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1 else None)
-        return DeARSettings(streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
-                            fallback=fallback, rollback=o.rollback, per_parameter=tuple(per_parameter_classes(o.per_parameter)))
+        fallback = (
+            fallback_choice(o, lambda: getattr(trainer.strategy, "profile", None))
+            if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1
+            else None
+        )
+        return DeARSettings(
+            streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
+            fallback=fallback,
+            rollback=o.rollback,
+            per_parameter=tuple(per_parameter_classes(o.per_parameter)),
+        )
 
     @override
     def at_boundary(self) -> Optional[Handover]:
@@ -170,7 +187,11 @@ class DeARSchedule(Schedule[DeARSettings]):
 
     @override
     def summary(self) -> list[str]:
-        return ([self._describe_fallback()] if self.settings.fallback is not None else []) + self.deferred.summary() + super().summary()
+        return (
+            ([self._describe_fallback()] if self.settings.fallback is not None else [])
+            + self.deferred.summary()
+            + super().summary()
+        )
 
     @override
     def _restripe(self, striping: Striping) -> None:
@@ -281,7 +302,9 @@ class Gathers:
         return all(self._chains[chain].done(i) for chain, i in self._position[b])
 
 
-def start_gathers(reducers: Sequence[StripedShards], links: Links, gather: Callable[[int, int, Optional[Pending]], Pending]) -> Gathers:
+def start_gathers(
+    reducers: Sequence[StripedShards], links: Links, gather: Callable[[int, int, Optional[Pending]], Pending]
+) -> Gathers:
     """Request every bucket's all-gathers: one chain per link (stream), in the order the next forward
     needs the buckets (the last bucket first); `gather(b, u, previous)` starts unit u of bucket b
     once `previous` (the chain's last) is done."""
@@ -329,5 +352,9 @@ def squared_norm(plan: BucketPlan, reducers: Sequence[StripedShards], segments: 
     for bucket, reducer, ranges in zip(plan.buckets, reducers, segments):
         pieces = [bucket.buffer.narrow(0, lo, shard.numel()) if whole else shard for lo, shard in reducer.pieces()]
         for i, start, length in ranges:
-            squares += torch.linalg.vector_norm(pieces[i].narrow(0, start, length), dtype=torch.float32).square().to(squares.device)
+            squares += (
+                torch.linalg.vector_norm(pieces[i].narrow(0, start, length), dtype=torch.float32)
+                .square()
+                .to(squares.device)
+            )
     return squares

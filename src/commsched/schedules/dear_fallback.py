@@ -31,8 +31,14 @@ def predicted_steps(profile: Optional[dict[str, Any]]) -> Optional[list[float]]:
 
 def fallback_choice(options: DeAROptions, profile_of: Callable[[], Optional[dict[str, Any]]]) -> MeasuredChoice:
     """The choice `DeAROptions.fallback="when_faster"` makes; `profile_of` returns the run's profile when it starts."""
-    return MeasuredChoice(options.confirm_steps, options.confirm_rounds, options.drift, options.drift_steps,
-                  predict=lambda: predicted_steps(profile_of()), max_rounds=options.confirm_max_rounds)
+    return MeasuredChoice(
+        options.confirm_steps,
+        options.confirm_rounds,
+        options.drift,
+        options.drift_steps,
+        predict=lambda: predicted_steps(profile_of()),
+        max_rounds=options.confirm_max_rounds,
+    )
 
 
 def describe_fallback(choice: MeasuredChoice) -> str:

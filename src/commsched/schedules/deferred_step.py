@@ -25,8 +25,8 @@ The communication itself (reduce-scatters, the order of the all-gathers) is the 
 
 from __future__ import annotations
 
-from collections import Counter
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
@@ -42,7 +42,8 @@ from commsched.schedules.step_control import run_with_step_replaced
 
 
 class GatherWaits(Protocol):
-    """What the update waits on: one step's all-gathers as the schedule started them (`commsched.schedules.dear.Gathers`)."""
+    """What the update waits on: one step's all-gathers as the schedule started them
+    (`commsched.schedules.dear.Gathers`)."""
 
     def wait(self, b: int) -> None:
         """Until bucket `b`'s all-gathers have landed (re-raises their failure)."""
@@ -69,8 +70,13 @@ class DeferredStep:
     """One schedule's deferred optimizer steps over the buckets of `plan`. `hand_back_gradients(buckets)`
     puts the reduced gradients of `buckets` in `.grad` (the schedule's, as DDP leaves them)."""
 
-    def __init__(self, plan: BucketPlan, hand_back_gradients: Callable[[Iterable[int]], None], rollback: bool,
-                 per_parameter: Sequence[type]) -> None:
+    def __init__(
+        self,
+        plan: BucketPlan,
+        hand_back_gradients: Callable[[Iterable[int]], None],
+        rollback: bool,
+        per_parameter: Sequence[type],
+    ) -> None:
         self.plan = plan
         self._hand_back_gradients = hand_back_gradients
         self._per_parameter = tuple(per_parameter)
@@ -129,7 +135,9 @@ class DeferredStep:
     # ------------------------------------------------------ 2. the optimizer step
     def replace_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         """Let Lightning run closure, hooks and clipping; the update itself is `step`'s."""
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, lambda: real_step(**kwargs)))
+        return run_with_step_replaced(
+            optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, lambda: real_step(**kwargs))
+        )
 
     def step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         """After the closure: take the step at once (gradients already whole, or the fit's first step, so
@@ -148,13 +156,23 @@ class DeferredStep:
         assert self.gathers is not None
         if self._stepper is None or self._stepper.key_at_build != SubsetStepper.key(optimizer):
             self._stepper = SubsetStepper(optimizer, [b.params for b in self.plan.buckets], self._per_parameter)
-        self._update = PendingUpdate(self._stepper, real_step, snapshot_hyperparams(optimizer), self.gathers, self.clip,
-                                     [True] * len(self.plan.buckets), self._undo.begin() if self._undo is not None else None, set())
+        self._update = PendingUpdate(
+            self._stepper,
+            real_step,
+            snapshot_hyperparams(optimizer),
+            self.gathers,
+            self.clip,
+            [True] * len(self.plan.buckets),
+            self._undo.begin() if self._undo is not None else None,
+            set(),
+        )
         state = optimizer.state
         unwatched = []
         for b, bucket in enumerate(self.plan.buckets):
-            tensors = [*bucket.params, *(v for p in bucket.params if p in state for v in state[p].values()
-                                         if isinstance(v, torch.Tensor))]
+            tensors = [
+                *bucket.params,
+                *(v for p in bucket.params if p in state for v in state[p].values() if isinstance(v, torch.Tensor)),
+            ]
             if not self.pending.mark(b, tensors, Kind.UPDATE):
                 unwatched.append(b)
         for b in unwatched:
@@ -175,8 +193,11 @@ class DeferredStep:
             if update is None or not update.waiting[b]:
                 return
             split = update.stepper.mode.split
-            ready = [b] + [c for c, waiting in enumerate(update.waiting)
-                           if waiting and c != b and (not split or landed(update.gathers, c))]
+            ready = [b] + [
+                c
+                for c, waiting in enumerate(update.waiting)
+                if waiting and c != b and (not split or landed(update.gathers, c))
+            ]
             for c in ready if not split else [b]:
                 update.gathers.wait(c)  # re-raises a failure before anything changes
             for c in ready:
@@ -200,8 +221,13 @@ class DeferredStep:
         partly applied: copies of them, so that a step taken back takes back what this forward changed."""
         update = self._update
         if update is not None and update.undo is not None and module.training:
-            update.undo.keep_buffers([b for name, b in module._buffers.items()
-                                      if b is not None and name not in module._non_persistent_buffers_set])
+            update.undo.keep_buffers(
+                [
+                    b
+                    for name, b in module._buffers.items()
+                    if b is not None and name not in module._non_persistent_buffers_set
+                ]
+            )
 
     def flush(self, why: str = "flush") -> None:
         for b in reversed(range(len(self.plan.buckets))):
@@ -228,7 +254,11 @@ class DeferredStep:
         from commsched.say import size_text
 
         peak = max(self.rollback_peak_bytes, self._undo.reserved_bytes if self._undo is not None else 0)  # buffers too
-        rollback = [f"copies kept to take a step back on failure: at most {size_text(peak)} (DeAROptions.rollback)"] if peak else []
+        rollback = (
+            [f"copies kept to take a step back on failure: at most {size_text(peak)} (DeAROptions.rollback)"]
+            if peak
+            else []
+        )
         stepping = [self._stepper.mode.describe(self._stepper.optimizer)] if self._stepper is not None else []
         return stepping + rollback
 
@@ -249,19 +279,25 @@ def taken_back(update: PendingUpdate) -> Optional[str]:
     """A step still partly on the network when the run failed: taken back where the copies allow, so that
     the weights are those of one step; what the model holds, in a sentence."""
     applied = [b for b, waiting in enumerate(update.waiting) if not waiting]
-    before = ("the weights, buffers and optimizer state are those before that step, whole (the step count saved with "
-              "them includes it)")
+    before = (
+        "the weights, buffers and optimizer state are those before that step, whole (the step count saved with "
+        "them includes it)"
+    )
     if not applied:
         if update.undo is not None:
             update.undo.restore(update.stepper.optimizer.state)  # buffers the forward since changed
         return f"the last optimizer step's update was not applied (its all-gathers did not complete): {before}"
     if update.undo is not None and update.kept.issuperset(applied):
         update.undo.restore(update.stepper.optimizer.state)
-        return (f"the last optimizer step was taken back ({len(applied)} of {len(update.waiting)} buckets had "
-                f"applied it before the others' all-gathers failed): {before}")
-    return (f"{len(applied)} of {len(update.waiting)} buckets hold the last optimizer step's update and the others do "
-            "not (their all-gathers failed; DeAROptions(rollback=False) kept no copies): these weights mix two "
-            "steps; resume from the last checkpoint instead")
+        return (
+            f"the last optimizer step was taken back ({len(applied)} of {len(update.waiting)} buckets had "
+            f"applied it before the others' all-gathers failed): {before}"
+        )
+    return (
+        f"{len(applied)} of {len(update.waiting)} buckets hold the last optimizer step's update and the others do "
+        "not (their all-gathers failed; DeAROptions(rollback=False) kept no copies): these weights mix two "
+        "steps; resume from the last checkpoint instead"
+    )
 
 
 # ------------------------------------------------ stepping part of the parameters
@@ -316,9 +352,11 @@ class SubsetStepper:
             for g, params in zip(groups, saved):
                 g["params"] = params
         if written:
-            raise ScheduleError(f"commsched dear: {qualified_name(type(self.optimizer))} wrote {sorted(written)} into its param "
-                                "groups while stepping part of its parameters: its step keeps group-level state, so it "
-                                "cannot be stepped bucket by bucket; remove it from DeAROptions.per_parameter")
+            raise ScheduleError(
+                f"commsched dear: {qualified_name(type(self.optimizer))} wrote {sorted(written)} into its param "
+                "groups while stepping part of its parameters: its step keeps group-level state, so it "
+                "cannot be stepped bucket by bucket; remove it from DeAROptions.per_parameter"
+            )
 
 
 class StepUndo:
@@ -354,8 +392,14 @@ class StepUndo:
 
     def keep(self, params: list[nn.Parameter], state: dict[Any, dict[str, Any]]) -> None:
         for p in params:
-            before = {k: (self._copy(p, k, v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in state[p].items()} \
-                if p in state else None
+            before = (
+                {
+                    k: (self._copy(p, k, v) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                    for k, v in state[p].items()
+                }
+                if p in state
+                else None
+            )
             self._saved.append((p, self._copy(p, "", p), before))
 
     def keep_buffers(self, buffers: Sequence[torch.Tensor]) -> None:

@@ -29,26 +29,33 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from commsched.comm.buckets import BucketPlan
+from commsched.comm.links import Links
 from commsched.deft.compensator import Compensator
 from commsched.deft.confirm import Confirmation
 from commsched.deft.decision import decide_plan, report
 from commsched.deft.generations import InFlight
-from commsched.deft.saved_state import load_saved_state, saved_state
+from commsched.deft.iteration_model import ScheduleChoice
 from commsched.deft.measure import StageMeter
 from commsched.deft.plan import BACKWARD, FORWARD, LINK_NAMES, DeFTPlan, Item, Iteration, Launch, Timings, no_delay_plan
-from commsched.deft.iteration_model import ScheduleChoice
 from commsched.deft.probes import GradientProbes
-from commsched.deft.settings import DeFTSettings, refuse_uncompensable_optimizers, settings_for, stale_barred, steps_trained, users_optimizer
+from commsched.deft.saved_state import load_saved_state, saved_state
+from commsched.deft.settings import (
+    DeFTSettings,
+    refuse_uncompensable_optimizers,
+    settings_for,
+    stale_barred,
+    steps_trained,
+    users_optimizer,
+)
 from commsched.deft.stale_watch import StaleWatch
 from commsched.options import DeFTOptions, StrategyOptions
-from commsched.comm.links import Links
+from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
 from commsched.schedules.step_control import hooked_step, run_with_step_replaced
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
-from commsched.say import say
 
 
 class DeFTSchedule(Schedule[DeFTSettings]):
@@ -92,14 +99,21 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         """While the predicted choice and its runner-up are timed on real steps."""
         self.updates = 0
         """Optimizer steps taken: a generation stepped now is `updates - joined_at` steps late."""
-        self.compensator = Compensator(self.options.compensation, [p for b in plan.buckets for p in b.params],
-                                       [n for b in plan.buckets for n in b.names])
+        self.compensator = Compensator(
+            self.options.compensation,
+            [p for b in plan.buckets for p in b.params],
+            [n for b in plan.buckets for n in b.names],
+        )
         guard = self.settings.preserver
-        self.watch = StaleWatch(guard.watch_steps if guard is not None and guard.max_staleness > 0 else 0, bool(guard and guard.rollback))
+        self.watch = StaleWatch(
+            guard.watch_steps if guard is not None and guard.max_staleness > 0 else 0, bool(guard and guard.rollback)
+        )
 
     @classmethod
     @override
-    def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> DeFTSettings:
+    def settings_for(
+        cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]
+    ) -> DeFTSettings:
         return settings_for(options, trainer, advance_schedulers)
 
     @classmethod
@@ -126,7 +140,11 @@ class DeFTSchedule(Schedule[DeFTSettings]):
             self._stop_the_plan()
         if self.replan_requested or (self.settling and not self.decided and self.seen > self.options.warmup_steps):
             self._restart_measuring()  # (while the buckets are being decided, measure nothing yet)
-        if not self.decided and not self.settling and self.seen >= self.options.warmup_steps + self.options.measure_steps:
+        if (
+            not self.decided
+            and not self.settling
+            and self.seen >= self.options.warmup_steps + self.options.measure_steps
+        ):
             self._decide()
         if self.confirmation is not None:
             confirmed = self.confirmation.at_boundary()
@@ -149,7 +167,9 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     @property
     def _stale_plan_runs(self) -> bool:
-        return self.decided and self.confirmation is None and self.choice.runs == "plan" and self.deft_plan.staleness > 0
+        return (
+            self.decided and self.confirmation is None and self.choice.runs == "plan" and self.deft_plan.staleness > 0
+        )
 
     @override
     def on_loss(self, loss: torch.Tensor) -> None:
@@ -176,8 +196,10 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         else:
             self._drain_because("as the watch stopped the plan")
             back = "its delayed gradients applied"
-        say(f"commsched Preserver: the stale plan is stopped ({self.watch.verdict}); {back}; stale plans are refused "
-            f"for the rest of this run, and DeFT measures and solves again")
+        say(
+            f"commsched Preserver: the stale plan is stopped ({self.watch.verdict}); {back}; stale plans are refused "
+            f"for the rest of this run, and DeFT measures and solves again"
+        )
         self._restart_measuring()
 
     @override
@@ -199,10 +221,25 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def _decide(self) -> None:
         optimizer = self._stepper[0] if self._stepper is not None else None
         barred, wait_until = stale_barred(self.settings.preserver, self.watch.stale_refused, self.module)
-        decision = decide_plan(self.plan, self._links, self.links.control, self.options, self.settings.preserver,
-                          self.meter, self.probes, self.compensator.name, self.compensator.measured_staleness(optimizer),
-                          barred, wait_until)
-        self.deft_plan, self.timings, self.choice, self.decisions = decision.plan, decision.timings, decision.choice, decision.preserver
+        decision = decide_plan(
+            self.plan,
+            self._links,
+            self.links.control,
+            self.options,
+            self.settings.preserver,
+            self.meter,
+            self.probes,
+            self.compensator.name,
+            self.compensator.measured_staleness(optimizer),
+            barred,
+            wait_until,
+        )
+        self.deft_plan, self.timings, self.choice, self.decisions = (
+            decision.plan,
+            decision.timings,
+            decision.choice,
+            decision.preserver,
+        )
         self.decided, self.iteration = True, 0
         self.watch.verdict = None  # a new plan: watched if it is stale and runs
         self.replan_at = max((d["wait_until"] for d in self.decisions if d.get("waiting")), default=None)  # rank 0's
@@ -212,8 +249,9 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def _confirm_later(self) -> None:
         """The predicted choice and its runner-up run real steps before one is kept (`deft.confirm`)."""
         if self.options.confirm_steps and self.choice.alternative is not None and self.links.control.world_size > 1:
-            self.confirmation = Confirmation(self.choice, self.options.confirm_steps, self.links.control,
-                                              self.plan.buckets[0].buffer.device)
+            self.confirmation = Confirmation(
+                self.choice, self.options.confirm_steps, self.links.control, self.plan.buckets[0].buffer.device
+            )
 
     @classmethod
     @override
@@ -229,18 +267,37 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def summary(self) -> list[str]:
         ran = f"; its iterations ran on {self.choice.runs}" if self.decided else " (still measuring)"
         late = self.deft_plan.staleness and self.choice.runs == "plan"
-        compensated = f"; late generations compensated: {self.compensator.name}" if late and self.compensator.name != "none" else ""
+        compensated = (
+            f"; late generations compensated: {self.compensator.name}"
+            if late and self.compensator.name != "none"
+            else ""
+        )
         return [f"plan {self.deft_plan.describe()}{ran}{compensated}{self.watch.describe()}", *super().summary()]
 
     def report(self) -> dict[str, Any]:
         """What was decided, for metrics files and benchmark tables."""
-        return report(self.deft_plan, self.choice, self.decided, self.options, self.links.control.world_size, self.timings,
-                      self.decisions, self.compensator.name, self.watch.verdicts, self.watch.stale_refused)
+        return report(
+            self.deft_plan,
+            self.choice,
+            self.decided,
+            self.options,
+            self.links.control.world_size,
+            self.timings,
+            self.decisions,
+            self.compensator.name,
+            self.watch.verdicts,
+            self.watch.stale_refused,
+        )
 
     # ---------------------------------------------------------------- iteration
     @override
     def before_forward(self) -> None:
-        if self.compensator.prediction is not None and self.decided and self.deft_plan.delayed and self.choice.runs == "plan":
+        if (
+            self.compensator.prediction is not None
+            and self.decided
+            and self.deft_plan.delayed
+            and self.choice.runs == "plan"
+        ):
             # every micro-batch of the iteration (accumulated ones too) on the same predicted weights
             self.compensator.predict(self.deft_plan.steps_until_applied(self.iteration))
         if self._now is not None or not self.sync_enabled:
@@ -291,8 +348,12 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     def _launch(self, stage: str, which: Callable[[Launch], bool]) -> None:
         assert self._now is not None
-        self.in_flight.launch([launch for launch in self._now.launches if launch.stage == stage and which(launch)],
-                               self.deft_plan, self._links, self.iteration)
+        self.in_flight.launch(
+            [launch for launch in self._now.launches if launch.stage == stage and which(launch)],
+            self.deft_plan,
+            self._links,
+            self.iteration,
+        )
 
     # ------------------------------------------------------------------- update
     @override
@@ -330,7 +391,9 @@ class DeFTSchedule(Schedule[DeFTSettings]):
 
     def _ask_for_curvature(self) -> None:
         guard = self.settings.preserver
-        if guard is not None and guard.ask_for_curvature(self.seen - self.options.warmup_steps, self.options.measure_steps):
+        if guard is not None and guard.ask_for_curvature(
+            self.seen - self.options.warmup_steps, self.options.measure_steps
+        ):
             self._curvature_step = True
 
     def _end_iteration(self) -> None:
@@ -372,7 +435,12 @@ class DeFTSchedule(Schedule[DeFTSettings]):
             self.in_flight.send_the_rest(number, self.deft_plan.items, self._links[0])
             self.in_flight[number].hand_to_optimizer(self.plan, len(self.deft_plan.items))
             # a step of its own, outside Lightning's: the user's step hooks run around it
-            hooked_step(optimizer, optimizer.step, {}, lambda quiet_step, kwargs: self._apply(optimizer, partial(quiet_step, **kwargs), number))
+            hooked_step(
+                optimizer,
+                optimizer.step,
+                {},
+                lambda quiet_step, kwargs: self._apply(optimizer, partial(quiet_step, **kwargs), number),
+            )
             self.in_flight.release(number)
         for p in params_of(optimizer):
             p.grad = None

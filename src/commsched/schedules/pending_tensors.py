@@ -44,12 +44,34 @@ from torch.utils._pytree import tree_leaves
 
 T = torch.Tensor
 
-_METADATA = frozenset({
-    T.shape.__get__, T.dtype.__get__, T.device.__get__, T.requires_grad.__get__, T.is_leaf.__get__,
-    T.grad_fn.__get__, T.ndim.__get__, T.layout.__get__, T.is_cuda.__get__, T.is_sparse.__get__,
-    T.is_meta.__get__, T.is_quantized.__get__, T.size, T.dim, T.numel, T.nelement, T.element_size, T.stride,
-    T.is_floating_point, T.is_complex, T.is_contiguous, T.get_device, T.__len__, T.requires_grad_,
-})
+_METADATA = frozenset(
+    {
+        T.shape.__get__,
+        T.dtype.__get__,
+        T.device.__get__,
+        T.requires_grad.__get__,
+        T.is_leaf.__get__,
+        T.grad_fn.__get__,
+        T.ndim.__get__,
+        T.layout.__get__,
+        T.is_cuda.__get__,
+        T.is_sparse.__get__,
+        T.is_meta.__get__,
+        T.is_quantized.__get__,
+        T.size,
+        T.dim,
+        T.numel,
+        T.nelement,
+        T.element_size,
+        T.stride,
+        T.is_floating_point,
+        T.is_complex,
+        T.is_contiguous,
+        T.get_device,
+        T.__len__,
+        T.requires_grad_,
+    }
+)
 """Calls that read no values: never a touch (Lightning's summaries and the engine call them freely)."""
 
 _GRAD_ACCESS = frozenset({T.grad.__get__, T.grad.__set__, T.grad.__delete__, T._grad.__get__, T._grad.__set__})
@@ -169,8 +191,10 @@ class _Pending:
                 self.__class__ = pending_class
         if entry is None or entry.kind is Kind.GRADIENT:  # the values are current; only `.grad` is pending
             return text
-        return (f"{text}\n(commsched: pending; the update of bucket {entry.key} is applied at the first use of this "
-                "tensor, and these are its values before that update)")
+        return (
+            f"{text}\n(commsched: pending; the update of bucket {entry.key} is applied at the first use of this "
+            "tensor, and these are its values before that update)"
+        )
 
     def __format__(self, spec: str) -> str:
         return object.__format__(self, spec) if spec else repr(self)

@@ -26,13 +26,27 @@ from torch.optim import Optimizer
 
 from commsched.errors import CommSchedConfigError
 
-KNOWN_PER_PARAMETER = frozenset({
-    *(f"torch.optim.{module}.{name}" for module, name in (
-        ("sgd", "SGD"), ("adam", "Adam"), ("adamw", "AdamW"), ("rmsprop", "RMSprop"), ("adagrad", "Adagrad"),
-        ("adamax", "Adamax"), ("nadam", "NAdam"), ("radam", "RAdam"), ("asgd", "ASGD"), ("adadelta", "Adadelta"),
-        ("rprop", "Rprop"))),
-    "lion_pytorch.lion_pytorch.Lion",  # lion-pytorch: sign of an interpolated momentum, element-wise
-})
+KNOWN_PER_PARAMETER = frozenset(
+    {
+        *(
+            f"torch.optim.{module}.{name}"
+            for module, name in (
+                ("sgd", "SGD"),
+                ("adam", "Adam"),
+                ("adamw", "AdamW"),
+                ("rmsprop", "RMSprop"),
+                ("adagrad", "Adagrad"),
+                ("adamax", "Adamax"),
+                ("nadam", "NAdam"),
+                ("radam", "RAdam"),
+                ("asgd", "ASGD"),
+                ("adadelta", "Adadelta"),
+                ("rprop", "Rprop"),
+            )
+        ),
+        "lion_pytorch.lion_pytorch.Lion",  # lion-pytorch: sign of an interpolated momentum, element-wise
+    }
+)
 """Qualified class names (`module.Class`) of optimizers whose step is a function of each parameter alone."""
 
 
@@ -51,8 +65,10 @@ class StepMode:
         name = type(optimizer).__name__
         if self.split:
             return f"the optimizer ({name}) steps bucket by bucket as the all-gathers land: {self.why}"
-        return (f"the optimizer ({name}) steps whole once every all-gather of the step has landed: {self.why}; "
-                "DeAROptions(per_parameter=[...]) declares a class whose step treats each parameter alone")
+        return (
+            f"the optimizer ({name}) steps whole once every all-gather of the step has landed: {self.why}; "
+            "DeAROptions(per_parameter=[...]) declares a class whose step treats each parameter alone"
+        )
 
 
 def per_parameter_classes(declared: Iterable[Any]) -> list[type]:
@@ -66,8 +82,10 @@ def per_parameter_classes(declared: Iterable[Any]) -> list[type]:
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError) as error:
-            raise CommSchedConfigError(f"dear.per_parameter: {entry!r} is not an importable class ({error}); give "
-                                       "'package.module.Class' or the class itself") from None
+            raise CommSchedConfigError(
+                f"dear.per_parameter: {entry!r} is not an importable class ({error}); give "
+                "'package.module.Class' or the class itself"
+            ) from None
         if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
             raise CommSchedConfigError(f"dear.per_parameter: {entry!r} is not a torch.optim.Optimizer subclass")
         classes.append(cls)
@@ -82,8 +100,11 @@ def step_mode(optimizer: Optimizer, declared: Sequence[type]) -> StepMode:
         return StepMode(True, f"{name} steps each parameter alone")
     if cls in declared:
         check_splits_exactly(cls, optimizer.param_groups)
-        return StepMode(True, f"{name} is declared per-parameter (DeAROptions.per_parameter) and a split step on "
-                              "random tensors equalled a whole one")
+        return StepMode(
+            True,
+            f"{name} is declared per-parameter (DeAROptions.per_parameter) and a split step on "
+            "random tensors equalled a whole one",
+        )
     return StepMode(False, f"{name} is not known to step each parameter alone (its step may read the whole group)")
 
 
@@ -103,8 +124,10 @@ def check_splits_exactly(cls: type, groups: list[dict[str, Any]], steps: int = 3
         try:
             optimizer = cls(params, **{k: v for k, v in copy.deepcopy(settings).items() if k in accepted})
         except Exception as error:  # noqa: BLE001 - the user's class: any failure means it cannot be checked
-            raise CommSchedConfigError(f"dear.per_parameter: {qualified_name(cls)} could not be built on test tensors to "
-                                       f"check that it steps each parameter alone ({error})") from None
+            raise CommSchedConfigError(
+                f"dear.per_parameter: {qualified_name(cls)} could not be built on test tensors to "
+                f"check that it steps each parameter alone ({error})"
+            ) from None
         optimizer.param_groups[0].update(copy.deepcopy(settings))  # the run's own tensors stay untouched
         return optimizer, params
 
@@ -119,8 +142,10 @@ def check_splits_exactly(cls: type, groups: list[dict[str, Any]], steps: int = 3
             whole.step()
             written = set().union(*(_step_part(split, part, settings) for part in (split_params[:2], split_params[2:])))
         except Exception as error:  # noqa: BLE001 - the user's class
-            raise CommSchedConfigError(f"dear.per_parameter: {qualified_name(cls)} failed to step on test tensors while "
-                                       f"checking that it steps each parameter alone ({error})") from None
+            raise CommSchedConfigError(
+                f"dear.per_parameter: {qualified_name(cls)} failed to step on test tensors while "
+                f"checking that it steps each parameter alone ({error})"
+            ) from None
         if written:
             _refuse(cls, f"its step wrote {sorted(written)} into the param group (group-level state)")
     for p, q in zip(whole_params, split_params):
@@ -128,7 +153,9 @@ def check_splits_exactly(cls: type, groups: list[dict[str, Any]], steps: int = 3
             _refuse(cls, f"a split step moved a parameter {float((p - q).abs().max()):.2e} away from a whole step")
         for key, value in whole.state[p].items():
             other = split.state[q].get(key)
-            if isinstance(value, torch.Tensor) and not (isinstance(other, torch.Tensor) and torch.allclose(value, other, rtol=1e-6, atol=1e-6)):
+            if isinstance(value, torch.Tensor) and not (
+                isinstance(other, torch.Tensor) and torch.allclose(value, other, rtol=1e-6, atol=1e-6)
+            ):
                 _refuse(cls, f"its state {key!r} differs after a split step")
 
 
@@ -144,8 +171,10 @@ def _step_part(optimizer: Optimizer, part: list[torch.nn.Parameter], settings: d
 
 
 def _refuse(cls: type, why: str) -> None:
-    raise CommSchedConfigError(f"dear.per_parameter: {qualified_name(cls)} does not step each parameter alone: {why}. "
-                               "Remove it from DeAROptions.per_parameter: DeAR then steps it whole, exactly")
+    raise CommSchedConfigError(
+        f"dear.per_parameter: {qualified_name(cls)} does not step each parameter alone: {why}. "
+        "Remove it from DeAROptions.per_parameter: DeAR then steps it whole, exactly"
+    )
 
 
 HyperParams = list[dict[str, Any]]
@@ -167,7 +196,9 @@ def step_with(optimizer: Optimizer, hyper: HyperParams, step: Callable[[], Any])
     finally:
         for g, hp, values, version in zip(groups, hyper, now, versions):
             for k, v in values.items():
-                if g[k] is hp[k] and (k not in version or hp[k]._version == version[k]):  # not replaced, not changed in place
+                if g[k] is hp[k] and (
+                    k not in version or hp[k]._version == version[k]
+                ):  # not replaced, not changed in place
                     g[k] = v
                 else:
                     written.add(k)

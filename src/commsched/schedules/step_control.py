@@ -15,8 +15,9 @@ from torch.optim import optimizer as torch_optimizer
 RealStep = Callable[..., Any]
 
 
-def run_with_step_replaced(optimizer: Optimizer, run_step: Callable[[], Any],
-                           instead: Callable[[RealStep, dict[str, Any]], None]) -> Any:
+def run_with_step_replaced(
+    optimizer: Optimizer, run_step: Callable[[], Any], instead: Callable[[RealStep, dict[str, Any]], None]
+) -> Any:
     """Run `run_step` with `optimizer.step(closure)` running the closure, then `instead(quiet_step, kwargs)`.
 
     The step hooks users register (`register_step_pre_hook`, `register_step_post_hook`, torch's global
@@ -33,6 +34,7 @@ def run_with_step_replaced(optimizer: Optimizer, run_step: Callable[[], Any],
             loss = closure() if closure is not None else None
             instead(quiet_step, {k: v for k, v in kwargs.items() if k != "closure"})
             return loss
+
         return hooked_step(optimizer, real_step, {"closure": closure, **kwargs}, body)
 
     optimizer.step = replaced  # type: ignore[method-assign]
@@ -45,8 +47,9 @@ def run_with_step_replaced(optimizer: Optimizer, run_step: Callable[[], Any],
             del optimizer.step
 
 
-def hooked_step(optimizer: Optimizer, real_step: RealStep, kwargs: dict[str, Any],
-                body: Callable[[RealStep, dict[str, Any]], Any]) -> Any:
+def hooked_step(
+    optimizer: Optimizer, real_step: RealStep, kwargs: dict[str, Any], body: Callable[[RealStep, dict[str, Any]], Any]
+) -> Any:
     """One optimizer step as torch's own runs it: the pre-hooks (which may give new kwargs), then
     `body(quiet_step, kwargs)` in place of the step, then the post-hooks."""
     args, kwargs = _run_pre_hooks(optimizer, kwargs)
@@ -54,8 +57,11 @@ def hooked_step(optimizer: Optimizer, real_step: RealStep, kwargs: dict[str, Any
     def quiet_step(**step_kwargs: Any) -> Any:
         with _hooks_silenced(optimizer):
             return real_step(**step_kwargs)
+
     result = body(quiet_step, kwargs)
-    for hook in chain(optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()):
+    for hook in chain(
+        optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values()
+    ):
         hook(optimizer, args, kwargs)
     return result
 
@@ -63,11 +69,15 @@ def hooked_step(optimizer: Optimizer, real_step: RealStep, kwargs: dict[str, Any
 def _run_pre_hooks(optimizer: Optimizer, kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """torch's order and contract: global hooks first, each may return new `(args, kwargs)`."""
     args: tuple[Any, ...] = (optimizer,)
-    for hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()):
+    for hook in chain(
+        torch_optimizer._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values()
+    ):
         result = hook(optimizer, args, kwargs)
         if result is not None:
             if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"an optimizer step pre-hook must return None or a tuple (new_args, new_kwargs), got {result!r}")
+                raise RuntimeError(
+                    f"an optimizer step pre-hook must return None or a tuple (new_args, new_kwargs), got {result!r}"
+                )
             args, kwargs = result
     return args, kwargs
 

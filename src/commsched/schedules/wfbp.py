@@ -17,29 +17,29 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from commsched.errors import setting
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.links import Links
+from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections, export_momentum
+from commsched.compression.selections import SELECTIONS, selector
+from commsched.compression.sparse_or_dense import SparseOrDense, fastest_selection
+from commsched.compression.warmup import SparsityWarmup
+from commsched.errors import setting
+from commsched.interleaved import MeasuredChoice
 from commsched.options import BUILTIN, CompressionOptions, StrategyOptions, StreamOptions
 from commsched.reducers import into_bucket
-from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.hierarchical import HierarchicalReduce
-from commsched.compression.sparse_or_dense import SparseOrDense, fastest_selection
-from commsched.interleaved import MeasuredChoice
-from commsched.compression.selections import SELECTIONS, selector
-from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections, export_momentum
-from commsched.compression.warmup import SparsityWarmup
+from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.topk import SparseExchange, TopKAllReduce
+from commsched.reducers.units import Striping, plan_units
+from commsched.say import say
 from commsched.schedules.base import Schedule
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload
-from commsched.say import say
 from commsched.state import RESIDUAL_TOTAL, refuse_unknown
 from commsched.streams.control import StreamControl
-from commsched.reducers.units import Striping, plan_units
 
 
 @dataclass
@@ -69,11 +69,16 @@ def warm_up_advice(epoch_steps: float, total_steps: float) -> str:
     if math.isfinite(epoch_steps) and epoch_steps < total_steps:
         return f"{setting('compression.dense_warmup_steps', int(epoch_steps))} (one epoch here)"
     if math.isfinite(total_steps):
-        return f"{setting('compression.dense_warmup_steps', max(1, int(total_steps) // 10))} (a tenth of this run, shorter than an epoch)"
+        return (
+            f"{setting('compression.dense_warmup_steps', max(1, int(total_steps) // 10))} "
+            "(a tenth of this run, shorter than an epoch)"
+        )
     return "a dense warm-up (compression.dense_warmup_steps) of about one epoch"
 
 
-def _step_without(optimizer: Any, zeroed: tuple[str, ...], real_step: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+def _step_without(
+    optimizer: Any, zeroed: tuple[str, ...], real_step: Callable[..., Any], kwargs: dict[str, Any]
+) -> None:
     """`real_step` with the SGD terms the exchange applied set to 0 in every param group, then restored."""
     saved = [{key: group[key] for key in zeroed} for group in optimizer.param_groups]
     for group in optimizer.param_groups:
@@ -108,14 +113,35 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         select = selector(self._selection(), compression.samplings) if sparse else None
         if sparse and compression.hierarchical:
             intra, inter = links["intra"], links["inter"]
-            self.reducers = [HierarchicalReduce(b, intra, inter, compression.density, select, compression.error_feedback,
-                                                 compression.whole_vectors, self.settings.corrections)
-                             for b in plan.buckets]
+            self.reducers = [
+                HierarchicalReduce(
+                    b,
+                    intra,
+                    inter,
+                    compression.density,
+                    select,
+                    compression.error_feedback,
+                    compression.whole_vectors,
+                    self.settings.corrections,
+                )
+                for b in plan.buckets
+            ]
         elif sparse:
-            self.reducers = [TopKAllReduce(b, self.link, compression.density, select, compression.error_feedback, compression.whole_vectors,
-                                           self.settings.corrections)
-                             for b in plan.buckets]
-        self.streams = self.settings.streams or StreamControl(1, StreamOptions(), two_level=bool(compression.hierarchical))
+            self.reducers = [
+                TopKAllReduce(
+                    b,
+                    self.link,
+                    compression.density,
+                    select,
+                    compression.error_feedback,
+                    compression.whole_vectors,
+                    self.settings.corrections,
+                )
+                for b in plan.buckets
+            ]
+        self.streams = self.settings.streams or StreamControl(
+            1, StreamOptions(), two_level=bool(compression.hierarchical)
+        )
         if not sparse:
             self.reducers = self._dense_reducers(self.streams.striping)
         self._works: list[Optional[SparseExchange | Any]] = [None] * len(plan.buckets)
@@ -129,8 +155,13 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         chosen = self.settings.selection
         if not chosen:
             largest = max(b.buffer.numel() for b in self.plan.buckets)
-            method, times = fastest_selection(largest, compression.density, compression.samplings,
-                                              self.plan.buckets[0].buffer.device, self.links.control)
+            method, times = fastest_selection(
+                largest,
+                compression.density,
+                compression.samplings,
+                self.plan.buckets[0].buffer.device,
+                self.links.control,
+            )
             chosen.update(method=method, ms=times)
             measured = ", ".join(f"{times[m]:.2f} ms for {name}" for m, name in SELECTIONS.items())
             say(f"commsched topk: selecting with {SELECTIONS[method]} ({measured}, measured here)")
@@ -140,8 +171,10 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         """Each bucket's units on their streams, flat or node first (one unit per bucket with one stream)."""
         s = striping.streams
         two_level = (self.links.streams("intra", s), self.links.streams("inter", s)) if striping.hierarchical else None
-        return [StripedAllReduce(b, units, self.links.streams("primary", 1 if striping.hierarchical else s), two_level)
-                for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))]
+        return [
+            StripedAllReduce(b, units, self.links.streams("primary", 1 if striping.hierarchical else s), two_level)
+            for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))
+        ]
 
     @override
     def _restripe(self, striping: Striping) -> None:
@@ -149,43 +182,77 @@ class WFBPSchedule(Schedule[WFBPSettings]):
 
     @classmethod
     @override
-    def settings_for(cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]) -> WFBPSettings:
+    def settings_for(
+        cls, options: StrategyOptions, trainer: Any, advance_schedulers: Callable[[], None]
+    ) -> WFBPSettings:
         """The compression options, `hierarchical` resolved: by default, sparse exchanges go node first
         when the run has several nodes; dense ones stay DDP's flat all-reduce unless asked, or unless
         `streams="auto"` finds node first faster (searched on several nodes when not set)."""
         compression = options.compression
         if compression.method != "none" and trainer.world_size == 1:
-            say(f"commsched wfbp: one process has nothing to exchange: {compression.method} compression is off for this run")
+            say(
+                f"commsched wfbp: one process has nothing to exchange: {compression.method} compression is off "
+                "for this run"
+            )
             compression = dataclasses.replace(compression, method="none", hierarchical=None)
         two_levels = trainer.num_nodes > 1 and trainer.num_devices > 1  # one worker per node: node first is flat
-        searched = options.streams == "auto" and compression.hierarchical is None and compression.method == "none" and two_levels
+        searched = (
+            options.streams == "auto"
+            and compression.hierarchical is None
+            and compression.method == "none"
+            and two_levels
+        )
         if compression.hierarchical and trainer.num_nodes > 1 and trainer.num_devices == 1:
             say("commsched wfbp: one worker per node: the two-level exchange is the flat one (hierarchical ignored)")
             compression = dataclasses.replace(compression, hierarchical=False)
         if compression.hierarchical is None:
             compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and two_levels)
-        streams = StreamControl.of(options.streams, options.stream_options, trainer,
-                                   two_level=None if searched else bool(compression.hierarchical))
+        streams = StreamControl.of(
+            options.streams,
+            options.stream_options,
+            trainer,
+            two_level=None if searched else bool(compression.hierarchical),
+        )
         judge = SparseOrDense(compression) if compression.method == "auto" else None
         sparse = compression.method != "none"
         corrections = None
-        if sparse and compression.error_feedback and (compression.momentum_correction or compression.decay_before_accumulation):
+        if (
+            sparse
+            and compression.error_feedback
+            and (compression.momentum_correction or compression.decay_before_accumulation)
+        ):
             by_norm = trainer.gradient_clip_algorithm in (None, "norm")  # Lightning's default algorithm is the norm
             clip = trainer.gradient_clip_val if compression.local_clipping and by_norm else None
             # without error feedback the unsent part of what joined the gradient is dropped: decay and
             # velocity would be lost with it, so the corrections need it
-            corrections = Corrections(OptimizerTerms(lambda: trainer.strategy.optimizers), compression.momentum_correction,
-                                      compression.momentum_masking, compression.decay_before_accumulation, float(clip) if clip else None)
+            corrections = Corrections(
+                OptimizerTerms(lambda: trainer.strategy.optimizers),
+                compression.momentum_correction,
+                compression.momentum_masking,
+                compression.decay_before_accumulation,
+                float(clip) if clip else None,
+            )
         epoch_steps = lambda: _epoch_steps(trainer.num_training_batches, trainer.accumulate_grad_batches)  # noqa: E731
-        warmup = SparsityWarmup.of(compression, epoch_steps, lambda: trainer.estimated_stepping_batches) if sparse else None
-        return WFBPSettings(compression, lambda: (trainer.global_step, trainer.estimated_stepping_batches), streams,
-                            epoch_steps, judge, corrections=corrections, warmup=warmup)
+        warmup = (
+            SparsityWarmup.of(compression, epoch_steps, lambda: trainer.estimated_stepping_batches) if sparse else None
+        )
+        return WFBPSettings(
+            compression,
+            lambda: (trainer.global_step, trainer.estimated_stepping_batches),
+            streams,
+            epoch_steps,
+            judge,
+            corrections=corrections,
+            warmup=warmup,
+        )
 
     @classmethod
     @override
     def links_for(cls, settings: Any) -> tuple[str, ...]:
         hierarchical = isinstance(settings, WFBPSettings) and (
-            bool(settings.compression.hierarchical) or (settings.streams is not None and settings.streams.may_use_two_level))
+            bool(settings.compression.hierarchical)
+            or (settings.streams is not None and settings.streams.may_use_two_level)
+        )
         return (*cls.links_used, "intra", "inter") if hierarchical else cls.links_used
 
     @override
@@ -206,8 +273,15 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         dense = phased and (step < compression.dense_warmup_steps or step >= total - compression.dense_final_steps)
         if phased and dense != self._dense_phase:
             if self._dense_phase is not None or dense:
-                say(f"commsched wfbp: step {step}: {'dense all-reduce' if dense else f'{compression.method} at density {compression.density:g}'}"
-                    + (" (residuals join this step's gradient)" if dense and self._dense_phase is False and compression.error_feedback else ""))
+                say(
+                    f"commsched wfbp: step {step}: "
+                    f"{'dense all-reduce' if dense else f'{compression.method} at density {compression.density:g}'}"
+                    + (
+                        " (residuals join this step's gradient)"
+                        if dense and self._dense_phase is False and compression.error_feedback
+                        else ""
+                    )
+                )
             self._dense_phase = dense
         warmup = self.settings.warmup
         density = warmup.density(step) if warmup is not None else compression.density
@@ -257,7 +331,9 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             return run_step()
         corrections = self.settings.corrections
         zeroed = ("momentum",) * corrections.momentum + ("weight_decay",) * corrections.decay
-        return run_with_step_replaced(optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs))
+        return run_with_step_replaced(
+            optimizer, run_step, lambda real_step, kwargs: _step_without(optimizer, zeroed, real_step, kwargs)
+        )
 
     @override
     def optimizer_state(self, optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +355,12 @@ class WFBPSchedule(Schedule[WFBPSettings]):
     def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: str) -> None:
         """Clipping by norm already ran on each rank before accumulation (DGC's local clipping)."""
         corrections = self.settings.corrections
-        if algorithm == "norm" and corrections is not None and corrections.clip_norm is not None and corrected(optimizer):
+        if (
+            algorithm == "norm"
+            and corrections is not None
+            and corrections.clip_norm is not None
+            and corrected(optimizer)
+        ):
             return
         super().clip_gradients(optimizer, clip_val, algorithm)
 
@@ -295,8 +376,15 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             method = f"top-k ({self.settings.selection.get('method', 'topk')} selection)"
         judge = self.settings.sparse_or_dense
         kept = f"; {judge.describe()}" if judge is not None else ""
-        corrections = f"; {describe_corrections(self.settings.corrections, self._optimizers())}" if self.settings.corrections else ""
-        return [f"{method} at density {compression.density:g}, {how}, {feedback} error feedback{corrections}{kept}", *super().summary()]
+        corrections = (
+            f"; {describe_corrections(self.settings.corrections, self._optimizers())}"
+            if self.settings.corrections
+            else ""
+        )
+        return [
+            f"{method} at density {compression.density:g}, {how}, {feedback} error feedback{corrections}{kept}",
+            *super().summary(),
+        ]
 
     def _optimizers(self) -> list[Any]:
         corrections = self.settings.corrections
@@ -319,9 +407,12 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         if self.settings.compression.dense_warmup_steps:
             return
         method = {"auto": "top-k"}.get(self.settings.compression.method, self.settings.compression.method)
-        say(f"commsched wfbp: {method} from the first step, with no dense warm-up; sparse "
-            f"exchanges with momentum go wrong early in training (in the digits runs of docs/compression.md a dense first epoch "
-            f"recovered 2-5 of the points top-k lost): consider {warm_up_advice(self.settings.epoch_steps(), total)}")
+        say(
+            f"commsched wfbp: {method} from the first step, with no dense warm-up; sparse "
+            "exchanges with momentum go wrong early in training (in the digits runs of docs/compression.md "
+            "a dense first epoch recovered 2-5 of the points top-k lost): consider "
+            f"{warm_up_advice(self.settings.epoch_steps(), total)}"
+        )
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -336,8 +427,10 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         if not keeps and (total or "residual" in saved):
             owed, share = (total, self.link.world_size) if total else (saved.pop("residual"), 1)
             self._carry = [self._into_bucket(bucket, owed, share) for bucket in self.plan.buckets]
-            say("commsched wfbp: this run exchanges dense gradients; the checkpoint's error-feedback residuals "
-                "join the first step's gradient")
+            say(
+                "commsched wfbp: this run exchanges dense gradients; the checkpoint's error-feedback residuals "
+                "join the first step's gradient"
+            )
         super().load_state_dict({**state, "reducers": saved} if "reducers" in state else state)
         if keeps and totals:
             for reducer in self.reducers:

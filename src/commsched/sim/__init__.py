@@ -6,6 +6,16 @@ from commsched.sim.simulate import SIM_SCHEDULES, simulate
 from commsched.sim.workload import BUILTIN_WORKLOADS, Layer, Workload, builtin
 
 __all__ = [
-    "AlphaBeta", "BUILTIN_WORKLOADS", "CostModel", "Fitted", "Layer", "Line", "Measured", "SIM_SCHEDULES", "Workload",
-    "builtin", "parse_rate", "simulate",
+    "AlphaBeta",
+    "BUILTIN_WORKLOADS",
+    "CostModel",
+    "Fitted",
+    "Layer",
+    "Line",
+    "Measured",
+    "SIM_SCHEDULES",
+    "Workload",
+    "builtin",
+    "parse_rate",
+    "simulate",
 ]

@@ -20,13 +20,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from commsched.lab import require_lab
 from commsched.errors import CommSchedConfigError, bad_value
+from commsched.lab import require_lab
 from commsched.options import density_value, positive_int
+from commsched.plugins import import_plugins
 from commsched.rates import parse_rate
 from commsched.sim.cost_models import AlphaBeta, CostModel, Fitted
-from commsched.plugins import import_plugins
-from commsched.sim.simulate import SIM_SCHEDULES, simulated_schedule_names, simulate
+from commsched.sim.simulate import SIM_SCHEDULES, simulate, simulated_schedule_names
 from commsched.sim.workload import BUILTIN_WORKLOADS, Workload, builtin
 from commsched.trace import write_chrome_trace
 
@@ -105,15 +105,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alpha", type=float, default=50e-6, help="link latency in seconds")
     parser.add_argument("--link", default=None, help="a profile/probe JSON: use its fitted costs instead")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="dear_fused and deft bucket size")
-    parser.add_argument("--mu", type=float, default=1.65,
-                        help="deft: the secondary link's all-reduce time over the primary's (a run measures it)")
+    parser.add_argument(
+        "--mu",
+        type=float,
+        default=1.65,
+        help="deft: the secondary link's all-reduce time over the primary's (a run measures it)",
+    )
     parser.add_argument("--partition-mb", type=float, default=4.0, help="bytescheduler partition size")
-    parser.add_argument("--density", type=float, default=0.01, help="topk, hitopk: the share of each bucket a rank sends")
+    parser.add_argument(
+        "--density", type=float, default=0.01, help="topk, hitopk: the share of each bucket a rank sends"
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="hitopk, hier_dense: workers per node")
     parser.add_argument("--intra-bandwidth", default="100gbit", help="hitopk, hier_dense: the node-local link's rate")
-    parser.add_argument("--intra-alpha", type=float, default=5e-6, help="hitopk, hier_dense: the node-local link's latency")
+    parser.add_argument(
+        "--intra-alpha", type=float, default=5e-6, help="hitopk, hier_dense: the node-local link's latency"
+    )
     parser.add_argument("--out", type=Path, default=None, help="directory for simulate.csv, speedup.png, traces")
-    parser.add_argument("--plugins", default="", help="modules to import first: the schedules they register can be simulated")
+    parser.add_argument(
+        "--plugins", default="", help="modules to import first: the schedules they register can be simulated"
+    )
     args = parser.parse_args(argv)
     require_lab("commsched-simulate")
     console = Console(width=160)
@@ -132,10 +142,28 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for p in workers:
         for name in names:
-            result = simulate(name, workload, network, p, args.bucket_mb * 2**20, args.partition_mb * 2**20, args.mu,
-                              density, per_node, intra)
-            rows.append({"workers": p, "schedule": name, "iteration_ms": result.iteration_s * 1e3,
-                         "speedup": result.speedup(workload, p), "messages": result.buckets, "result": result})
+            result = simulate(
+                name,
+                workload,
+                network,
+                p,
+                args.bucket_mb * 2**20,
+                args.partition_mb * 2**20,
+                args.mu,
+                density,
+                per_node,
+                intra,
+            )
+            rows.append(
+                {
+                    "workers": p,
+                    "schedule": name,
+                    "iteration_ms": result.iteration_s * 1e3,
+                    "speedup": result.speedup(workload, p),
+                    "messages": result.buckets,
+                    "result": result,
+                }
+            )
 
     console.print(
         f"{workload.name}: {len(workload.layers)} layers, {workload.nbytes / 2**20:.1f} MB of gradients, "
@@ -152,7 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         if row["schedule"] == "deft":  # its iterations are not all updates: say how many are
             plan = row["result"].plan
-            console.print(f"deft at {row['workers']} workers: {plan.describe()}: {len(plan.k)} update(s) per {plan.n} iteration(s)")
+            console.print(
+                f"deft at {row['workers']} workers: {plan.describe()}: "
+                f"{len(plan.k)} update(s) per {plan.n} iteration(s)"
+            )
 
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

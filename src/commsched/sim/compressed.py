@@ -58,29 +58,47 @@ def _overlapped(name: str, workload: Workload, buckets: Buckets, cost: Callable[
 
 def topk(workload: Workload, inter: CostModel, workers: int, density: float, buckets: Buckets | None = None) -> Result:
     buckets = per_layer(workload) if buckets is None else buckets
-    return _overlapped("topk", workload, buckets,
-                       lambda nbytes, whole: inter.time("all_gather", workers * sent_bytes(nbytes, density, whole), workers))
+    return _overlapped(
+        "topk",
+        workload,
+        buckets,
+        lambda nbytes, whole: inter.time("all_gather", workers * sent_bytes(nbytes, density, whole), workers),
+    )
 
 
-def hitopk(workload: Workload, inter: CostModel, intra: CostModel, workers: int, per_node: int, density: float,
-           buckets: Buckets | None = None) -> Result:
+def hitopk(
+    workload: Workload,
+    inter: CostModel,
+    intra: CostModel,
+    workers: int,
+    per_node: int,
+    density: float,
+    buckets: Buckets | None = None,
+) -> Result:
     m, n = nodes_of(workers, per_node)
     buckets = per_layer(workload) if buckets is None else buckets
 
     def cost(nbytes: float, whole: float) -> float:
-        return (intra.time("reduce_scatter", nbytes, n) + inter.time("all_gather", m * sent_bytes(nbytes / n, density, whole / n), m)
-                + intra.time("all_gather", nbytes, n))
+        return (
+            intra.time("reduce_scatter", nbytes, n)
+            + inter.time("all_gather", m * sent_bytes(nbytes / n, density, whole / n), m)
+            + intra.time("all_gather", nbytes, n)
+        )
 
     return _overlapped("hitopk", workload, buckets, cost)
 
 
-def hier_dense(workload: Workload, inter: CostModel, intra: CostModel, workers: int, per_node: int,
-               buckets: Buckets | None = None) -> Result:
+def hier_dense(
+    workload: Workload, inter: CostModel, intra: CostModel, workers: int, per_node: int, buckets: Buckets | None = None
+) -> Result:
     m, n = nodes_of(workers, per_node)
     buckets = per_layer(workload) if buckets is None else buckets
 
     def cost(nbytes: float, whole: float) -> float:
-        return (intra.time("reduce_scatter", nbytes, n) + inter.time("all_reduce", nbytes / n, m)
-                + intra.time("all_gather", nbytes, n))
+        return (
+            intra.time("reduce_scatter", nbytes, n)
+            + inter.time("all_reduce", nbytes / n, m)
+            + intra.time("all_gather", nbytes, n)
+        )
 
     return _overlapped("hier_dense", workload, buckets, cost)

@@ -55,7 +55,11 @@ class AlphaBeta:
         return 2 * half if collective == "all_reduce" else half
 
     def __str__(self) -> str:
-        return f"{self.algorithm}, {8 / self.beta / 1e9:g} Gbit/s, alpha {self.alpha * 1e6:g} us" if self.beta else f"{self.algorithm}, infinite bandwidth"
+        return (
+            f"{self.algorithm}, {8 / self.beta / 1e9:g} Gbit/s, alpha {self.alpha * 1e6:g} us"
+            if self.beta
+            else f"{self.algorithm}, infinite bandwidth"
+        )
 
     @classmethod
     def from_rate(cls, bits_per_second: float, alpha: float, algorithm: str = "ring") -> "AlphaBeta":
@@ -93,7 +97,9 @@ class Fitted:
 
     def __str__(self) -> str:
         return f"fitted on {self.workers} workers: " + ", ".join(
-            f"{k} {v.a * 1e6:.0f} us + {8 / v.b / 1e9 if v.b else float('inf'):.2f} Gbit/s" for k, v in self.lines.items())
+            f"{k} {v.a * 1e6:.0f} us + {8 / v.b / 1e9 if v.b else float('inf'):.2f} Gbit/s"
+            for k, v in self.lines.items()
+        )
 
     def to_dict(self) -> dict:
         return {"workers": self.workers, **{k: vars(v) for k, v in self.lines.items()}}
@@ -122,7 +128,7 @@ class Measured:
             raise bad_value("collective", collective, tuple(self.points))
         points = _monotone(sorted(dict(self.points[collective]).items()))
         if len(points) == 1:
-            (m0, t0), = points
+            ((m0, t0),) = points
             return t0 * nbytes / m0 if m0 else t0
         index = next((i for i in range(1, len(points)) if nbytes <= points[i][0]), len(points) - 1)
         (m0, t0), (m1, t1) = points[index - 1], points[index]

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from commsched.deft.plan import LINK_NAMES, DeFTPlan, Launch, Timings, plan_for
 from commsched.deft.iteration_model import replay
+from commsched.deft.plan import LINK_NAMES, DeFTPlan, Launch, Timings, plan_for
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Result, bytes_of_bucket, compute_spans, fixed_size, grad_ready
 from commsched.sim.workload import Workload
 from commsched.trace import Span
 
 
-def deft_plan(workload: Workload, network: CostModel, workers: int, buckets: list[list[int]], mu: float,
-              capacity: float = 1.0) -> DeFTPlan:
+def deft_plan(
+    workload: Workload, network: CostModel, workers: int, buckets: list[list[int]], mu: float, capacity: float = 1.0
+) -> DeFTPlan:
     ready = grad_ready(workload)
     ready_at = [max(ready[i] for i in bucket) for bucket in buckets]
     backward = [ready_at[0]] + [max(0.0, b - a) for a, b in zip(ready_at, ready_at[1:])]
@@ -27,26 +28,41 @@ def deft_plan(workload: Workload, network: CostModel, workers: int, buckets: lis
     return plan_for([max(1, bytes_of_bucket(workload, bucket) // 4) for bucket in buckets], timings, capacity)
 
 
-def deft(workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20, mu: float = 1.65,
-         capacity: float = 1.0, buckets: Optional[Sequence[Sequence[int]]] = None) -> Result:
+def deft(
+    workload: Workload,
+    network: CostModel,
+    workers: int,
+    bucket_bytes: float = 25 * 2**20,
+    mu: float = 1.65,
+    capacity: float = 1.0,
+    buckets: Optional[Sequence[Sequence[int]]] = None,
+) -> Result:
     """`buckets` (layer indices, backward order): default fixed `bucket_bytes` buckets."""
     buckets = fixed_size(workload, bucket_bytes) if buckets is None else [list(b) for b in buckets]
     plan = deft_plan(workload, network, workers, buckets, mu, capacity)
     ready = grad_ready(workload)
     bucket_ready = [max(ready[i] for i in bucket) for bucket in buckets]
-    item_bytes = [bytes_of_bucket(workload, buckets[item.bucket]) * item.numel /
-                  sum(i.numel for i in plan.items if i.bucket == item.bucket) for item in plan.items]
+    item_bytes = [
+        bytes_of_bucket(workload, buckets[item.bucket])
+        * item.numel
+        / sum(i.numel for i in plan.items if i.bucket == item.bucket)
+        for item in plan.items
+    ]
 
     def cost(launch: Launch) -> float:
         return network.time("all_reduce", item_bytes[launch.item], workers) * (mu if launch.link else 1.0)
 
     replayed = replay(plan, workload.forward_s, workload.backward_s, bucket_ready, cost)
     spans: list[Span] = []
-    for start in replayed.starts[len(plan.prefix) + plan.n:]:  # the trace shows one period in steady state
+    for start in replayed.starts[len(plan.prefix) + plan.n :]:  # the trace shows one period in steady state
         forward, t_ff = compute_spans(workload, start, "forward")
         spans += forward + compute_spans(workload, t_ff, "backward")[0]
-    spans += [Span(f"link: {LINK_NAMES[s.launch.link]}", f"all_reduce g{s.launch.generation} i{s.launch.item}", s.start, s.end)
-              for s in replayed.steady]
+    spans += [
+        Span(
+            f"link: {LINK_NAMES[s.launch.link]}", f"all_reduce g{s.launch.generation} i{s.launch.item}", s.start, s.end
+        )
+        for s in replayed.steady
+    ]
     result = Result("deft", replayed.iteration_s, spans, len(plan.items))
     result.plan = plan  # type: ignore[attr-defined]
     return result

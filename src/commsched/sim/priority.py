@@ -16,8 +16,9 @@ from commsched.sim.workload import Workload
 from commsched.trace import Span
 
 
-def bytescheduler(workload: Workload, network: CostModel, workers: int, partition_bytes: float = 4 * 2**20,
-                  iterations: int = 6) -> Result:
+def bytescheduler(
+    workload: Workload, network: CostModel, workers: int, partition_bytes: float = 4 * 2**20, iterations: int = 6
+) -> Result:
     if partition_bytes <= 0:
         raise ValueError(f"partition_bytes must be positive, got {partition_bytes}")
     layers = workload.layers

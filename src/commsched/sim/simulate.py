@@ -16,7 +16,17 @@ from commsched.sim.priority import bytescheduler
 from commsched.sim.timelines import Result
 from commsched.sim.workload import Workload
 
-SIM_SCHEDULES = ("syncea", "wfbp", "mgwfbp_greedy", "mgwfbp", "dear", "dear_fused", "dear_model", "bytescheduler", "deft")
+SIM_SCHEDULES = (
+    "syncea",
+    "wfbp",
+    "mgwfbp_greedy",
+    "mgwfbp",
+    "dear",
+    "dear_fused",
+    "dear_model",
+    "bytescheduler",
+    "deft",
+)
 COMPRESSED = ("topk", "hitopk", "hier_dense")
 """Exchanges of `commsched.sim.compressed` (wfbp's overlap, fixed `bucket_bytes` buckets): not run by default."""
 NVLINK = AlphaBeta.from_rate(100e9, 5e-6)
@@ -36,9 +46,18 @@ def simulated_schedule_names() -> tuple[str, ...]:
     return (*SIM_SCHEDULES, *COMPRESSED, *(n for n in REGISTERED if n not in SIM_SCHEDULES))
 
 
-def simulate(name: str, workload: Workload, network: CostModel, workers: int, bucket_bytes: float = 25 * 2**20,
-             partition_bytes: float = 4 * 2**20, mu: float = 1.65, density: float = 0.01, per_node: int = 8,
-             intra: Optional[CostModel] = None) -> Result:
+def simulate(
+    name: str,
+    workload: Workload,
+    network: CostModel,
+    workers: int,
+    bucket_bytes: float = 25 * 2**20,
+    partition_bytes: float = 4 * 2**20,
+    mu: float = 1.65,
+    density: float = 0.01,
+    per_node: int = 8,
+    intra: Optional[CostModel] = None,
+) -> Result:
     """`bucket_bytes` sizes dear_fused's, deft's and the compressed exchanges' buckets; `partition_bytes`
     ByteScheduler's partitions; `mu` is deft's secondary link's all-reduce time over the primary's;
     `density`, `per_node` and `intra` (default `NVLINK`) shape the compressed and two-level exchanges,

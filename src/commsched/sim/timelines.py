@@ -63,8 +63,11 @@ def mgwfbp_buckets(workload: Workload, network: CostModel, workers: int, exact: 
     """MG-WFBP's plan on the layers with gradients: the exact programme, or the paper's greedy rule."""
     order = [b[0] for b in per_layer(workload)]
     ready = grad_ready(workload)
-    args = ([ready[i] for i in order], [workload.layers[i].nbytes for i in order],
-            lambda m: network.time("all_reduce", m, workers))
+    args = (
+        [ready[i] for i in order],
+        [workload.layers[i].nbytes for i in order],
+        lambda m: network.time("all_reduce", m, workers),
+    )
     groups = plan_exact(*args)[0] if exact else plan_greedy(*args)
     return [[order[j] for j in group] for group in groups]
 
@@ -84,8 +87,9 @@ def bytes_of_bucket(workload: Workload, bucket: Sequence[int]) -> int:
     return sum(workload.layers[i].nbytes for i in bucket)
 
 
-def _chain(workload: Workload, network: CostModel, workers: int, buckets: Buckets, collective: str,
-           backward_start: float) -> tuple[list[Span], float]:
+def _chain(
+    workload: Workload, network: CostModel, workers: int, buckets: Buckets, collective: str, backward_start: float
+) -> tuple[list[Span], float]:
     """Collectives issued as each bucket's last gradient is ready, FIFO on the link."""
     ready = grad_ready(workload, backward_start)
     spans, link_free = [], backward_start
@@ -105,8 +109,9 @@ def wfbp(workload: Workload, network: CostModel, workers: int, buckets: Buckets 
     return Result("wfbp", max(t_end, link_free), forward + backward + comm, len(buckets))
 
 
-def after_backward(name: str, workload: Workload, network: CostModel, workers: int, buckets: Buckets,
-                   collectives: Sequence[str]) -> Result:
+def after_backward(
+    name: str, workload: Workload, network: CostModel, workers: int, buckets: Buckets, collectives: Sequence[str]
+) -> Result:
     """A schedule that overlaps nothing: forward, backward, then each bucket's `collectives` in turn
     (`commsched.Schedule.simulate`'s default for a schedule that describes no timeline of its own)."""
     forward, t_ff = compute_spans(workload, 0.0, "forward")
@@ -168,11 +173,13 @@ def dear_instance(workload: Workload, network: CostModel, workers: int) -> tuple
         suffix += workload.layers[i].forward_s
         fsuf[i] = suffix
     instance = DearInstance(
-        fsuf=[fsuf[i] for i in units], ready=[ready[i] for i in units],
+        fsuf=[fsuf[i] for i in units],
+        ready=[ready[i] for i in units],
         nbytes=[workload.layers[i].nbytes for i in units],
         reduce_scatter=lambda m: network.time("reduce_scatter", m, workers),
         all_gather=lambda m: network.time("all_gather", m, workers),
-        t_ff=workload.forward_s, t_bp=workload.backward_s,
+        t_ff=workload.forward_s,
+        t_bp=workload.backward_s,
     )
     return instance, units
 

@@ -54,8 +54,16 @@ class Workload:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Workload":
-        layers = tuple(Layer(l["name"], int(l["nbytes"]), float(l["forward_s"]), float(l["backward_s"]), int(l.get("whole_nbytes", 0)))
-                       for l in data["layers"])
+        layers = tuple(
+            Layer(
+                l["name"],
+                int(l["nbytes"]),
+                float(l["forward_s"]),
+                float(l["backward_s"]),
+                int(l.get("whole_nbytes", 0)),
+            )
+            for l in data["layers"]
+        )
         if not layers:
             raise ValueError("a workload needs at least one layer with parameters")
         return cls(str(data.get("name", "profile")), layers, int(data.get("batch_size", 0)))
@@ -70,7 +78,7 @@ class Workload:
 def _zoo_model(name: str, batch_size: int) -> tuple["torch.nn.Module", "torch.Tensor"]:
     import torch
 
-    from commsched.models import GPT2, GPT2Config, ResNet, VGG
+    from commsched.models import GPT2, VGG, GPT2Config, ResNet
 
     if name == "resnet50":
         return ResNet(50), torch.empty(batch_size, 3, 224, 224)
@@ -121,6 +129,13 @@ def builtin(name: str, batch_size: int | None = None, device_tflops: float = 10.
         params = [p for p in module.parameters(recurse=False) if id(p) not in seen and p.requires_grad]
         seen.update(id(p) for p in params)
         seconds = flops[n] * total / owned / (device_tflops * 1e12)
-        layers.append(Layer(n, sum(p.numel() * p.element_size() for p in params), seconds, 2 * seconds,
-                            sum(p.numel() * p.element_size() for p in params if p.dim() <= 1)))
+        layers.append(
+            Layer(
+                n,
+                sum(p.numel() * p.element_size() for p in params),
+                seconds,
+                2 * seconds,
+                sum(p.numel() * p.element_size() for p in params if p.dim() <= 1),
+            )
+        )
     return Workload(name, tuple(layers), batch_size)

@@ -28,18 +28,24 @@ from typing import Any, Callable, Optional
 
 from commsched.interleaved import Turns, verdict_from_samples
 from commsched.options import StreamOptions
+from commsched.reducers.units import Striping
 from commsched.run_files import folder_of
 from commsched.say import say
 from commsched.streams.search import StreamSearch
 from commsched.streams.space import Space
-from commsched.reducers.units import Striping
 
 TRIALS_FILE = "commsched_streams.json"
 
 
 class StreamControl:
-    def __init__(self, streams: int | str, options: StreamOptions, two_level: Optional[bool] = False,
-                 out_dir: Optional[Callable[[], Optional[Path]]] = None, log_metrics: Optional[Callable[[dict[str, float]], None]] = None) -> None:
+    def __init__(
+        self,
+        streams: int | str,
+        options: StreamOptions,
+        two_level: Optional[bool] = False,
+        out_dir: Optional[Callable[[], Optional[Path]]] = None,
+        log_metrics: Optional[Callable[[dict[str, float]], None]] = None,
+    ) -> None:
         """`two_level`: the exchange's algorithm, fixed (True / False) or searched (None: wfbp on several nodes);
         `out_dir`: where this rank writes the trials (None from it: this rank writes nothing)."""
         self.options = options
@@ -50,7 +56,9 @@ class StreamControl:
         self._out_dir = out_dir
         self._log_metrics = log_metrics
         self.space = Space.of(options.max_streams, options.min_unit_mb, options.max_unit_mb, two_level is None)
-        self.striping = self._baseline(bool(two_level)) if self.auto else Striping(int(streams), options.unit_mb, bool(two_level))
+        self.striping = (
+            self._baseline(bool(two_level)) if self.auto else Striping(int(streams), options.unit_mb, bool(two_level))
+        )
         self.chosen: Optional[Striping] = None
         self.chosen_s = 0.0
         self.trials: list[dict[str, Any]] = []
@@ -78,7 +86,9 @@ class StreamControl:
             if trainer.logger is not None and trainer.global_rank == 0:
                 trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
-        return cls(streams, options, two_level, lambda: folder_of(trainer) if trainer.global_rank == 0 else None, log_metrics)
+        return cls(
+            streams, options, two_level, lambda: folder_of(trainer) if trainer.global_rank == 0 else None, log_metrics
+        )
 
     @property
     def may_use_two_level(self) -> bool:
@@ -102,8 +112,13 @@ class StreamControl:
     def _fresh_search(self) -> StreamSearch:
         """The search under way as it was when opened: seeded by where it began, so a re-opened search
         draws differently from the first, and a resumed one as the interrupted one did."""
-        return StreamSearch(self.space, self._first, self.options.exploration, self.options.window,
-                            self.options.seed + self._search_began)
+        return StreamSearch(
+            self.space,
+            self._first,
+            self.options.exploration,
+            self.options.window,
+            self.options.seed + self._search_began,
+        )
 
     def _expected_trials(self) -> int:
         """About how many trials the search under way runs: its budget over `trial_steps` (fewer when
@@ -153,8 +168,13 @@ class StreamControl:
         if proposed is None or spent + self.options.trial_steps > self._budget:
             best, best_s = self._search.best()  # type: ignore[misc]
             plain = self._plain()
-            return {"trial": trial.to_json(), "chosen": best.to_json(), "chosen_s": best_s,
-                    "baseline": plain.to_json() if plain != best else None, "baseline_s": self._search.measured.get(plain)}
+            return {
+                "trial": trial.to_json(),
+                "chosen": best.to_json(),
+                "chosen_s": best_s,
+                "baseline": plain.to_json() if plain != best else None,
+                "baseline_s": self._search.measured.get(plain),
+            }
         return {"trial": trial.to_json(), "next": proposed.to_json(), "technique": technique}
 
     def _plain(self) -> Striping:
@@ -176,12 +196,18 @@ class StreamControl:
         if not turns.done:
             return None
         # rank 0's clock decides, as it does every trial of the search
-        verdict = control.broadcast_object(verdict_from_samples(turns.samples(), turns.steps, searched) if control.rank == 0 else None, 0,
-                                           "streams-confirm")
+        verdict = control.broadcast_object(
+            verdict_from_samples(turns.samples(), turns.steps, searched) if control.rank == 0 else None,
+            0,
+            "streams-confirm",
+        )
         self._confirming = None
         self.chosen, self.chosen_s, self.searching = arms[verdict.keep], verdict.medians_s[verdict.keep], False
-        say(f"commsched streams: on alternating steps, {verdict.describe(['one stream', 'the search' + chr(39) + 's best'])}: "
-            + (f"{self.chosen.describe()} kept ({verdict.gain:.2f}x)" if verdict.keep else "one stream kept"))
+        say(
+            "commsched streams: on alternating steps, "
+            f"{verdict.describe(['one stream', 'the search' + chr(39) + 's best'])}: "
+            + (f"{self.chosen.describe()} kept ({verdict.gain:.2f}x)" if verdict.keep else "one stream kept")
+        )
         self._save()
         self._durations = []
         return self._switch(self.chosen)
@@ -200,9 +226,11 @@ class StreamControl:
             self._durations = []  # a new window (its first step is no switch: it counts, see `_measured`)
             return None
         if "reopen" in decision:
-            say(f"commsched streams: median step {decision['reopen'] * 1e3:.1f} ms, more than {self.options.drift:.0%} "
+            say(
+                f"commsched streams: median step {decision['reopen'] * 1e3:.1f} ms, more than {self.options.drift:.0%} "
                 f"over the {self.chosen_s * 1e3:.1f} ms measured for {self.striping.describe()}: searching again "
-                f"({self.options.retune_steps} steps), one stream measured again first")
+                f"({self.options.retune_steps} steps), one stream measured again first"
+            )
             self.searching, self._spent, self._budget = True, 0, self.options.retune_steps
             self._search_began, self._kept_from_checkpoint = len(self.trials), False
             self._durations, self._last = [], time.perf_counter()
@@ -220,17 +248,31 @@ class StreamControl:
             return self._switch(Striping.from_json(decision["next"]))
         if decision.get("baseline") is not None:
             arms = [Striping.from_json(decision["baseline"]), Striping.from_json(decision["chosen"])]
-            say(f"commsched streams: the search's best, {arms[1].describe()}, now takes turns with {arms[0].describe()} "
-                "before it is kept")
-            searched = [decision.get("baseline_s"), decision["chosen_s"]]  # what the search's trials measured: the prior
-            self._confirming = (arms, Turns(arms=2, steps_per_turn=max(1, self.options.trial_steps - 1),
-                                            rounds=self.options.confirm_rounds), searched if None not in searched else None)
+            say(
+                f"commsched streams: the search's best, {arms[1].describe()}, now takes turns with "
+                f"{arms[0].describe()} before it is kept"
+            )
+            searched = [
+                decision.get("baseline_s"),
+                decision["chosen_s"],
+            ]  # what the search's trials measured: the prior
+            self._confirming = (
+                arms,
+                Turns(arms=2, steps_per_turn=max(1, self.options.trial_steps - 1), rounds=self.options.confirm_rounds),
+                searched if None not in searched else None,
+            )
             return None
         self.chosen, self.chosen_s, self.searching = Striping.from_json(decision["chosen"]), decision["chosen_s"], False
         one = self._one_stream_s()
-        say(f"commsched streams: chose {self.chosen.describe()} ({self.chosen_s * 1e3:.1f} ms/step"
-            + (f"; one stream {one * 1e3:.1f} ms/step, {one / self.chosen_s:.2f}x" if one and self.chosen.streams > 1 else "")
-            + f") after {len(self.trials) - self._search_began} trials")
+        say(
+            f"commsched streams: chose {self.chosen.describe()} ({self.chosen_s * 1e3:.1f} ms/step"
+            + (
+                f"; one stream {one * 1e3:.1f} ms/step, {one / self.chosen_s:.2f}x"
+                if one and self.chosen.streams > 1
+                else ""
+            )
+            + f") after {len(self.trials) - self._search_began} trials"
+        )
         self._save()
         return self._switch(self.chosen)
 
@@ -246,15 +288,23 @@ class StreamControl:
         s = Striping.from_json(trial)
         number = len(self.trials) - self._search_began
         progress = "the search's last" if last else f"about {self._budget - self._spent} steps of the search left"
-        say(f"commsched streams: trial {number}/~{self._expected_trials()} ({trial['technique']}): {s.describe()}: "
-            f"{trial['step_s'] * 1e3:.1f} ms/step (" + ("best so far; " if trial["new_best"] else "") + f"{progress})")
+        say(
+            f"commsched streams: trial {number}/~{self._expected_trials()} ({trial['technique']}): {s.describe()}: "
+            f"{trial['step_s'] * 1e3:.1f} ms/step (" + ("best so far; " if trial["new_best"] else "") + f"{progress})"
+        )
         if self._log_metrics is not None:
-            self._log_metrics({"streams/trial": len(self.trials), "streams/streams": s.streams,
-                               "streams/unit_mb": s.unit_mb, "streams/step_ms": trial["step_s"] * 1e3})
+            self._log_metrics(
+                {
+                    "streams/trial": len(self.trials),
+                    "streams/streams": s.streams,
+                    "streams/unit_mb": s.unit_mb,
+                    "streams/step_ms": trial["step_s"] * 1e3,
+                }
+            )
 
     def _searched(self) -> list[dict[str, Any]]:
         """The trials of the search under way (or of the last one)."""
-        return self.trials[self._search_began:]
+        return self.trials[self._search_began :]
 
     def _one_stream_s(self) -> Optional[float]:
         """The fastest one-stream step the search under way measured (None: none measured)."""
@@ -301,15 +351,20 @@ class StreamControl:
         of whatever the search was measuring, not of its choice, and the user should know which."""
         trials = self._searched()
         again = " (re-opened after a slow-down)" if self._search_began else ""
-        line = (f"streams search{again} unfinished after {len(trials)} of ~{self._expected_trials()} trials: "
-                f"ran {self.striping.describe()}; ")
+        line = (
+            f"streams search{again} unfinished after {len(trials)} of ~{self._expected_trials()} trials: "
+            f"ran {self.striping.describe()}; "
+        )
         if not trials:
             return line + "nothing measured yet; resume or run longer to finish it"
         best = min(trials, key=lambda t: t["step_s"])
         one = self._one_stream_s()
         against = f" against {one * 1e3:.1f} for one stream" if one is not None and best["streams"] > 1 else ""
-        return (line + f"best measured {Striping.from_json(best).describe()} ({best['step_s'] * 1e3:.1f} ms/step{against}); "
-                "resume or run longer to finish it")
+        return (
+            line
+            + f"best measured {Striping.from_json(best).describe()} ({best['step_s'] * 1e3:.1f} ms/step{against}); "
+            "resume or run longer to finish it"
+        )
 
     def files(self) -> list[Path]:
         """The files this rank wrote in this fit (rank 0's trials table, JSON and plot; none elsewhere)."""
@@ -320,11 +375,20 @@ class StreamControl:
         """Equal on every rank: each follows rank 0's decisions and counts the same steps."""
         if not self.auto:
             return {}
-        saved: dict[str, Any] = {"chosen": self.chosen.to_json() if self.chosen else None, "chosen_s": self.chosen_s,
-                                 "trials": list(self.trials), "began": self._search_began}
+        saved: dict[str, Any] = {
+            "chosen": self.chosen.to_json() if self.chosen else None,
+            "chosen_s": self.chosen_s,
+            "trials": list(self.trials),
+            "began": self._search_began,
+        }
         if self.searching:
-            saved["search"] = {"spent": self._spent, "budget": self._budget, "first": [s.to_json() for s in self._first],
-                               "running": self.striping.to_json(), "technique": self._technique}
+            saved["search"] = {
+                "spent": self._spent,
+                "budget": self._budget,
+                "first": [s.to_json() for s in self._first],
+                "running": self.striping.to_json(),
+                "technique": self._technique,
+            }
         return saved
 
     def load_state_dict(self, saved: Optional[dict[str, Any]]) -> bool:
@@ -337,7 +401,11 @@ class StreamControl:
         if saved.get("chosen") is None and search is None and not saved.get("trials"):
             return False
         if self.options.retune_on_resume:
-            said = "choice" if search is None and saved.get("chosen") is not None else f"{len(saved.get('trials', []))} trials"
+            said = (
+                "choice"
+                if search is None and saved.get("chosen") is not None
+                else f"{len(saved.get('trials', []))} trials"
+            )
             say(f"commsched streams: the checkpoint's {said} set aside (retune_on_resume): searching again")
             return False
         self.trials = list(saved.get("trials", []))
@@ -352,8 +420,10 @@ class StreamControl:
     def _keep_choice(self) -> bool:
         assert self.chosen is not None
         self.searching, self._search, self._kept_from_checkpoint = False, None, True
-        say(f"commsched streams: the checkpoint's choice is kept: {self.chosen.describe()} "
-            f"({self.chosen_s * 1e3:.1f} ms/step when measured)")
+        say(
+            f"commsched streams: the checkpoint's choice is kept: {self.chosen.describe()} "
+            f"({self.chosen_s * 1e3:.1f} ms/step when measured)"
+        )
         return self._switch(self.chosen) is not None
 
     def _resume_search(self, search: dict[str, Any]) -> bool:
@@ -370,8 +440,10 @@ class StreamControl:
         self._technique = search.get("technique", self._technique)
         running = Striping.from_json(search["running"]) if "running" in search else proposed or self.striping
         self.searching = True
-        say(f"commsched streams: resuming the search at trial {len(trials) + 1} of about {self._expected_trials()} "
-            f"({max(0, self._budget - self._spent)} steps of its budget left)")
+        say(
+            f"commsched streams: resuming the search at trial {len(trials) + 1} of about {self._expected_trials()} "
+            f"({max(0, self._budget - self._spent)} steps of its budget left)"
+        )
         return self._switch(running) is not None
 
     def _replayed(self, trials: list[dict[str, Any]]) -> StreamSearch:

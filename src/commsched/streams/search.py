@@ -8,10 +8,10 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from commsched.reducers.units import Striping
 from commsched.streams.bandit import AUCBandit
 from commsched.streams.space import Space
 from commsched.streams.techniques import TECHNIQUES
-from commsched.reducers.units import Striping
 
 
 @dataclass
@@ -22,12 +22,18 @@ class StreamTrial:
     new_best: bool
 
     def to_json(self) -> dict:
-        return {"technique": self.technique, **self.striping.to_json(), "step_s": self.seconds, "new_best": self.new_best}
+        return {
+            "technique": self.technique,
+            **self.striping.to_json(),
+            "step_s": self.seconds,
+            "new_best": self.new_best,
+        }
 
 
 class StreamSearch:
-    def __init__(self, space: Space, first: Sequence[Striping] = (), exploration: float = 0.2, window: int = 25,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, space: Space, first: Sequence[Striping] = (), exploration: float = 0.2, window: int = 25, seed: int = 0
+    ) -> None:
         """`first`: measured before the bandit starts, in order ("start"; one stream among them is the
         baseline every choice must beat)."""
         self.space = space

@@ -31,8 +31,9 @@ class Space:
         return Striping(1, self.units_mb[0], s.hierarchical) if s.streams == 1 else s
 
     def all(self) -> list[Striping]:
-        seen = dict.fromkeys(self.canonical(Striping(s, u, h)) for h in self.hierarchical for s in self.streams
-                             for u in self.units_mb)
+        seen = dict.fromkeys(
+            self.canonical(Striping(s, u, h)) for h in self.hierarchical for s in self.streams for u in self.units_mb
+        )
         return list(seen)
 
     # --------------------------------------------------- a point of the box
@@ -44,8 +45,10 @@ class Space:
         return point
 
     def bounds(self) -> dict[str, tuple[float, float]]:
-        box = {"log2_streams": (0.0, math.log2(self.streams[-1]) if self.streams[-1] > 1 else 1e-9),
-               "log2_unit_mb": (math.log2(self.units_mb[0]), math.log2(self.units_mb[-1]) + 1e-9)}
+        box = {
+            "log2_streams": (0.0, math.log2(self.streams[-1]) if self.streams[-1] > 1 else 1e-9),
+            "log2_unit_mb": (math.log2(self.units_mb[0]), math.log2(self.units_mb[-1]) + 1e-9),
+        }
         if len(self.hierarchical) > 1:
             box["two_level"] = (0.0, 1.0)
         return box

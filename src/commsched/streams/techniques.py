@@ -8,8 +8,8 @@ import random
 from typing import Optional
 
 from commsched.planning.bayes import BayesianSearch
-from commsched.streams.space import Space
 from commsched.reducers.units import Striping
+from commsched.streams.space import Space
 
 MAX_TRIES = 20
 
@@ -22,8 +22,9 @@ class Grid:
     def __init__(self, space: Space, seed: int) -> None:
         coarse = [s for s in space.streams if s & (s - 1) == 0]
         units = space.units_mb[::2] if len(space.units_mb) > 2 else space.units_mb
-        self._points = list(dict.fromkeys(space.canonical(Striping(s, u, h)) for h in space.hierarchical
-                                          for s in coarse for u in units))
+        self._points = list(
+            dict.fromkeys(space.canonical(Striping(s, u, h)) for h in space.hierarchical for s in coarse for u in units)
+        )
 
     def propose(self, measured: dict[Striping, float]) -> Optional[Striping]:
         return next((p for p in self._points if p not in measured), None)

@@ -7,16 +7,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from commsched.lab import has_lab, plot_skipped
+from commsched.reducers.units import Striping
 from commsched.run_files import write_json, write_text, write_whole
 from commsched.say import say
-from commsched.reducers.units import Striping
 
 
 def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[Striping], name: str) -> list[Path]:
     """The files written (for the run's closing summary); `chosen` None: the search did not finish."""
     path = out_dir / name
-    written = [write_json(path, {"chosen": chosen.to_json() if chosen else None, "trials": trials}),
-               write_text(path.with_suffix(".md"), table(trials) + "\n")]
+    written = [
+        write_json(path, {"chosen": chosen.to_json() if chosen else None, "trials": trials}),
+        write_text(path.with_suffix(".md"), table(trials) + "\n"),
+    ]
     if not has_lab():
         say(plot_skipped(f"{path.with_suffix('.png')} (the trials are in {path.with_suffix('.md')})"))
         return written
@@ -25,11 +27,16 @@ def save_trials(out_dir: Path, trials: list[dict[str, Any]], chosen: Optional[St
 
 def table(trials: list[dict[str, Any]]) -> str:
     """Markdown: one row per trial."""
-    rows = ["| trial | technique | streams | unit (MB) | two-level | ms/step | new best |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| trial | technique | streams | unit (MB) | two-level | ms/step | new best |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i, t in enumerate(trials, 1):
         unit = "-" if t["streams"] == 1 else f"{t['unit_mb']:g}"
-        rows.append(f"| {i} | {t['technique']} | {t['streams']} | {unit} | {'yes' if t['hierarchical'] else 'no'} | "
-                    f"{t['step_s'] * 1e3:.1f} | {'*' if t['new_best'] else ''} |")
+        rows.append(
+            f"| {i} | {t['technique']} | {t['streams']} | {unit} | {'yes' if t['hierarchical'] else 'no'} | "
+            f"{t['step_s'] * 1e3:.1f} | {'*' if t['new_best'] else ''} |"
+        )
     return "\n".join(rows)
 
 
