@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 import commsched
 from commsched.bench.models import BENCH_MODELS
 from commsched.cli.quiet import quiet_lightning
-from commsched.schedules.pending_tensors import Watch
+from commsched.schedules.pending_tensors import PendingTensors
 from commsched.timing import StepTimer
 
 WARMUP = 5
@@ -38,9 +38,9 @@ class ReadsClock(pl.Callback):
 def run(model_name: str, steps: int, watched: bool) -> tuple[float, dict]:
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](64)
-    original = Watch.mark
+    original = PendingTensors.mark
     if not watched:
-        Watch.mark = lambda self, key, tensors, kind: None  # type: ignore[method-assign]
+        PendingTensors.mark = lambda self, key, tensors, kind: None  # type: ignore[method-assign]
     try:
         timer = StepTimer(warmup=WARMUP)
         strategy = commsched.DeARStrategy(bucket_cap_mb=2)
@@ -57,10 +57,10 @@ def run(model_name: str, steps: int, watched: bool) -> tuple[float, dict]:
         )
         trainer.fit(model, DataLoader(make_data(8 * 2 * (steps + WARMUP + 2)), batch_size=8))
     finally:
-        Watch.mark = original  # type: ignore[method-assign]
+        PendingTensors.mark = original  # type: ignore[method-assign]
     schedule = strategy.last_schedule
     counts = {
-        "touches": schedule.watch.touches,
+        "touches": schedule.deferred.pending.touches,
         "rank": trainer.global_rank,
         "tensors": sum(len(b.params) for b in schedule.plan.buckets),
     }

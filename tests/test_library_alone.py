@@ -16,15 +16,26 @@ import torch
 from conftest import WORKERS
 
 HIDE_LAB = """
-import importlib.abc, sys
+import importlib.abc, importlib.metadata, sys
+
+HIDDEN = "matplotlib"
 
 class _NotInstalled(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "matplotlib" or name.startswith("matplotlib."):
+        if name == HIDDEN or name.startswith(HIDDEN + "."):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 
+def _no_metadata(real):
+    def lookup(name, *args, **kwargs):
+        if name == HIDDEN:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name, *args, **kwargs)
+    return lookup
+
 sys.meta_path.insert(0, _NotInstalled())
+importlib.metadata.version = _no_metadata(importlib.metadata.version)  # what "is it installed?" checks read
+importlib.metadata.distribution = _no_metadata(importlib.metadata.distribution)
 """
 
 
@@ -38,9 +49,13 @@ def without_lab(tmp_path) -> dict[str, str]:
 
 
 def test_the_environment_hides_the_lab(without_lab):
-    """The hiding itself works in a child process, or the tests below test nothing."""
+    """The hiding itself works in a child process, for an import and for a look at what is installed
+    (Lightning and torchmetrics ask the package metadata), or the tests below test nothing."""
     proc = subprocess.run([sys.executable, "-c", "import matplotlib"], env=without_lab, capture_output=True, text=True)
     assert proc.returncode != 0 and "No module named 'matplotlib'" in proc.stderr
+    asked = "import importlib.metadata as m; m.version('matplotlib')"
+    proc = subprocess.run([sys.executable, "-c", asked], env=without_lab, capture_output=True, text=True)
+    assert proc.returncode != 0 and "PackageNotFoundError" in proc.stderr
 
 
 def test_dear_trains_across_two_processes_without_the_lab(without_lab, tmp_path):

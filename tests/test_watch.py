@@ -91,7 +91,6 @@ def test_printing_a_pending_tensor_applies_nothing_and_says_it_is_pending(layer)
     shown = [
         repr(layer.weight),
         str(layer.weight),
-        f"{layer.weight}",
         repr(optimizer.state[layer.weight]["momentum_buffer"]),
     ]
     assert recorder.calls == [] and type(layer.weight) is not nn.Parameter

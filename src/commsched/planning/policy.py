@@ -127,6 +127,7 @@ class PlanPolicy:
             self._start_tuning()
             if self.auto is not None:
                 self.auto.reopen(strategy.profile)
+            self.hand_over_layouts = {}  # planned again with the run's own layout
             return True
         if self.auto is not None:
             return self._auto_step(strategy, iteration_start)
@@ -164,7 +165,7 @@ class PlanPolicy:
                 "measured: deciding the buckets again"
             )
             auto.reopen(strategy.profile)
-            self.decided = None
+            self.decided, self.hand_over_layouts = None, {}
             return True  # back to fixed buckets, profiled afresh
         if strategy.world_size == 1 or self.compiled or self.sparse:  # nothing to plan for (see `compiled`, `sparse`)
             self.decided = self._current(strategy, "fixed")

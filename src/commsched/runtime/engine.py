@@ -80,6 +80,7 @@ class Engine:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
         `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
         processes per node (the sub-group links: one group per node, one per local rank)."""
+        self._hand_over_plan = None  # a layout built for another fit's module
         log.debug(
             f"commsched: creating links {self.schedule_class.links_for(self.settings)}, "
             f"{self.schedule_class.streams_for(self.settings)} stream(s) each"

@@ -127,6 +127,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         """Each bucket's units on their streams (one unit per bucket with one stream); DeFT's hand-over
         names a link per bucket instead."""
         if self.settings.bucket_links is not None:
+            assert len(self.settings.bucket_links) == len(self.plan.buckets), "a link for every bucket of this plan"
             return [
                 StripedShards(b, [Unit(b.index, 0, b.buffer.numel(), 0)], [self.links[name]])
                 for b, name in zip(self.plan.buckets, self.settings.bucket_links)

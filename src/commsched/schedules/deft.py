@@ -121,7 +121,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def refuse_optimizers(cls, options: StrategyOptions, optimizers: list[Optimizer]) -> None:
         refuse_uncompensable_optimizers(options.deft.compensation, optimizers)
 
-    def _whole_buckets(self) -> list[Item]:
+    def whole_buckets(self) -> list[Item]:
         return [Item(b, 0, bucket.buffer.numel()) for b, bucket in enumerate(self.plan.buckets)]
 
     @property
@@ -246,7 +246,7 @@ class DeFTSchedule(Schedule[DeFTSettings]):
         self.confirm_later()
         self.probes.clear()
 
-    def _confirm_later(self) -> None:
+    def confirm_later(self) -> None:
         """The predicted choice and its runner-up run real steps before one is kept (`deft.confirm`)."""
         if self.options.confirm_steps and self.choice.alternative is not None and self.links.control.world_size > 1:
             self.confirmation = Confirmation(

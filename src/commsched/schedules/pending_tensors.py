@@ -180,8 +180,12 @@ class _Pending:
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         """Printing is not a touch: a debugger shows every local's repr, and bringing the tensor up to
         date from there would run the optimizer (or wait for the network) at a breakpoint. The values
-        shown are those it holds now, said to be so."""
-        with _lock:  # the tensor's own class for the moment of printing, as it prints when not pending
+        shown are those it holds now, said to be so. (A format spec, `f"{t:.3f}"`, is a use: it touches.)
+        A debugger that prints from its own thread while the training thread is bringing tensors up to
+        date (stopped inside the optimizer's step) gets a placeholder instead of waiting for it."""
+        if not _lock.acquire(timeout=_REPR_WAIT_S):
+            return f"<{type(self).__mro__[2].__name__} being brought up to date on another thread>"
+        try:  # the tensor's own class for the moment of printing, as it prints when not pending
             entry = _entries.get(id(self))
             pending_class = type(self)
             self.__class__ = entry.base if entry is not None else pending_class.__mro__[2]
@@ -189,6 +193,8 @@ class _Pending:
                 text = repr(self) if not (args or kwargs) else self.__repr__(*args, **kwargs)
             finally:
                 self.__class__ = pending_class
+        finally:
+            _lock.release()
         if entry is None or entry.kind is Kind.GRADIENT:  # the values are current; only `.grad` is pending
             return text
         return (
@@ -196,8 +202,9 @@ class _Pending:
             "tensor, and these are its values before that update)"
         )
 
-    def __format__(self, spec: str) -> str:
-        return object.__format__(self, spec) if spec else repr(self)
+
+_REPR_WAIT_S = 1.0
+"""How long a print waits for another thread that is bringing tensors up to date."""
 
 
 _NEW_PARAMETER = nn.Parameter.__new__.__code__
