@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's first table: every schedule at its defaults (nothing set but its name) against
 # Lightning's ddp at its defaults, on the emulated cluster (needs root): 2 nodes x 1 worker at 1 Gbit
-# and 600 Mbit, 2 workers on the unlimited loopback, 2 x 2 at 1 Gbit and at 200 Mbit (about an
+# and 600 Mbit, 2 workers on the unlimited loopback, 2 x 2 at 1 Gbit and at 200 Mbit (about 45
 # minutes on 2 cores). Each run decides its own
 # settings on its first steps (those are left out of the timing, and counted); then 20 steady steps
 # are timed, the schedules interleaved over 2 rounds, the best round counted.
