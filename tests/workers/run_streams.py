@@ -101,12 +101,14 @@ def delay_every_request(rank: int) -> None:
 
 
 class CountGroups(pl.Callback):
-    """The process groups alive at every step start (torch's own registry, not commsched's)."""
+    """The process groups alive after every step (torch's own registry, not commsched's): counted at the
+    step's end, after the decisions of its start (Lightning calls the callbacks' batch start before
+    the strategy's, where the search switches and releases)."""
 
     def __init__(self) -> None:
         self.alive: list[int] = []
 
-    def on_train_batch_start(self, *args) -> None:
+    def on_train_batch_end(self, *args) -> None:
         from torch.distributed.distributed_c10d import _world
 
         self.alive.append(len(_world.pg_map))
