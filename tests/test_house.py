@@ -37,38 +37,17 @@ def node_of(dotted: str) -> str | None:
     return None
 
 
-def imported(source: Path) -> set[str]:
-    """Every module of the package a file names: its imports, at the top or inside functions, and the
-    strings that name a module (``importlib.import_module("commsched.runtime.registry")``)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "commsched":
-            names |= {f"commsched.{alias.name}" for alias in node.names}  # a module, or a name of the facade
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-        elif (
-            isinstance(node, ast.Constant)
-            and isinstance(node.value, str)
-            and re.fullmatch(r"commsched(\.\w+)+", node.value)
-        ):
-            names.add(node.value)
-    return names
-
-
 def package_imports() -> dict[str, dict[str, set[str]]]:
     """For each node (a folder of the package, or a module at its root), the other nodes its files
     import, each with the files that do (lazy imports included)."""
     edges: dict[str, dict[str, set[str]]] = {}
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
     for source in PACKAGE.rglob("*.py"):
         relative = source.relative_to(PACKAGE)
         here = "__init__" if relative == Path("__init__.py") else relative.parts[0].removesuffix(".py")
         edges.setdefault(here, {})
-        for name in imported(source):
-            there = node_of(name)
-            if there is None and name.startswith("commsched."):
-                there = "__init__"  # `from commsched import CommSchedConfigError`: a name of the facade
+        for name in modules_imported(source, modules):
+            there = node_of(name)  # `from commsched import CommSchedConfigError`: the facade, "__init__"
             if there is not None and there != here:
                 edges[here].setdefault(there, set()).add(str(source.relative_to(ROOT)))
     return edges

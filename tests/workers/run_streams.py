@@ -12,6 +12,7 @@ needs 9 steps, and "-cut" stops at CUT_STEPS, before it ends too).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import sys
@@ -45,19 +46,7 @@ SEARCH = commsched.StreamOptions(
     drift=0.0,
     confirm_rounds=1,
 )
-DRIFTING = commsched.StreamOptions(
-    unit_mb=UNIT_MB,
-    warmup_steps=1,
-    min_unit_mb=UNIT_MB,
-    max_unit_mb=4 * UNIT_MB,
-    max_streams=4,
-    trial_steps=2,
-    budget_steps=8,
-    drift=0.5,
-    drift_steps=4,
-    retune_steps=6,
-    confirm_rounds=1,
-)
+DRIFTING = dataclasses.replace(SEARCH, drift=0.5, drift_steps=4, retune_steps=6)
 STEPS = 14
 CUT_AT, CUT_STEPS = 6, 8
 SUFFIXES = ("-delayed", "-resumed", "-part", "-cut", "-drift", "-profiled")
