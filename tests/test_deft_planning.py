@@ -12,8 +12,26 @@ import random
 import pytest
 import torch
 
-from commsched.deft.iteration_model import balanced_links, choose_schedule, dear_is_faster, dear_seconds, plan_seconds
-from commsched.deft.plan import BACKWARD, FORWARD, DeFTPlan, Item, Timings, no_delay_plan, plan_for, solve_plan
+from commsched.deft.iteration_model import (
+    balanced_links,
+    choose_schedule,
+    dear_is_faster,
+    dear_seconds,
+    plan_seconds,
+    ranked,
+)
+from commsched.deft.plan import (
+    BACKWARD,
+    FORWARD,
+    DeFTPlan,
+    Item,
+    Iteration,
+    Launch,
+    Timings,
+    no_delay_plan,
+    plan_for,
+    solve_plan,
+)
 from commsched.deft.solvers import NONE, knapsack_exact, multi_knapsack_exact, multi_knapsack_greedy, recursive_knapsack
 from commsched.deft.walk import WalkState, effective_step, expected_next, gradient_statistics, measured_step, plan_ratio
 from commsched.sim.timelines import dear as simulated_dear
@@ -330,11 +348,38 @@ def test_the_choice_of_schedule():
     assert choose_schedule(ddp, timings, numels, "never", fast_halves).runs == "plan"
     fast = choose_schedule(ddp, timings, numels, "when_faster", fast_halves)
     assert fast.runs == "dear" and set(fast.dear_links) == {"primary", "secondary"}
-    assert fast.predicted["dear_ms"] < fast.predicted["plan_ms"]
+    assert fast.predicted["dear_ms"] < fast.predicted["wfbp_ms"] and "plan_ms" not in fast.predicted
+    assert fast.alternative == ("wfbp", ())
     delayed = plan_for(numels, timings, 0.5)
     assert delayed.delayed and not delayed.is_ddp
     assert choose_schedule(delayed, timings, numels, "when_faster", None).runs == "plan"
     assert choose_schedule(delayed, timings, numels, "when_undelayed", fast_halves).runs == "plan"
+
+
+def test_wfbp_on_the_primary_competes_with_a_plan_that_spreads_buckets_over_two_links():
+    """An undelayed plan over both links is not DDP's schedule, yet WFBP on the primary stays a
+    candidate: where the plan is predicted no clearly faster, WFBP runs and the plan is timed against it."""
+    numels = [10] * 4
+    both_links = Iteration(0, tuple(Launch(0, i, i % 2, BACKWARD) for i in range(4)), (0,))
+    spread = DeFTPlan([Item(b, 0, 10) for b in range(4)], (), (both_links,), 1, math.inf, (1,))
+    assert not spread.delayed and not spread.is_ddp
+    compute_bound = Timings(4.0, [1.0] * 4, [[0.1] * 4, [0.1] * 4])  # every all-reduce hides under backward
+    slow_halves = ([[2.0] * 4, [2.0] * 4], [[2.0] * 4, [2.0] * 4])
+    tie = choose_schedule(spread, compute_bound, numels, "when_faster", slow_halves)
+    assert tie.predicted["plan_ms"] == pytest.approx(tie.predicted["wfbp_ms"])
+    assert tie.runs == "wfbp" and tie.alternative == ("plan", ())
+    network_bound = Timings(0.1, [0.1] * 4, [[1.0] * 4, [1.0] * 4])  # two links halve the exposed time
+    faster = choose_schedule(spread, network_bound, numels, "when_faster", slow_halves)
+    assert faster.predicted["plan_ms"] < 0.7 * faster.predicted["wfbp_ms"]
+    assert faster.runs == "plan" and faster.alternative == ("wfbp", ())
+
+
+def test_a_candidate_passes_a_simpler_one_only_when_clearly_faster():
+    assert ranked({"wfbp": 1.0, "dear": 0.99, "plan": 0.5}) == ["plan", "wfbp", "dear"]
+    assert ranked({"plan": 0.985, "dear": 0.97, "wfbp": 1.0}) == ["dear", "wfbp", "plan"]
+    assert ranked({"plan": 0.975, "dear": 0.97, "wfbp": 1.0}) == ["dear", "plan", "wfbp"]
+    assert ranked({"wfbp": 1.0, "plan": 0.99}) == ["wfbp", "plan"]
+    assert ranked({"wfbp": 1.0}) == ["wfbp"]
 
 
 def test_dear_over_two_links_balances_the_buckets():

@@ -147,7 +147,7 @@ CASES = {
         None,
         None,
         1.0,
-    ),  # a delayed plan and DeAR take turns (twice each, more within the noise): the plan comes back
+    ),  # a delayed plan and WFBP take turns (twice each, more within the noise): the plan comes back
     # a one-step-stale plan (compensation "auto") watched for WATCH iterations: its loss fell, or did not
     # (then it is stopped, rolled back or not, and DeFT measures and solves again without staleness);
     # 13 steps: float rounding grows by about 1.5x a step at the hot learning rate

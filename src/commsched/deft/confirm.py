@@ -1,6 +1,6 @@
 """The choice between DeFT's plan and an exact schedule, confirmed on real steps.
 
-`predict.choose_schedule` compares models of one steady iteration built from stage and collective
+`iteration_model.choose_schedule` compares models of one steady iteration built from stage and collective
 times measured in isolation. A real step also holds what the models leave out: data loading, the
 user's callbacks, the optimizer, contention between compute and communication threads. So the
 predicted choice and its runner-up take turns on real steps, and the one the model predicts faster
@@ -17,12 +17,10 @@ import torch
 
 from commsched.comm.device_time import synchronize
 from commsched.comm.links import Link
-from commsched.deft.iteration_model import ScheduleChoice
+from commsched.deft.iteration_model import SIMPLER, ScheduleChoice
 from commsched.interleaved import Comparison
 from commsched.say import say
 
-SIMPLER = {"wfbp": 0, "dear": 1, "plan": 2}
-"""The simpler schedule is the default a candidate must beat: WFBP (DDP's), then DeAR, then DeFT's own plan."""
 ROUNDS = 2
 """Turns each of the two takes."""
 
@@ -35,7 +33,7 @@ class Confirmation:
 
     def __init__(self, predicted: ScheduleChoice, steps: int, control: Link, device: torch.device) -> None:
         self.predicted = predicted
-        self.candidates = sorted([predicted.runner_up(), predicted], key=lambda c: SIMPLER[c.runs])
+        self.candidates = sorted([predicted.runner_up(), predicted], key=lambda c: SIMPLER.index(c.runs))
         self._control = control
         self._device = device
         self._turns = Comparison(2, steps, ROUNDS, predicted_ms(predicted, [c.runs for c in self.candidates]))
@@ -81,9 +79,6 @@ class Confirmation:
 
 
 def predicted_ms(predicted: ScheduleChoice, runs: list[str]) -> Optional[list[float]]:
-    """The model's step for each of `runs` (DeAR's, or the plan's for the plan and for WFBP, which is
-    the plan when it delays nothing), None when DeAR was not predicted."""
-    steps = predicted.predicted
-    if "dear_ms" not in steps or "plan_ms" not in steps:
-        return None
-    return [steps["dear_ms"] / 1e3 if run == "dear" else steps["plan_ms"] / 1e3 for run in runs]
+    """The model's step for each of `runs`, None when one was not predicted."""
+    steps = [predicted.predicted.get(f"{run}_ms") for run in runs]
+    return None if None in steps else [ms / 1e3 for ms in steps]

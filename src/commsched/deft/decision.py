@@ -1,6 +1,6 @@
 """DeFT's decision once its measured steps are over: every rank agrees on the measurements, rank 0
 solves the plan (the Preserver may enlarge its capacity) and chooses what runs the iterations
-(`predict.choose_schedule`), every rank adopts the same decision and checks its hash."""
+(`iteration_model.choose_schedule`), every rank adopts the same decision and checks its hash."""
 
 from __future__ import annotations
 
@@ -147,15 +147,19 @@ def _check_same_plan(plan: DeFTPlan, control: Link) -> None:
         raise ScheduleError(f"commsched deft: ranks replay different plans (hashes {digests})")
 
 
+NAMES = {"wfbp": "WFBP", "dear": "DeAR", "plan": "the plan"}
+
+
 def describe_decision(choice: ScheduleChoice, fallback: str, world_size: int) -> str:
     """What runs the iterations, and why: the fallback setting and the predictions it compared."""
     if choice.predicted:
-        compared = (
-            f"DeAR predicted {choice.predicted['dear_ms']:.0f} ms/step against "
-            f"{choice.predicted['plan_ms']:.0f} ms for the plan"
+        compared = "predicted " + ", ".join(
+            f"{name} {choice.predicted[f'{runs}_ms']:.0f} ms"
+            for runs, name in NAMES.items()
+            if f"{runs}_ms" in choice.predicted
         )
         if choice.measured:
-            compared += "; measured " + ", ".join(f"{runs} {ms:.0f} ms" for runs, ms in choice.measured.items())
+            compared += "; measured " + ", ".join(f"{NAMES[runs]} {ms:.0f} ms" for runs, ms in choice.measured.items())
     else:
         compared = "DeAR not considered: " + (
             "deft.fallback=never" if fallback == "never" else "one process" if world_size == 1 else "no DeAR timings"
@@ -163,7 +167,7 @@ def describe_decision(choice: ScheduleChoice, fallback: str, world_size: int) ->
     if choice.runs == "dear":
         return f"run by DeAR over {'+'.join(sorted(set(choice.dear_links)))} (deft.fallback={fallback}: {compared})"
     if choice.runs == "wfbp":
-        return f"run by WFBP, as the plan delays nothing and WFBP issues the same collectives ({compared})"
+        return f"run by WFBP on the primary (deft.fallback={fallback}: {compared})"
     reason = "deft.fallback=never" if fallback == "never" else f"deft.fallback={fallback}: {compared}"
     return f"run by the plan ({reason})"
 

@@ -1,12 +1,13 @@
 """Iteration times predicted from the measurements DeFT solves from: its plan replayed, and DeAR.
 
 DeFT hides communication by delaying it; when the plan it may use delays nothing (the Preserver's
-default allows no stale gradient) and one link carries everything, each bucket is all-reduced in
-its own backward, as DDP does. DeAR, exact as well, also hides its all-gathers under the next
-forward; on such a link it is faster. The strategy compares the two predictions from the same
-measured stage times and hands the iterations to DeAR's decoupling when that is clearly faster,
-over the primary alone or, where the secondary has a network of its own, over both (buckets
-balanced between them) if that is predicted faster still.
+default allows no stale gradient) it can still gain by spreading buckets over two links, and on one
+link each bucket is all-reduced in its own backward, as DDP does. Two exact schedules compete with
+it on the same buckets: WFBP (DDP's schedule on the primary, with the least bookkeeping and one
+link's threads) and DeAR, which also hides its all-gathers under the next forward, over the primary
+alone or, where the secondary has a network of its own, over both (buckets balanced between them).
+The strategy predicts each from the same measured stage times and runs the fastest, a more complex
+schedule only when clearly faster; real steps then confirm it against the runner-up.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from commsched.deft.plan import FORWARD, LINK_NAMES, DeFTPlan, Launch, Timings
+from commsched.deft.plan import FORWARD, LINK_NAMES, DeFTPlan, Item, Launch, Timings, no_delay_plan
 
 DEAR_MARGIN = 0.02
 """DeAR must be predicted this much faster (a fraction of the plan's time) to be chosen: the model
@@ -131,6 +132,26 @@ def dear_is_faster(plan_s: float, dear_s: float) -> bool:
     return dear_s < plan_s * (1.0 - DEAR_MARGIN)
 
 
+SIMPLER = ("wfbp", "dear", "plan")
+"""The order a candidate must beat those before it in by `DEAR_MARGIN`: WFBP (DDP's schedule on the
+primary), then DeAR, then DeFT's own plan."""
+
+
+def ranked(predicted_s: dict[str, float]) -> list[str]:
+    """The candidates best first: at each place, a candidate passes the best simpler one left only
+    when predicted `DEAR_MARGIN` faster (a close call keeps the simpler schedule)."""
+    order: list[str] = []
+    left = [runs for runs in SIMPLER if runs in predicted_s]
+    while left:
+        best = left[0]
+        for runs in left[1:]:
+            if dear_is_faster(predicted_s[best], predicted_s[runs]):
+                best = runs
+        order.append(best)
+        left.remove(best)
+    return order
+
+
 @dataclass(frozen=True)
 class ScheduleChoice:
     """Which schedule runs the iterations after solving, and why."""
@@ -140,7 +161,8 @@ class ScheduleChoice:
     dear_links: tuple[str, ...] = ()
     """Under DeAR, the link of each bucket's halves."""
     predicted: dict = field(default_factory=dict)
-    """plan_ms and dear_ms: the two predicted steady iterations (empty when DeAR was not predicted)."""
+    """`<runs>_ms` for each candidate predicted (wfbp, dear, and plan where it is not WFBP's schedule):
+    its steady iteration in milliseconds (empty when DeAR was not predicted)."""
     alternative: Optional[tuple[str, tuple[str, ...]]] = None
     """The runner-up of the prediction (`runs`, `dear_links`), timed against this choice on real steps
     (`commsched.deft.confirm`); None when nothing else was a candidate."""
@@ -178,27 +200,32 @@ def choose_schedule(
     mode: str,
     halves: Optional[tuple[list[list[float]], list[list[float]]]],
 ) -> ScheduleChoice:
-    """`mode` "when_faster": DeAR when predicted at least `DEAR_MARGIN` faster (on the primary, or
-    balanced over both links, whichever is predicted faster); "when_undelayed": DeAR whenever the
-    plan delays nothing. Otherwise WFBP when the plan is DDP's schedule, else the plan. `halves` is
-    None where DeAR may not run (callbacks read every step) or was not measured."""
+    """`mode` "when_faster": of WFBP (every bucket all-reduced in its own backward on the primary),
+    DeAR (on the primary, or balanced over both links, whichever is predicted faster) and the plan
+    (when it is not WFBP's schedule), the one predicted fastest (`ranked`), with the next as the
+    runner-up that real steps time against it; "when_undelayed": DeAR whenever the plan delays
+    nothing; "never": the plan. `halves` is None where nothing was measured to compare (one process,
+    or a timings file without DeAR's halves: a forced plan runs as solved)."""
     if mode == "never":
         return ScheduleChoice("plan")
-    predicted: dict = {}
-    if halves is not None:
-        reduce_scatter, all_gather = halves
-        candidates = [[0] * len(numels)]
-        if len(reduce_scatter) > 1:
-            candidates.append(balanced_links(reduce_scatter, all_gather))
-        dear_s, link_of = min(
-            (dear_seconds(timings.forward, timings.backward, reduce_scatter, all_gather, c), c) for c in candidates
-        )
-        plan_s = plan_seconds(plan, timings, numels)
-        predicted = {"plan_ms": plan_s * 1e3, "dear_ms": dear_s * 1e3}
-        dear_links = tuple(LINK_NAMES[l] for l in link_of)
-        own = "wfbp" if plan.is_ddp else "plan"
-        if (not plan.delayed) if mode == "when_undelayed" else dear_is_faster(plan_s, dear_s):
-            return ScheduleChoice("dear", dear_links, predicted, (own, ()) if mode == "when_faster" else None)
-        if mode == "when_faster":
-            return ScheduleChoice(own, (), predicted, ("dear", dear_links))
-    return ScheduleChoice("wfbp" if plan.is_ddp else "plan", (), predicted)
+    own = "wfbp" if plan.is_ddp else "plan"
+    if halves is None:
+        return ScheduleChoice(own)
+    seconds = {"wfbp": plan_seconds(no_delay_plan([Item(b, 0, n) for b, n in enumerate(numels)]), timings, numels)}
+    if own == "plan":
+        seconds["plan"] = plan_seconds(plan, timings, numels)
+    reduce_scatter, all_gather = halves
+    link_options = [[0] * len(numels)]
+    if len(reduce_scatter) > 1:
+        link_options.append(balanced_links(reduce_scatter, all_gather))
+    seconds["dear"], link_of = min(
+        (dear_seconds(timings.forward, timings.backward, reduce_scatter, all_gather, c), c) for c in link_options
+    )
+    links = {"dear": tuple(LINK_NAMES[l] for l in link_of)}
+    predicted = {f"{runs}_ms": s * 1e3 for runs, s in seconds.items()}
+    if mode == "when_undelayed":
+        runs = own if plan.delayed else "dear"
+        return ScheduleChoice(runs, links.get(runs, ()), predicted)
+    order = ranked(seconds)
+    alternative = (order[1], links.get(order[1], ())) if len(order) > 1 else None
+    return ScheduleChoice(order[0], links.get(order[0], ()), predicted, alternative)

@@ -46,10 +46,11 @@ class DeFTOptions:
     measuring (a reproducible or forced plan)."""
     fallback: str = option("when_faster", one_of(*FALLBACKS))
     """Which exact schedule may run the iterations instead of the plan, on the same buckets:
-    "when_faster": DeAR when it is predicted at least 2% faster (its reduce-scatter and all-gather of
-    each bucket are timed too, on each link with a network of its own), else WFBP when the plan is
-    DDP's schedule anyway (the same collectives without generations); "when_undelayed": DeAR
-    whenever the plan delays nothing; "never": the plan. DeAR never when callbacks read gradients
+    "when_faster": of WFBP on the primary (DDP's schedule without generations, always a candidate),
+    DeAR (its reduce-scatter and all-gather of each bucket are timed too, on each link with a network
+    of its own) and the plan, the one predicted fastest, a more complex one (the plan over DeAR over
+    WFBP) only when predicted at least 2% faster; "when_undelayed": DeAR whenever the plan delays
+    nothing; "never": the plan. DeAR never when callbacks read gradients
     or weights every step (it gives up its overlap then); with a timings file, only if the file
     gives DeAR's halves too."""
     compensation: str = option("auto", one_of("auto", "none", "spike", "predict", "spike+predict"))
@@ -64,7 +65,7 @@ class DeFTOptions:
     one (one more copy of the parameters, kept in checkpoints); "spike+predict": both."""
     confirm_steps: int = option(3, non_negative_int)
     """With fallback "when_faster": timed steps per turn when the predicted choice and its runner-up
-    (plan or WFBP against DeAR) take turns, twice each, on real steps (one more step runs first each
+    (the best two of WFBP, DeAR and the plan) take turns, twice each, on real steps (one more step runs first each
     turn, untimed); the simpler of the two is kept unless the other beats it by more than the measured
     noise (`commsched.interleaved`). 0: the prediction alone decides."""
 

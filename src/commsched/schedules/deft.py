@@ -14,9 +14,10 @@ end of backward: their items are waited for, averaged over their k iterations an
 user's optimizer as `.grad`. An iteration with nothing to step runs the closure (forward, backward,
 hooks) but not `optimizer.step`; LR schedulers stepped per step follow the optimizer steps taken.
 
-After solving, the iterations may go to an exact schedule on the same buckets (`Handover`, chosen
-by `commsched.deft.iteration_model.choose_schedule`): DeAR when predicted clearly faster (it hides the
-all-gathers under the next forward), else WFBP when the plan is DDP's schedule anyway. A re-plan takes them back.
+After solving, the iterations may go to an exact schedule (`Handover`, chosen by
+`commsched.deft.iteration_model.choose_schedule` and confirmed on real steps by `commsched.deft.confirm`):
+WFBP on the primary, always a candidate, or DeAR (it hides the all-gathers under the next forward),
+whichever is predicted fastest, the plan only when clearly faster than both. A re-plan takes them back.
 """
 
 from __future__ import annotations
