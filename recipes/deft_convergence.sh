@@ -21,10 +21,10 @@ for seed in $SEEDS; do
   for variant in $VARIANTS; do
     case "$variant" in
       ddp) extra=(schedule=ddp) ;;
-      deft) extra=(schedule=deft link=gloo+gloo) ;;
-      deft-unguarded) extra=(schedule=deft link=gloo+gloo preserver.enabled=false deft.capacity=0.25) ;;
-      deft-stale1) extra=(schedule=deft link=gloo+gloo preserver.max_staleness=1) ;;
-      deft-uncompensated) extra=(schedule=deft link=gloo+gloo deft.compensation=none preserver.max_staleness=1 preserver.curvature_margin=1e-9) ;;
+      deft) extra=(schedule=deft links=gloo+gloo) ;;
+      deft-unguarded) extra=(schedule=deft links=gloo+gloo preserver.enabled=false deft.capacity=0.25) ;;
+      deft-stale1) extra=(schedule=deft links=gloo+gloo preserver.max_staleness=1) ;;
+      deft-uncompensated) extra=(schedule=deft links=gloo+gloo deft.compensation=none preserver.max_staleness=1 preserver.curvature_margin=1e-9) ;;
       *) echo "VARIANTS: ddp, deft, deft-unguarded, deft-stale1 or deft-uncompensated, not $variant" >&2; exit 2 ;;
     esac
     "$bin/commsched-cluster" --nodes 2 --rate "$RATE" --secondary-rate "$SECONDARY" -- \

@@ -117,7 +117,7 @@ def test_the_configuration_is_converted_once_into_the_options_the_strategy_recei
         ("schedule=deft preserver.eps=2", "preserver.eps=2.0; allowed: a number in (0, 1)"),
         ("schedule=deft preserver.growth=1", "preserver.growth=1.0; allowed: a number > 1"),
         ("schedule=deft preserver.max_staleness=-1", "preserver.max_staleness=-1; allowed: an integer >= 0"),
-        ("schedule=deft link.secondary_backend=mpi", "link.secondary_backend=mpi; allowed: one of 'gloo', 'nccl'"),
+        ("schedule=deft links.secondary_backend=mpi", "links.secondary_backend=mpi; allowed: one of 'gloo', 'nccl'"),
         (
             "schedule=deft deft.fallback=sometimes",
             "deft.fallback=sometimes; allowed: one of 'when_faster', 'when_undelayed', 'never'",
@@ -171,8 +171,8 @@ def test_bad_values_are_refused_with_allowed_values(override, message, hydra_syn
             "Fix: e.g. compression.density=0.01 (the default).",
         ),
         (
-            "schedule=deft link.secondary_ifname=eth9",
-            "commsched: invalid link.secondary_ifname=eth9; allowed: a network interface of this machine: lo",
+            "schedule=deft links.secondary_ifname=eth9",
+            "commsched: invalid links.secondary_ifname=eth9; allowed: a network interface of this machine: lo",
         ),
         (
             "fusion.bucket_cap=3",

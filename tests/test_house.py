@@ -229,3 +229,37 @@ def test_one_name_per_concept():
                 definitions.setdefault(node.name, []).append(where)
     assert {name: where for name, where in modules.items() if len(where) > 1 and name not in SHARED_MODULE_NAMES} == {}
     assert {name: where for name, where in definitions.items() if len(where) > 1} == {}
+
+
+def _modules_mentioning(pattern: str) -> set[str]:
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        if re.search(pattern, path.read_text()):
+            found.add(str(path.relative_to(PACKAGE)))
+    return found
+
+
+def test_one_owner_for_what_a_schedule_takes_and_for_the_second_network():
+    """The checks of what only some schedules take run in one function, which the strategy and
+    commsched-train both call; the environment variable naming the second network is read in one place."""
+    assert _modules_mentioning(r"\bcheck_(compression|streams)\(") == {
+        "options/compression.py",
+        "options/streams.py",
+        "options/strategy.py",
+    }
+    assert _modules_mentioning(r"check_schedule_takes\(") == {
+        "options/strategy.py",
+        "runtime/strategy.py",
+        "cli/config.py",
+    }
+    assert _modules_mentioning(r"COMMSCHED_SECONDARY_IFNAME") - {"cluster/launch.py"} == {"options/links.py"}
+
+
+def test_the_second_network_comes_from_the_option_else_the_node(monkeypatch):
+    from commsched.options import LinkOptions
+
+    monkeypatch.delenv("COMMSCHED_SECONDARY_IFNAME", raising=False)
+    assert LinkOptions().secondary_interface() is None
+    monkeypatch.setenv("COMMSCHED_SECONDARY_IFNAME", "eth1")
+    assert LinkOptions().secondary_interface() == "eth1"
+    assert LinkOptions(secondary_ifname="lo").secondary_interface() == "lo"

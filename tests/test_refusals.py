@@ -61,7 +61,7 @@ def test_every_argument_has_a_default():
             500,
             "within tuning.min_mb..tuning.max_mb",
         ),
-        ({"profile": -2}, "ProfileOptions(steps={v})", -2, ">= 0"),
+        ({"profile": ProfileOptions(steps=-2)}, "ProfileOptions(steps={v})", -2, ">= 0"),
         ({"profile": ProfileOptions(probe="yes")}, "ProfileOptions(probe={v})", "yes", "True or False"),
         ({"links": LinkOptions(primary_backend="mpi")}, "LinkOptions(primary_backend={v})", "mpi", "'gloo', 'nccl'"),
         ({"schedule": "fancy"}, "{cls}(schedule={v})", "fancy", "'wfbp', 'dear'"),

@@ -56,16 +56,23 @@ def test_a_schedule_without_options_of_its_own_refuses_them():
         commsched.WFBPStrategy(schedule_options=DeAROptions())
 
 
-def test_dear_and_deft_options_are_also_their_schedule_options():
-    dear = commsched.DeARStrategy(schedule_options=DeAROptions(fallback="never")).options
+def test_dear_and_deft_take_their_options_under_one_name_each():
+    dear = commsched.DeARStrategy(dear=DeAROptions(fallback="never")).options
     assert dear.dear.fallback == "never" and dear.schedule_options is dear.dear
-    deft = commsched.DeFTStrategy(schedule_options=DeFTOptions(compensation="none")).options
+    deft = commsched.DeFTStrategy(deft=DeFTOptions(compensation="none")).options
     assert deft.deft.compensation == "none" and deft.schedule_options is deft.deft
     assert commsched.DeARStrategy().options.schedule_options == DeAROptions()
-    with pytest.raises(CommSchedConfigError, match=r"allowed: None when dear= is given \(the same options twice\)"):
-        commsched.DeARStrategy(schedule_options=DeAROptions(), dear=DeAROptions())
-    with pytest.raises(CommSchedConfigError, match=r"schedule_options=3\); allowed: a commsched.DeFTOptions"):
-        commsched.DeFTStrategy(schedule_options=3)
+    with pytest.raises(CommSchedConfigError, match=r"allowed: None for schedule dear: its options are dear="):
+        commsched.DeARStrategy(schedule_options=DeAROptions(fallback="never"))
+    with pytest.raises(CommSchedConfigError, match=r"allowed: None for schedule deft: its options are deft="):
+        commsched.DeFTStrategy(schedule_options=DeFTOptions())
+
+
+def test_profile_takes_its_options_only():
+    assert commsched.WFBPStrategy(profile=commsched.ProfileOptions(steps=3)).options.profile.steps == 3
+    assert commsched.WFBPStrategy().options.profile == commsched.ProfileOptions()
+    with pytest.raises(CommSchedConfigError, match=r"profile=3\); allowed: a commsched.ProfileOptions"):
+        commsched.WFBPStrategy(profile=3)
 
 
 def test_registering_refuses_options_that_cannot_be_built():

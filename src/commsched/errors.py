@@ -27,7 +27,6 @@ PYTHON_OWNERS = {
     "tuning": "TuningOptions",
     "profile": "ProfileOptions",
     "links": "LinkOptions",
-    "link": "LinkOptions",
     "deft": "DeFTOptions",
     "preserver": "PreserverOptions",
     "compression": "CompressionOptions",
@@ -36,7 +35,7 @@ PYTHON_OWNERS = {
     "dear": "DeAROptions",
 }
 """A setting path's first part -> the class a Python user passes it to."""
-HYDRA_GROUPS = {"links": "link", "Preserver": "preserver"}
+HYDRA_GROUPS = {"Preserver": "preserver"}
 """A path's first part as the Python API names it -> the Hydra config node."""
 _UNSET: Any = object()
 

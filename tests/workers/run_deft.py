@@ -263,7 +263,7 @@ def fit(out: Path, name: str, world: int) -> None:
             if name.startswith("watched")
             else COMPENSATION.get((name.split("-") + [""])[1], "none"),
         )
-    profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else 0
+    profile = commsched.ProfileOptions(steps=9, dir=str(out / f"{name}-profile")) if name == "profiled" else None
     # Cases without a Preserver of their own run their forced plans unguarded, as asked.
     strategy = commsched.DeFTStrategy(
         bucket_cap_mb=BUCKET_MB,

@@ -73,7 +73,7 @@ def case_strategy(case: str):
     options = (
         DRIFTING if case.endswith("-drift") else SEARCH if count == "auto" else commsched.StreamOptions(unit_mb=UNIT_MB)
     )
-    profile = commsched.ProfileOptions(steps=8) if case.endswith("-profiled") else 0
+    profile = commsched.ProfileOptions(steps=8) if case.endswith("-profiled") else None
     return cls(bucket_cap_mb=BUCKET_MB, streams=count, stream_options=options, trace_collectives=True, profile=profile)
 
 

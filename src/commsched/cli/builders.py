@@ -67,7 +67,7 @@ def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
     return commsched.STRATEGIES[name](
         fusion=cfg.fusion,
         tuning=cfg.tuning,
-        links=cfg.link,
+        links=cfg.links,
         deft=cfg.deft,
         dear=cfg.dear,
         preserver=cfg.preserver,

@@ -123,7 +123,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     profile: ProfileOptions = field(default_factory=ProfileOptions)
-    link: LinkOptions = field(default_factory=LinkOptions)
+    links: LinkOptions = field(default_factory=LinkOptions)
     deft: DeFTOptions = field(default_factory=DeFTOptions)
     dear: DeAROptions = field(default_factory=DeAROptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
@@ -198,7 +198,7 @@ def register_configs(
         ("model", ModelConfig),
         ("data", DataConfig),
         ("trainer", TrainerConfig),
-        ("link", LinkOptions),
+        ("links", LinkOptions),
         ("compression", CompressionOptions),
     ):
         store.store(group=group, name=f"{group}_schema", node=node)
@@ -219,20 +219,19 @@ def train_config(cfg: DictConfig) -> TrainConfig:
 
 def validate(cfg: TrainConfig) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
-    for concern in ("fusion", "tuning", "profile", "link", "deft", "dear", "compression", "stream_options"):
-        options.validated(getattr(cfg, concern), f"{concern}.")
+    options.check_concerns(cfg)
     options.choice("schedule.name", str(cfg.schedule.name), train_schedule_names(bool(cfg.plugins)))
     for node in own_nodes(bool(cfg.plugins)):  # every plugin schedule's, as dear.* and deft.* are always checked
         options.validated(getattr(cfg, node), f"{node}.")
     name = str(cfg.schedule.name)
     if name in options.BUILTIN_SCHEDULES:  # checked before torch is imported
-        options.check_compression(cfg.compression, name, name in options.COMPRESSING_SCHEDULES)
-        options.check_streams(cfg.streams, name, name in options.STRIPING_SCHEDULES, cfg.compression, cfg.fusion.policy)
+        options.check_schedule_takes(
+            cfg, name, name in options.COMPRESSING_SCHEDULES, name in options.STRIPING_SCHEDULES
+        )
     elif name != "ddp":  # a plugin's schedule: the plugin imported the registry already
         from commsched.runtime.registry import SCHEDULES
 
-        options.check_compression(cfg.compression, name, SCHEDULES[name].compresses)
-        options.check_streams(cfg.streams, name, SCHEDULES[name].stripes, cfg.compression, cfg.fusion.policy)
+        options.check_schedule_takes(cfg, name, SCHEDULES[name].compresses, SCHEDULES[name].stripes)
     elif cfg.streams != 1:
         raise bad_value(
             "streams",

@@ -24,6 +24,7 @@ from typing import IO, Optional, Sequence
 
 from commsched.cluster.network import Network
 from commsched.cluster.spec import PRIMARY_IFNAME, SECONDARY_IFNAME, ClusterSpec
+from commsched.options.links import SECONDARY_IFNAME_ENV
 
 
 class Interrupted(Exception):
@@ -47,7 +48,7 @@ def node_environment(spec: ClusterSpec, node: int) -> dict[str, str]:
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.world_size)),
     }
     if spec.secondary_rate is not None:
-        env["COMMSCHED_SECONDARY_IFNAME"] = SECONDARY_IFNAME
+        env[SECONDARY_IFNAME_ENV] = SECONDARY_IFNAME
     return env
 
 

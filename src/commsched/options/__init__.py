@@ -42,7 +42,7 @@ from commsched.options.deft import (
 )
 from commsched.options.fusion import FusionOptions, ProfileOptions, TuningOptions, fusion_from, profile_from
 from commsched.options.links import LinkOptions
-from commsched.options.strategy import StrategyOptions
+from commsched.options.strategy import CONCERNS, StrategyOptions, check_concerns, check_schedule_takes
 from commsched.options.streams import StreamOptions, check_streams, streams_value
 from commsched.options.validators import (
     Check,
@@ -65,6 +65,9 @@ from commsched.options.validators import (
 )
 
 __all__ = [
+    "CONCERNS",
+    "check_concerns",
+    "check_schedule_takes",
     "ScheduleTraits",
     "BUILTIN",
     "BUILTIN_SCHEDULES",

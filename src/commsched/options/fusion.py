@@ -114,7 +114,5 @@ def fusion_from(fusion: Any, bucket_cap_mb: Optional[float]) -> FusionOptions:
 
 
 def profile_from(profile: Any) -> ProfileOptions:
-    """The strategy's `profile=`: a number of steps or options."""
-    if isinstance(profile, int) and not isinstance(profile, bool):
-        return validated(ProfileOptions(steps=profile), "profile.")
-    return validated(typed("profile", profile, ProfileOptions), "profile.")
+    """The strategy's `profile=`: `ProfileOptions` (None: its defaults, which profile nothing)."""
+    return validated(typed("profile", ProfileOptions() if profile is None else profile, ProfileOptions), "profile.")

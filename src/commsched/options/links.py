@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 from commsched.options.catalogue import BACKENDS
 from commsched.options.validators import network_interface, one_of, option, optional
+
+SECONDARY_IFNAME_ENV = "COMMSCHED_SECONDARY_IFNAME"
+"""Set by ``commsched-cluster`` on each node: the interface of its second network."""
 
 
 @dataclass
@@ -27,3 +31,8 @@ class LinkOptions:
     secondary_ifname: Optional[str] = option(None, optional(network_interface))
     """Network interface of the secondary link (default: $COMMSCHED_SECONDARY_IFNAME, set by commsched-cluster;
     without one, a second group on the primary network)."""
+
+    def secondary_interface(self) -> Optional[str]:
+        """The secondary link's interface: `secondary_ifname`, else the node's second network
+        (`SECONDARY_IFNAME_ENV`), else None (a second group on the primary's network)."""
+        return self.secondary_ifname or os.environ.get(SECONDARY_IFNAME_ENV) or None

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from commsched.errors import bad_value
-from commsched.options.compression import CompressionOptions, compression_from
+from commsched.options.compression import CompressionOptions, check_compression, compression_from
 from commsched.options.dear import DeAROptions
 from commsched.options.deft import DeFTOptions, PreserverOptions
 from commsched.options.fusion import FusionOptions, ProfileOptions, TuningOptions, fusion_from, profile_from
 from commsched.options.links import LinkOptions
-from commsched.options.streams import StreamOptions, streams_value
+from commsched.options.streams import StreamOptions, check_streams, streams_value
 from commsched.options.validators import typed, validated
 
 
@@ -31,8 +31,8 @@ class StrategyOptions:
     """1..16 streams, or "auto" (checked by `streams_value`)."""
     stream_options: StreamOptions = field(default_factory=StreamOptions)
     schedule_options: Any = None
-    """The running schedule's own options (its `Schedule.options_class`; for dear and deft the same
-    object as `dear` and `deft`), None for a schedule that declares none."""
+    """The running schedule's own options (its `Schedule.options_class`): a plugin's as given, for dear
+    and deft the same object as `dear` and `deft`; None for a schedule that declares none."""
 
     @classmethod
     def from_arguments(
@@ -52,24 +52,26 @@ class StrategyOptions:
         options_class: Optional[type] = None,
         schedule_options: Any = None,
     ) -> "StrategyOptions":
-        """`schedule_options`: the options of `schedule`, an instance of its `options_class`; for dear and
-        deft another spelling of `dear` and `deft` (giving both is refused)."""
-        if options_class is DeAROptions and schedule_options is not None:
-            dear = _once("dear", dear, typed("schedule_options", schedule_options, DeAROptions))
-        if options_class is DeFTOptions and schedule_options is not None:
-            deft = _once("deft", deft, typed("schedule_options", schedule_options, DeFTOptions))
+        """`schedule_options`: a plugin schedule's own options, an instance of its `options_class`
+        (the built-in schedules take theirs as `dear` and `deft`, one spelling each)."""
+        if options_class in (DeAROptions, DeFTOptions) and schedule_options is not None:
+            own = "dear" if options_class is DeAROptions else "deft"
+            raise bad_value(
+                "schedule_options", schedule_options, f"None for schedule {schedule}: its options are {own}="
+            )
         resolved = cls(
             fusion_from(fusion, bucket_cap_mb),
-            validated(typed("tuning", tuning or TuningOptions(), TuningOptions), "tuning."),
+            typed("tuning", tuning or TuningOptions(), TuningOptions),
             profile_from(profile),
-            validated(typed("links", links or LinkOptions(), LinkOptions), "links."),
-            validated(typed("deft", deft or DeFTOptions(), DeFTOptions), "deft."),
-            validated(typed("preserver", preserver or PreserverOptions(), PreserverOptions), "preserver."),
+            typed("links", links or LinkOptions(), LinkOptions),
+            typed("deft", deft or DeFTOptions(), DeFTOptions),
+            typed("preserver", preserver or PreserverOptions(), PreserverOptions),
             compression_from(compression),
-            validated(typed("dear", dear or DeAROptions(), DeAROptions), "dear."),
+            typed("dear", dear or DeAROptions(), DeAROptions),
             streams_value("streams", streams),
-            validated(typed("stream_options", stream_options or StreamOptions(), StreamOptions), "stream_options."),
+            typed("stream_options", stream_options or StreamOptions(), StreamOptions),
         )
+        check_concerns(resolved)
         builtin = {DeAROptions: resolved.dear, DeFTOptions: resolved.deft}
         resolved.schedule_options = (
             builtin[options_class]
@@ -79,10 +81,23 @@ class StrategyOptions:
         return resolved
 
 
-def _once(name: str, given: Any, schedule_options: Any) -> Any:
-    if given is not None:
-        raise bad_value("schedule_options", schedule_options, f"None when {name}= is given (the same options twice)")
-    return schedule_options
+CONCERNS = ("fusion", "tuning", "profile", "links", "deft", "preserver", "compression", "dear", "stream_options")
+"""The options objects every strategy takes, by the one name Python and the command line give each."""
+
+
+def check_concerns(options: Any) -> None:
+    """Every concern's own checks (`validated`), on the strategy's resolved options or on
+    `commsched-train`'s typed configuration, which name each concern alike (`CONCERNS`)."""
+    for concern in CONCERNS:
+        validated(getattr(options, concern), f"{concern}.")
+
+
+def check_schedule_takes(options: Any, schedule: str, compresses: bool, stripes: bool) -> None:
+    """What only some schedules take, refused for the others: sparse or two-level exchanges
+    (`compresses`), several streams (`stripes`). Torch-free: `commsched-train` calls it before it
+    imports torch, the strategy when it is made."""
+    check_compression(options.compression, schedule, compresses)
+    check_streams(options.streams, schedule, stripes, options.compression, options.fusion.policy)
 
 
 def own_options(schedule: str, options_class: Optional[type], value: Any) -> Any:

@@ -52,9 +52,10 @@ def _probe_worker(rank: int, sizes: tuple[int, ...], repeats: int, link_name: st
     from datetime import timedelta
 
     from commsched.comm.links import Links, LinkSpec
+    from commsched.options.links import LinkOptions
     from commsched.profile.probe import probe_concurrent, probe_link
 
-    ifname = os.environ.get("COMMSCHED_SECONDARY_IFNAME") if link_name == "secondary" else None
+    ifname = LinkOptions().secondary_interface() if link_name == "secondary" else None
     specs = [LinkSpec(f"{link_name}{g}", "gloo", ifname) for g in range(groups)]
     links = Links(specs, timedelta(minutes=5), trace=None)
     if groups == 1:

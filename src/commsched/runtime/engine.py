@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Iterator, Optional
@@ -26,6 +25,7 @@ from commsched import state
 from commsched.comm.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
 from commsched.comm.links import CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
 from commsched.options import StrategyOptions
+from commsched.options.links import SECONDARY_IFNAME_ENV
 from commsched.planning.plan_file import SavedPlan
 from commsched.planning.policy import PlanPolicy
 from commsched.profile.run_profiler import RunProfiler
@@ -34,8 +34,6 @@ from commsched.schedules import SCHEDULES, Handover, Schedule
 from commsched.schedules.base import runs_compiled
 
 log = logging.getLogger(__name__)
-
-SECONDARY_IFNAME_ENV = "COMMSCHED_SECONDARY_IFNAME"  # set on each node by commsched-cluster
 
 
 class Engine:
@@ -109,11 +107,11 @@ class Engine:
         ranks of this node) and "inter" (the ranks with this local rank on every node), on the
         primary's backend and interface."""
         o = self._link_options
-        secondary_ifname = o.secondary_ifname or os.environ.get(SECONDARY_IFNAME_ENV) or None
+        secondary_ifname = o.secondary_interface()
         names = self.schedule_class.links_for(self.settings)
         if "secondary" in names and secondary_ifname is None:
             say(
-                "commsched: no second network interface (link.secondary_ifname or $COMMSCHED_SECONDARY_IFNAME): "
+                f"commsched: no second network interface (links.secondary_ifname or ${SECONDARY_IFNAME_ENV}): "
                 "the secondary link is a second gloo group on the primary's network"
             )
         primary = o.primary_backend or default_backend

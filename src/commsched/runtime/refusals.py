@@ -8,7 +8,6 @@ import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
 from commsched.errors import CommSchedConfigError
-from commsched.options import check_compression, check_streams
 
 _CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
 
@@ -63,13 +62,3 @@ def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool =
             f"rank to hold whole gradients and step at once; strategy='{name}' steps parts of the model at different "
             "times. Use LARS(parallel_norms=False) here, or strategy='wfbp' (or 'topk', or Lightning's 'ddp')."
         )
-
-
-def refuse_streams(options: Any, schedule: Any) -> None:
-    """Several streams only where the schedule stripes its buckets, on dense exchanges (`Schedule.stripes`)."""
-    check_streams(options.streams, schedule.name, schedule.stripes, options.compression, options.fusion.policy)
-
-
-def refuse_compression(compression: Any, schedule: Any) -> None:
-    """Sparse and two-level exchanges only where the schedule builds them (`Schedule.compresses`)."""
-    check_compression(compression, schedule.name, schedule.compresses)

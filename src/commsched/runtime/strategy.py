@@ -80,7 +80,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         fusion: Union[str, FusionOptions] = "auto",
         bucket_cap_mb: Optional[float] = None,
         tuning: Optional[TuningOptions] = None,
-        profile: Union[int, ProfileOptions] = 0,
+        profile: Optional[ProfileOptions] = None,
         links: Optional[LinkOptions] = None,
         deft: Optional[DeFTOptions] = None,
         preserver: Optional[PreserverOptions] = None,
@@ -109,7 +109,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             bucket_cap_mb: shorthand for ``FusionOptions.bucket_cap_mb`` (as on Lightning's `DDPStrategy`);
                 given with the default fusion, fixed buckets of that size.
             tuning: `TuningOptions` for ``fusion="bayes"``.
-            profile: steps to profile, or a `ProfileOptions`.
+            profile: `ProfileOptions`: steps to profile and where the trace goes (None: nothing profiled).
             links: `LinkOptions`: backend and network interface of each link.
             deft: `DeFTOptions` for ``schedule="deft"``.
             preserver: `PreserverOptions` for ``schedule="deft"``: the guard of delayed plans, on unless
@@ -120,8 +120,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 or ``"auto"``: searched on the run's own steps (schedules: wfbp, dear).
             stream_options: `StreamOptions`: unit size, and the search's budget and settings.
             dear: `DeAROptions` for ``schedule="dear"``: whether WFBP runs the iterations when measured faster.
-            schedule_options: the schedule's own options, an instance of its ``options_class`` (a plugin
-                schedule's; for dear and deft the same as ``dear=`` and ``deft=``).
+            schedule_options: a plugin schedule's own options, an instance of its ``options_class`` (dear and
+                deft take theirs as ``dear=`` and ``deft=``).
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
@@ -145,8 +145,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 self.schedule_class.options_class,
                 schedule_options,
             )
-            refusals.refuse_compression(self.options.compression, self.schedule_class)
-            refusals.refuse_streams(self.options, self.schedule_class)
+            options.check_schedule_takes(
+                self.options, name, self.schedule_class.compresses, self.schedule_class.stripes
+            )
             checked_timeout = options.timeout(timeout)
             checked_start = options.choice("start_method", start_method, options.START_METHODS)
             trace = options.flag("trace_collectives", trace_collectives)
