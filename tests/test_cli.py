@@ -88,18 +88,16 @@ def test_the_configuration_is_converted_once_into_the_options_the_strategy_recei
     from commsched.cli.config import TrainConfig
     from commsched.options import FusionOptions, StreamOptions
 
-    cfg = composed("schedule=dear", "fusion=fixed", "fusion.bucket_cap_mb=2", "streams=auto")
+    cfg = composed("schedule=dear", "fusion=fixed", "fusion.bucket_cap_mb=2", "streams.count=auto")
     train = train_config(cfg)
     assert isinstance(train, TrainConfig) and isinstance(train.fusion, FusionOptions)
     assert (
-        isinstance(train.stream_options, StreamOptions)
-        and train.streams == "auto"
-        and train.fusion.bucket_cap_mb == 2.0
+        isinstance(train.streams, StreamOptions) and train.streams.count == "auto" and train.fusion.bucket_cap_mb == 2.0
     )
     OmegaConf.save(cfg, tmp_path / "config.resolved.yaml", resolve=True)
     assert train_config(OmegaConf.load(tmp_path / "config.resolved.yaml")) == train
     strategy = build_strategy(train, tmp_path)
-    assert strategy.options.fusion is train.fusion and strategy.options.stream_options is train.stream_options
+    assert strategy.options.fusion is train.fusion and strategy.options.streams is train.streams
     assert strategy.options.profile.dir == str(tmp_path / "profile") and train.profile.dir is None
 
 
@@ -133,14 +131,17 @@ def test_the_configuration_is_converted_once_into_the_options_the_strategy_recei
         ),
         ("schedule=dear compression=mstopk", "compression.method=mstopk; allowed: 'none' with schedule dear"),
         ("schedule=ddp compression=topk", "compression.method=topk; allowed: none with schedule=ddp"),
-        ("schedule=wfbp streams=17", 'streams=17; allowed: an integer 1..16 or "auto"'),
-        ("schedule=dear streams=fast", 'streams=fast; allowed: an integer 1..16 or "auto"'),
-        ("schedule=deft streams=4", "streams=4; allowed: 1 with schedule deft"),
-        ("schedule=ddp streams=auto", "streams=auto; allowed: 1 with schedule=ddp"),
-        ("schedule=wfbp streams=2 compression=topk", "streams=2; allowed: 1 with compression method 'topk'"),
+        ("schedule=wfbp streams.count=17", 'streams.count=17; allowed: an integer 1..16 or "auto"'),
+        ("schedule=dear streams.count=fast", 'streams.count=fast; allowed: an integer 1..16 or "auto"'),
+        ("schedule=deft streams.count=4", "streams.count=4; allowed: 1 with schedule deft"),
+        ("schedule=ddp streams.count=auto", "streams.count=auto; allowed: 1 with schedule=ddp"),
         (
-            "schedule=wfbp streams=auto stream_options.budget_steps=0",
-            "stream_options.budget_steps=0; allowed: an integer >= 1",
+            "schedule=wfbp streams.count=2 compression=topk",
+            "streams.count=2; allowed: 1 with compression method 'topk'",
+        ),
+        (
+            "schedule=wfbp streams.count=auto streams.budget_steps=0",
+            "streams.budget_steps=0; allowed: an integer >= 1",
         ),
     ],
 )

@@ -66,10 +66,10 @@ def test_compression_defaults_are_the_same_from_python_and_hydra():
 
 
 def test_stream_defaults_are_the_same_from_python_and_hydra():
-    """`streams=auto` in Hydra and `streams="auto"` in Python search with the same options; both default to one
-    stream."""
-    cfg = composed("schedule=dear", "streams=auto")
+    """`streams.count=auto` in Hydra and `streams="auto"` in Python search with the same options; both default
+    to one stream."""
+    cfg = composed("schedule=dear", "streams.count=auto")
     from_python = commsched.DeARStrategy(streams="auto").options
-    assert from_python.streams == cfg.streams == "auto"
-    assert dataclasses.asdict(from_python.stream_options) == OmegaConf.to_container(cfg.stream_options)
-    assert commsched.WFBPStrategy().options.streams == composed("schedule=wfbp").streams == 1
+    assert from_python.streams.count == cfg.streams.count == "auto"
+    assert dataclasses.asdict(from_python.streams) == OmegaConf.to_container(cfg.streams)
+    assert commsched.WFBPStrategy().options.streams.count == composed("schedule=wfbp").streams.count == 1

@@ -358,20 +358,22 @@ def test_a_slower_network_after_the_search_reopens_it_from_one_stream(runs):
 
 
 def test_bad_stream_values_are_refused_before_spawning():
-    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=0.*1\.\.16"):
-        commsched.WFBPStrategy(streams=0)
-    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=.fast.*auto"):
+    with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(count=0\).*1\.\.16"):
+        commsched.WFBPStrategy(streams=StreamOptions(count=0))
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams='fast'.*StreamOptions or \"auto\""):
         commsched.DeARStrategy(streams="fast")
-    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=4.*1 with schedule deft"):
-        commsched.DeFTStrategy(streams=4)
-    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=2.*compression method 'topk'"):
-        commsched.WFBPStrategy(streams=2, compression="topk")
-    with pytest.raises(commsched.CommSchedConfigError, match=r"streams='auto'.*fusion policy 'bayes'"):
+    with pytest.raises(commsched.CommSchedConfigError, match=r"streams=4.*Fix: e.g. streams=StreamOptions\(count=4\)"):
+        commsched.WFBPStrategy(streams=4)
+    with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(count=4\).*1 with schedule deft"):
+        commsched.DeFTStrategy(streams=StreamOptions(count=4))
+    with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(count=2\).*compression method 'topk'"):
+        commsched.WFBPStrategy(streams=StreamOptions(count=2), compression="topk")
+    with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(count='auto'\).*fusion policy 'bayes'"):
         commsched.DeARStrategy(streams="auto", fusion="bayes")
     with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(max_streams=17\).*1\.\.16"):
-        commsched.WFBPStrategy(streams="auto", stream_options=StreamOptions(max_streams=17))
+        commsched.WFBPStrategy(streams=StreamOptions(count="auto", max_streams=17))
     with pytest.raises(commsched.CommSchedConfigError, match=r"StreamOptions\(min_unit_mb=8.0\).*max_unit_mb"):
-        commsched.WFBPStrategy(streams="auto", stream_options=StreamOptions(min_unit_mb=8.0, max_unit_mb=1.0))
+        commsched.WFBPStrategy(streams=StreamOptions(count="auto", min_unit_mb=8.0, max_unit_mb=1.0))
 
 
 def test_hydra_runs_the_search_and_leaves_its_trials_beside_the_run(tmp_path):
@@ -384,13 +386,13 @@ def test_hydra_runs_the_search_and_leaves_its_trials_beside_the_run(tmp_path):
         run,
         *SMALL,
         "schedule=dear",
-        "streams=auto",
-        "stream_options.budget_steps=6",
-        "stream_options.trial_steps=2",
-        "stream_options.warmup_steps=1",
-        "stream_options.max_streams=3",
-        "stream_options.min_unit_mb=0.01",
-        "stream_options.max_unit_mb=0.04",
+        "streams.count=auto",
+        "streams.budget_steps=6",
+        "streams.trial_steps=2",
+        "streams.warmup_steps=1",
+        "streams.max_streams=3",
+        "streams.min_unit_mb=0.01",
+        "streams.max_unit_mb=0.04",
         "trainer.devices=2",
         "trainer.max_steps=21",
         "checkpoint.enabled=false",

@@ -68,21 +68,19 @@ CASES = {
     # several NCCL communicators, each on its own CUDA stream; and the search switching between them
     "wfbp-streams": lambda: commsched.WFBPStrategy(
         bucket_cap_mb=BUCKET_MB,
-        streams=4,
+        streams=commsched.StreamOptions(count=4, unit_mb=160 / 2**20),
         trace_collectives=True,
-        stream_options=commsched.StreamOptions(unit_mb=160 / 2**20),
     ),
     "dear-streams": lambda: commsched.DeARStrategy(
         bucket_cap_mb=BUCKET_MB,
-        streams=3,
+        streams=commsched.StreamOptions(count=3, unit_mb=160 / 2**20),
         trace_collectives=True,
-        stream_options=commsched.StreamOptions(unit_mb=160 / 2**20),
     ),
     "dear-streams-auto": lambda: commsched.DeARStrategy(
         bucket_cap_mb=BUCKET_MB,
-        streams="auto",
         trace_collectives=True,
-        stream_options=commsched.StreamOptions(
+        streams=commsched.StreamOptions(
+            count="auto",
             unit_mb=160 / 2**20,
             min_unit_mb=160 / 2**20,
             max_unit_mb=640 / 2**20,

@@ -47,10 +47,10 @@ CASES = {
     "auto-two-level": None,  # dense: the stream search tries flat and node first
 }
 STREAMS = {
-    "hier-dense-streams": {"streams": 2, "stream_options": commsched.StreamOptions(unit_mb=256 / 2**20)},
+    "hier-dense-streams": {"streams": commsched.StreamOptions(count=2, unit_mb=256 / 2**20)},
     "auto-two-level": {
-        "streams": "auto",
-        "stream_options": commsched.StreamOptions(
+        "streams": commsched.StreamOptions(
+            count="auto",
             unit_mb=256 / 2**20,
             min_unit_mb=256 / 2**20,
             max_unit_mb=1024 / 2**20,

@@ -50,7 +50,7 @@ def strategy_for(schedule: str):
             timeout=TIMEOUT, compression=commsched.CompressionOptions(method="topk", density=0.1)
         )
     if schedule == "streams":
-        return commsched.WFBPStrategy(timeout=TIMEOUT, streams=4)
+        return commsched.WFBPStrategy(timeout=TIMEOUT, streams=commsched.StreamOptions(count=4))
     raise ValueError(schedule)
 
 

@@ -28,8 +28,7 @@ CASES = {
     ),
     "streams": lambda: commsched.WFBPStrategy(
         bucket_cap_mb=600 / 2**20,
-        streams="auto",
-        stream_options=commsched.StreamOptions(trial_steps=1, warmup_steps=1, confirm_rounds=1),
+        streams=commsched.StreamOptions(count="auto", trial_steps=1, warmup_steps=1, confirm_rounds=1),
     ),
 }
 

@@ -38,7 +38,7 @@ def strategy_for(schedule: str):
         return commsched.DeARStrategy(bucket_cap_mb=BUCKET_MB, dear=commsched.DeAROptions(fallback="never"))
     if schedule == "streams":
         return commsched.WFBPStrategy(
-            bucket_cap_mb=BUCKET_MB, streams=4, stream_options=commsched.StreamOptions(unit_mb=160 / 2**20)
+            bucket_cap_mb=BUCKET_MB, streams=commsched.StreamOptions(count=4, unit_mb=160 / 2**20)
         )
     return DDPStrategy(find_unused_parameters=True)
 

@@ -74,7 +74,12 @@ def case_strategy(case: str):
         DRIFTING if case.endswith("-drift") else SEARCH if count == "auto" else commsched.StreamOptions(unit_mb=UNIT_MB)
     )
     profile = commsched.ProfileOptions(steps=8) if case.endswith("-profiled") else None
-    return cls(bucket_cap_mb=BUCKET_MB, streams=count, stream_options=options, trace_collectives=True, profile=profile)
+    return cls(
+        bucket_cap_mb=BUCKET_MB,
+        streams=dataclasses.replace(options, count=count),
+        trace_collectives=True,
+        profile=profile,
+    )
 
 
 def delay_every_request(rank: int) -> None:

@@ -102,7 +102,7 @@ def strategy_for(schedule: str):
     if schedule == "wfbp":
         return commsched.WFBPStrategy(bucket_cap_mb=TINY_BUCKETS_MB)
     if schedule == "streams":
-        return commsched.WFBPStrategy(bucket_cap_mb=TINY_BUCKETS_MB, streams=2)
+        return commsched.WFBPStrategy(bucket_cap_mb=TINY_BUCKETS_MB, streams=commsched.StreamOptions(count=2))
     if schedule == "topk":  # density 1/2 on 2 processes sends everything: exact, with DGC's corrections under SGD
         return commsched.WFBPStrategy(
             bucket_cap_mb=TINY_BUCKETS_MB,

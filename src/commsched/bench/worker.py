@@ -26,7 +26,7 @@ import commsched
 from commsched.bench.models import BENCH_MODELS
 from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
 from commsched.comm.local_workers import end_process_group
-from commsched.options import CompressionOptions, ProfileOptions
+from commsched.options import CompressionOptions, ProfileOptions, StreamOptions
 from commsched.plugins import import_plugins
 from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
@@ -73,7 +73,7 @@ def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
     bucket_cap_mb = float(cap.removesuffix("mb")) if slash else spec.get("bucket_cap_mb")
     schedule, colon, streams = schedule.partition(":")
     if colon:
-        extra["streams"] = int(streams) if streams.isdigit() else streams
+        extra["streams"] = StreamOptions(count=int(streams) if streams.isdigit() else streams)
     if bucket_cap_mb is not None:
         extra["bucket_cap_mb"] = bucket_cap_mb
     if schedule == "ddp":

@@ -73,7 +73,6 @@ def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
         preserver=cfg.preserver,
         compression=cfg.compression,
         streams=cfg.streams,
-        stream_options=cfg.stream_options,
         profile=profile,
         timeout=timeout,
         schedule_options=getattr(cfg, name) if name in own_nodes(bool(cfg.plugins)) else None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -128,8 +128,7 @@ class TrainConfig:
     dear: DeAROptions = field(default_factory=DeAROptions)
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
     compression: CompressionOptions = field(default_factory=CompressionOptions)
-    streams: Any = 1  # 1..16 concurrent collective streams, or "auto" (searched while training); wfbp and dear
-    stream_options: StreamOptions = field(default_factory=StreamOptions)
+    streams: StreamOptions = field(default_factory=StreamOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     plugins: list[str] = field(
@@ -232,10 +231,10 @@ def validate(cfg: TrainConfig) -> None:
         from commsched.runtime.registry import SCHEDULES
 
         options.check_schedule_takes(cfg, name, SCHEDULES[name].compresses, SCHEDULES[name].stripes)
-    elif cfg.streams != 1:
+    elif cfg.streams.count != 1:
         raise bad_value(
-            "streams",
-            cfg.streams,
+            "streams.count",
+            cfg.streams.count,
             "1 with schedule=ddp (Lightning's DDP has one communicator); "
             "schedule=wfbp runs the same schedule on several streams",
         )

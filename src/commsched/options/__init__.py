@@ -43,7 +43,7 @@ from commsched.options.deft import (
 from commsched.options.fusion import FusionOptions, ProfileOptions, TuningOptions, fusion_from, profile_from
 from commsched.options.links import LinkOptions
 from commsched.options.strategy import CONCERNS, StrategyOptions, check_concerns, check_schedule_takes
-from commsched.options.streams import StreamOptions, check_streams, streams_value
+from commsched.options.streams import StreamOptions, check_streams, streams_from, streams_value
 from commsched.options.validators import (
     Check,
     OptionsT,
@@ -116,6 +116,7 @@ __all__ = [
     "check_compression",
     "compression_from",
     "streams_value",
+    "streams_from",
     "StreamOptions",
     "check_streams",
     "StrategyOptions",

@@ -11,7 +11,7 @@ from commsched.options.dear import DeAROptions
 from commsched.options.deft import DeFTOptions, PreserverOptions
 from commsched.options.fusion import FusionOptions, ProfileOptions, TuningOptions, fusion_from, profile_from
 from commsched.options.links import LinkOptions
-from commsched.options.streams import StreamOptions, check_streams, streams_value
+from commsched.options.streams import StreamOptions, check_streams, streams_from
 from commsched.options.validators import typed, validated
 
 
@@ -27,9 +27,7 @@ class StrategyOptions:
     preserver: PreserverOptions = field(default_factory=PreserverOptions)
     compression: CompressionOptions = field(default_factory=CompressionOptions)
     dear: DeAROptions = field(default_factory=DeAROptions)
-    streams: int | str = 1
-    """1..16 streams, or "auto" (checked by `streams_value`)."""
-    stream_options: StreamOptions = field(default_factory=StreamOptions)
+    streams: StreamOptions = field(default_factory=StreamOptions)
     schedule_options: Any = None
     """The running schedule's own options (its `Schedule.options_class`): a plugin's as given, for dear
     and deft the same object as `dear` and `deft`; None for a schedule that declares none."""
@@ -45,8 +43,7 @@ class StrategyOptions:
         deft: Any = None,
         preserver: Any = None,
         compression: Any = None,
-        streams: Any = 1,
-        stream_options: Any = None,
+        streams: Any = None,
         dear: Any = None,
         schedule: str = "",
         options_class: Optional[type] = None,
@@ -68,8 +65,7 @@ class StrategyOptions:
             typed("preserver", preserver or PreserverOptions(), PreserverOptions),
             compression_from(compression),
             typed("dear", dear or DeAROptions(), DeAROptions),
-            streams_value("streams", streams),
-            typed("stream_options", stream_options or StreamOptions(), StreamOptions),
+            streams_from(streams),
         )
         check_concerns(resolved)
         builtin = {DeAROptions: resolved.dear, DeFTOptions: resolved.deft}
@@ -81,7 +77,7 @@ class StrategyOptions:
         return resolved
 
 
-CONCERNS = ("fusion", "tuning", "profile", "links", "deft", "preserver", "compression", "dear", "stream_options")
+CONCERNS = ("fusion", "tuning", "profile", "links", "deft", "preserver", "compression", "dear", "streams")
 """The options objects every strategy takes, by the one name Python and the command line give each."""
 
 

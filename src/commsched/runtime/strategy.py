@@ -85,8 +85,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         deft: Optional[DeFTOptions] = None,
         preserver: Optional[PreserverOptions] = None,
         compression: Union[str, CompressionOptions, None] = None,
-        streams: Union[int, str] = 1,
-        stream_options: Optional[StreamOptions] = None,
+        streams: Union[str, StreamOptions, None] = None,
         dear: Optional[DeAROptions] = None,
         schedule_options: Any = None,
         broadcast_buffers: bool = True,
@@ -116,9 +115,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 ``PreserverOptions(enabled=False)``; a `commsched.Preserver` among the callbacks replaces it.
             compression: a method name ("auto", "topk", "sampled", "mstopk", "none") or `CompressionOptions`: sparse
                 exchanges of each bucket (schedules that support them: wfbp).
-            streams: 1..16 concurrent collective streams (process groups) carrying each bucket's units,
-                or ``"auto"``: searched on the run's own steps (schedules: wfbp, dear).
-            stream_options: `StreamOptions`: unit size, and the search's budget and settings.
+            streams: `StreamOptions`: concurrent collective streams (process groups) carrying each bucket's
+                units, a fixed count or searched on the run's own steps (schedules: wfbp, dear); ``"auto"``
+                for ``StreamOptions(count="auto")``; None: one stream.
             dear: `DeAROptions` for ``schedule="dear"``: whether WFBP runs the iterations when measured faster.
             schedule_options: a plugin schedule's own options, an instance of its ``options_class`` (dear and
                 deft take theirs as ``dear=`` and ``deft=``).
@@ -139,7 +138,6 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 preserver,
                 compression,
                 streams,
-                stream_options,
                 dear,
                 name,
                 self.schedule_class.options_class,

@@ -145,11 +145,11 @@ class DeARSchedule(Schedule[DeARSettings]):
         o = options.dear
         fallback = (
             fallback_choice(o, lambda: getattr(trainer.strategy, "profile", None))
-            if o.fallback == "when_faster" and options.streams == 1 and trainer.world_size > 1
+            if o.fallback == "when_faster" and options.streams.count == 1 and trainer.world_size > 1
             else None
         )
         return DeARSettings(
-            streams=StreamControl.of(options.streams, options.stream_options, trainer, two_level=False),
+            streams=StreamControl.of(options.streams, trainer, two_level=False),
             fallback=fallback,
             rollback=o.rollback,
             per_parameter=tuple(per_parameter_classes(o.per_parameter)),

@@ -197,7 +197,7 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             compression = dataclasses.replace(compression, method="none", hierarchical=None)
         two_levels = trainer.num_nodes > 1 and trainer.num_devices > 1  # one worker per node: node first is flat
         searched = (
-            options.streams == "auto"
+            options.streams.count == "auto"
             and compression.hierarchical is None
             and compression.method == "none"
             and two_levels
@@ -209,7 +209,6 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             compression = dataclasses.replace(compression, hierarchical=compression.method != "none" and two_levels)
         streams = StreamControl.of(
             options.streams,
-            options.stream_options,
             trainer,
             two_level=None if searched else bool(compression.hierarchical),
         )

@@ -81,13 +81,17 @@ class StreamControl:
             self._open(list(self._firsts()))
 
     @classmethod
-    def of(cls, streams: int | str, options: StreamOptions, trainer: Any, two_level: Optional[bool]) -> "StreamControl":
+    def of(cls, options: StreamOptions, trainer: Any, two_level: Optional[bool]) -> "StreamControl":
         def log_metrics(metrics: dict[str, float]) -> None:
             if trainer.logger is not None and trainer.global_rank == 0:
                 trainer.logger.log_metrics(metrics, step=trainer.global_step)
 
         return cls(
-            streams, options, two_level, lambda: folder_of(trainer) if trainer.global_rank == 0 else None, log_metrics
+            options.count,
+            options,
+            two_level,
+            lambda: folder_of(trainer) if trainer.global_rank == 0 else None,
+            log_metrics,
         )
 
     @property
