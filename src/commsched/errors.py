@@ -52,7 +52,7 @@ def current_syntax() -> Syntax:
 def setting(field: str, value: Any, owner: Optional[str] = None, syntax: Optional[Syntax] = None) -> str:
     """`field` set to `value`, as the user writes it: ``CompressionOptions(density=0.01)`` in Python,
     ``compression.density=0.01`` on the command line. `owner`: the class a top-level Python argument
-    belongs to (``DeARStrategy(streams=4)``, refused: it takes `StreamOptions`)."""
+    belongs to (``DeARStrategy(bucket_cap_mb=-1)``)."""
     head, _, rest = field.partition(".")
     if (syntax or _syntax[0]) == "hydra":
         return f"{HYDRA_GROUPS.get(head, head)}{'.' + rest if rest else ''}={hydra_value(value)}"

@@ -20,7 +20,6 @@ from commsched.options.validators import (
     optional,
     positive_int,
     typed,
-    validated,
     warmup_value,
 )
 
@@ -142,4 +141,4 @@ def compression_from(compression: Any) -> CompressionOptions:
         return CompressionOptions()
     if isinstance(compression, str):
         return CompressionOptions(method=choice("compression", compression, COMPRESSION_METHODS))
-    return validated(typed("compression", compression, CompressionOptions), "compression.")
+    return typed("compression", compression, CompressionOptions)

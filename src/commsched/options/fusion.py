@@ -22,7 +22,6 @@ from commsched.options.validators import (
     positive_number,
     text,
     typed,
-    validated,
 )
 
 
@@ -100,7 +99,8 @@ class ProfileOptions:
 
 
 def fusion_from(fusion: Any, bucket_cap_mb: Optional[float]) -> FusionOptions:
-    """The strategy's `fusion=` (a policy name or options) with the `bucket_cap_mb=` shorthand applied."""
+    """The strategy's `fusion=` (a policy name or options) with the `bucket_cap_mb=` shorthand applied
+    (validated with the other concerns: `options.strategy.check_concerns`)."""
     options = (
         FusionOptions(policy=choice("fusion", fusion, FUSION_POLICIES))
         if isinstance(fusion, str)
@@ -110,9 +110,9 @@ def fusion_from(fusion: Any, bucket_cap_mb: Optional[float]) -> FusionOptions:
         options = dataclasses.replace(options, bucket_cap_mb=positive_number("bucket_cap_mb", bucket_cap_mb))
         if fusion == "auto":  # DDP's one knob, set: the user chose their buckets
             options = dataclasses.replace(options, policy="fixed")
-    return validated(options, "fusion.")
+    return options
 
 
 def profile_from(profile: Any) -> ProfileOptions:
     """The strategy's `profile=`: `ProfileOptions` (None: its defaults, which profile nothing)."""
-    return validated(typed("profile", ProfileOptions() if profile is None else profile, ProfileOptions), "profile.")
+    return typed("profile", ProfileOptions() if profile is None else profile, ProfileOptions)
