@@ -46,6 +46,8 @@ def runs(tmp_path_factory):
         "dense-from-dgc",
         "adamw-default",
         "adamw-plain",
+        "fp16-all-skipped",
+        "fp16-some-skipped",
     )
     if proc.returncode != 0:
         pytest.fail(f"compression runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

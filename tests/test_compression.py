@@ -224,3 +224,22 @@ def test_topk_by_default_takes_turns_with_dense_and_keeps_the_faster_exactly(run
     diff, key = max_abs_diff(expected, result["state"])
     assert diff <= 1e-5, f"{diff} at {key}"
     assert max_abs_diff(result["state"], other["state"])[0] == 0.0
+
+
+def test_steps_fp16s_scaler_skips_leave_residuals_and_velocities_as_they_were(runs):
+    """Under a GradScaler the sparse exchange runs on unscaled gradients, and a step with an inf on any rank
+    (skipped by the scaler, as Lightning's precision plugin skips it under ddp) leaves the weights, the
+    residuals and DGC's velocities as before it: three overflowing steps change nothing."""
+    for rank in (0, 1):
+        skipped = runs("fp16-all-skipped", rank)
+        assert skipped["scale"] == 2.0**40 / 2**3  # halved once per skipped step
+        assert max_abs_diff(skipped["state"], skipped["initial"])[0] == 0.0
+        kept = [*skipped["residuals"].values(), *skipped["velocities"].values()]
+        assert kept and all(t.abs().sum() == 0 for t in kept), "a skipped step's gradient stayed in the state"
+    some = [runs("fp16-some-skipped", rank) for rank in (0, 1)]
+    assert 2.0**22 > some[0]["scale"] == some[1]["scale"]  # steps were skipped, then steps were taken
+    assert max_abs_diff(some[0]["state"], some[0]["initial"])[0] > 0
+    assert max_abs_diff(some[0]["state"], some[1]["state"])[0] == 0.0
+    for run in some:
+        kept = [*run["residuals"].values(), *run["velocities"].values()]
+        assert all(torch.isfinite(t).all() for t in kept) and any(t.abs().sum() > 0 for t in kept)

@@ -61,6 +61,28 @@ def test_bf16_mixed_equals_ddp(cases):
     assert diff <= TOLERANCE, f"{key} differs by {diff:.3g}"
 
 
+@pytest.mark.parametrize(
+    "case, reference",
+    [
+        ("wfbp-fp16", "ddp-fp16"),
+        ("dear-fp16", "ddp-fp16"),
+        ("deft-fp16", "ddp-fp16"),
+        ("dear-fp16-value", "ddp-fp16-value"),
+    ],
+)
+def test_fp16_with_a_grad_scaler_equals_ddp_skipped_steps_included(cases, case, reference):
+    """Lightning's "16-mixed" (fp16 autocast, torch's GradScaler) with a first scale the toy's gradients
+    overflow: the same steps are skipped and the same scale kept as under ddp, on every rank, and the
+    weights are ddp's. DeAR unscales and checks its shards, DeFT steps each iteration's generation whole."""
+    results = cases(2)
+    expected = results.load(reference)
+    assert expected["scale"] < 2.0**22, "no step was skipped: the case tests nothing"
+    for rank, result in enumerate(results.all_ranks(case)):
+        assert result["scale"] == expected["scale"], f"rank {rank} skipped other steps than ddp"
+        diff, key = max_abs_diff(result["state"], expected["state"])
+        assert diff <= TOLERANCE, f"{case} rank {rank}: {key} differs from {reference} by {diff:.3g}"
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("schedule", ["wfbp", "dear"])
 def test_parameters_identical_on_every_rank(cases, world, schedule):

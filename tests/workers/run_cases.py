@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 import commsched  # noqa: F401  (registers "dear" and "wfbp")
@@ -73,6 +74,12 @@ class PlanWatcher(pl.Callback):
             self.comm_state = trainer.strategy.schedule.state_dict()
 
 
+def skipping_scaler() -> MixedPrecision:
+    """fp16 with a GradScaler whose first scale overflows the toy's fp16 gradients: the first steps are
+    skipped (the scale halves each time) before the others are taken, as a real run's first steps are."""
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**22))
+
+
 def fit(
     out: Path,
     name: str,
@@ -95,12 +102,13 @@ def fit(
     strategy = make_strategy(kind, **strategy_overrides)
     watcher = PlanWatcher(replan_at)
     ckpt = ModelCheckpoint(dirpath=out / f"{name}-ckpt", save_last=True, save_top_k=0)
+    scaled = precision == "16-mixed-skips"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
         max_epochs=epochs,
-        precision=precision,
+        **({"plugins": [skipping_scaler()]} if scaled else {"precision": precision}),
         accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=0.5,
         gradient_clip_algorithm=clip,
@@ -127,6 +135,8 @@ def fit(
     if getattr(trainer.strategy, "fusion_plan", None) is not None:
         result["fusion_plan"] = vars(trainer.strategy.fusion_plan)
         result["trials"] = trainer.strategy.tuning_trials
+    if scaled:
+        result["scale"] = trainer.precision_plugin.scaler.get_scale()  # below the first: steps were skipped
     result["layouts"] = watcher.layouts
     result["ran"] = watcher.ran
     result["comm_state"] = watcher.comm_state
@@ -163,6 +173,11 @@ CASES = {
     "wfbp-value": ("wfbp", {"clip": "value"}),
     "ddp-bf16": ("ddp", {"precision": "bf16-mixed"}),
     "dear-bf16": ("dear", {"precision": "bf16-mixed"}),
+    # fp16 with a GradScaler whose first steps overflow: skipped steps, then scaled ones, clipped by norm
+    **{f"{kind}-fp16": (kind, {"precision": "16-mixed-skips"}) for kind in ("ddp", "wfbp", "dear")},
+    "deft-fp16": ("deft", {"precision": "16-mixed-skips", "deft": NO_DELAY}),
+    "dear-fp16-value": ("dear", {"precision": "16-mixed-skips", "clip": "value", "optimizer": "adamw"}),
+    "ddp-fp16-value": ("ddp", {"precision": "16-mixed-skips", "clip": "value", "optimizer": "adamw"}),
     "dear-layers": ("dear", {"fusion": FusionOptions(policy="layers", bucket_layers=2)}),
     "dear-onebucket": ("dear", {"bucket_cap_mb": 25.0}),
     "dear-profiled": ("dear", {"profile": ProfileOptions(steps=5, probe=True)}),

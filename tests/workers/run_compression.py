@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import commsched
 from run_deft import MLP, SEED
@@ -67,7 +68,11 @@ CASES = {
     # AdamW: the corrections stand in for nothing, so the defaults are error feedback alone, clipping Lightning's
     "adamw-default": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
     "adamw-plain": (plain(method="topk", density=0.1), 12, None),
+    # fp16 with a GradScaler (DGC's corrections: residuals and velocities): every step overflows, or the first few
+    "fp16-all-skipped": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 3, None),
+    "fp16-some-skipped": (commsched.CompressionOptions(method="topk", density=0.1, sparsity_warmup_steps=0), 12, None),
 }
+FIRST_SCALE = {"fp16-all-skipped": 2.0**40, "fp16-some-skipped": 2.0**22}  # fp16 autocast, torch's GradScaler
 OPTIMIZER = {
     "dgc-nesterov": "sgd-nesterov",
     "dgc-part": "sgd-groups",
@@ -92,6 +97,9 @@ def fit(out: Path, name: str, world: int) -> None:
         max_steps=steps,
         logger=False,
         gradient_clip_val=CLIP.get(name),
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FIRST_SCALE[name]))]
+        if name in FIRST_SCALE
+        else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=out / name,
@@ -131,6 +139,7 @@ def fit(out: Path, name: str, world: int) -> None:
         "compression": vars(compression) if compression is not None else None,
         "selection": dict(schedule.settings.selection),
         "kept": schedule.settings.sparse_or_dense.verdict.keep if schedule.settings.sparse_or_dense else None,
+        "scale": trainer.precision_plugin.scaler.get_scale() if name in FIRST_SCALE else None,
     }
     torch.save(result, out / f"{name}.rank{trainer.global_rank}.pt")
 

@@ -4,6 +4,7 @@ compensation cannot serve, checked at setup before any step."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -13,6 +14,8 @@ from torch.optim import Optimizer
 from commsched.deft.spike_compensation import COMPENSATIONS, spike_applies
 from commsched.errors import CommSchedConfigError
 from commsched.options import DeFTOptions, StrategyOptions
+from commsched.say import say
+from commsched.schedules.loss_scale import scaler_of
 
 
 @dataclass
@@ -46,7 +49,14 @@ def settings_for(options: StrategyOptions, trainer: Any, advance_schedulers: Cal
             stale_after_steps=guard.stale_after_steps,
         )
         trainer.callbacks.append(preserver)
-    return DeFTSettings(options.deft, preserver, advance_schedulers)
+    deft = options.deft
+    if scaler_of(trainer.precision_plugin) is not None and deft.capacity is not None:
+        say(
+            "commsched deft: fp16 with a GradScaler: plans without delay only (a generation summed over several "
+            "iterations would mix loss scales, and one iteration's inf would discard them all); bf16-mixed delays"
+        )
+        deft = dataclasses.replace(deft, capacity=None)
+    return DeFTSettings(deft, preserver, advance_schedulers)
 
 
 FALLBACK_EPOCH_STEPS = 200

@@ -33,6 +33,11 @@ class Reducer:
     def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Take this bucket's parameters' entries of each kind in `kinds` (missing ones start at zero)."""
 
+    def live_state(self) -> list[torch.Tensor]:
+        """The tensors of that state as the reducer keeps them (copied and restored around a step that
+        fp16's scaler skips)."""
+        return []
+
 
 def by_parameter(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """A bucket-shaped tensor split into one copy per parameter name."""

@@ -117,6 +117,9 @@ class HierarchicalReduce(Reducer):
             kept["momentum"] = self.velocity.u
         return kept
 
+    def live_state(self) -> list[torch.Tensor]:
+        return list(self._kept().values())
+
     def state_dict(self) -> ReducerState:
         kept = {
             kind: shard for kind, shard in self._kept().items() if kind != "momentum" or shard.any()

@@ -155,6 +155,9 @@ class TopKAllReduce(Reducer):
             state["momentum"] = by_parameter(self.bucket, self.velocity.u)
         return state
 
+    def live_state(self) -> list[torch.Tensor]:
+        return [t for t in (self.residual, self.velocity.u if self.velocity is not None else None) if t is not None]
+
     def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         if self.residual is not None:
             into_bucket(self.bucket, state.get("residual", {}), self.residual)

@@ -57,6 +57,7 @@ class Engine:
         self.links: Optional[Links] = None
         self.profiler: Optional[RunProfiler] = None
         self.settings: Any = None  # schedule-specific, from `Schedule.settings_for`
+        self.loss_scaler: Any = None  # fp16's GradScaler, handed to every schedule made
         self._fusion = fusion
         self._profile = options.profile
         self._link_options = options.links
@@ -133,6 +134,7 @@ class Engine:
         plan = build_plan(module, world_size, self.policy.planner())
         verify_same_on_all_ranks(plan, module, self.links.control, self.schedule_class.name)
         self.owner = self.schedule = self.schedule_class(plan, self.links, self.settings)
+        self.owner.loss_scaler = self.loss_scaler
         self.owner.attach(module)
         self._trainable = _trainable_ids(module)
 
@@ -199,6 +201,7 @@ class Engine:
         self.schedule = SCHEDULES[handover.schedule](
             self._plan_for(handover.schedule, module), self.owner.links, handover.settings
         )
+        self.schedule.loss_scaler = self.loss_scaler
         self.schedule.attach(module)
         log.debug(f"commsched: '{self.owner.name}' hands its iterations to '{handover.schedule}'")
 

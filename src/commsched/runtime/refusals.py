@@ -12,26 +12,12 @@ from commsched.errors import CommSchedConfigError
 _CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
 
 
-def refuse_before_launch(strategy: Any, grads_complete_after_closure: bool, name: str) -> None:
+def refuse_before_launch(strategy: Any) -> None:
     """In the Trainer constructor, before any worker process exists."""
     if strategy._layer_sync is not None and isinstance(strategy.accelerator, CPUAccelerator):
         raise CommSchedConfigError(
             "commsched: Trainer(sync_batchnorm=True) is not supported on CPU (SyncBatchNorm needs GPUs). "
             "Use sync_batchnorm=False; BatchNorm buffers are then broadcast from rank 0 as under DDP."
-        )
-    scaled = getattr(strategy.precision_plugin, "scaler", None) is not None
-    if scaled and not grads_complete_after_closure:
-        raise CommSchedConfigError(
-            f"commsched: precision with a GradScaler (fp16 '16-mixed') is not supported by strategy='{name}': "
-            "gradients are sharded when the scaler would unscale them. Use precision='bf16-mixed' or strategy='wfbp'."
-        )
-    compression = getattr(getattr(strategy, "options", None), "compression", None)
-    if scaled and compression is not None and compression.method != "none":
-        raise CommSchedConfigError(
-            "commsched: precision with a GradScaler (fp16 '16-mixed') is not supported with "
-            f"{compression.method} compression: the residuals and velocities a sparse exchange keeps across steps "
-            "would mix gradients of different loss scales, and an overflowing step would leave inf in them. "
-            "Use precision='bf16-mixed' or '32-true', or compression='none'."
         )
 
 

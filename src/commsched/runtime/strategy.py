@@ -53,7 +53,7 @@ from commsched.runtime.interrupt import StoppedBySignal
 from commsched.runtime.lr_follow import FollowOptimizerSteps
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say, say_from_this_rank
-from commsched.schedules import SCHEDULES, Schedule
+from commsched.schedules import SCHEDULES, Schedule, loss_scale
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        refusals.refuse_before_launch(self, self.schedule_class.grads_complete_after_closure, self.schedule_class.name)
+        refusals.refuse_before_launch(self)
         super()._configure_launcher()
 
     @override
@@ -222,6 +222,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             f"{self.run_dir or 'no folder (no logger, no checkpoints)'}"
         )
         self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
+        self._engine.loss_scaler = loss_scale.scaler_of(self.precision_plugin)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             if self.schedule_class.skips_steps:
@@ -293,9 +294,10 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
         # Strategy.optimizer_step, not DDPStrategy's: DDP's only adds post-localSGD model averaging.
         try:
-            output = schedule.optimizer_step(
-                optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs)
-            )
+            with loss_scale.answered_by(self._engine.loss_scaler, schedule.unscale_gradients):
+                output = schedule.optimizer_step(
+                    optimizer, partial(Strategy.optimizer_step, self, optimizer, closure_then_reduce, model, **kwargs)
+                )
         finally:
             self._engine.iteration_done()
         self._clock.stepped(self.exposed_comm_seconds, sum(self.wire_bytes.values()))

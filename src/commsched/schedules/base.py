@@ -71,8 +71,6 @@ class Schedule(Generic[SettingsT]):
     """The links (`commsched.comm.links`) this schedule communicates over, created at setup on every rank."""
     step_collectives: ClassVar[tuple[str, ...]] = ()
     """The collectives one step issues per bucket (the profiler times exactly these)."""
-    grads_complete_after_closure: ClassVar[bool] = True
-    """False: `.grad` is not whole when Lightning would unscale it (fp16 GradScaler is refused)."""
     mask_link: ClassVar[str] = "primary"
     """The link of the per-step used-mask all-reduce ("control": the default group, when the primary
     carries traffic that must not be waited for at the end of backward)."""
@@ -118,6 +116,8 @@ class Schedule(Generic[SettingsT]):
         self._handles: list[RemovableHandle] = []
         self.module: Optional[nn.Module] = None
         """The module trained, once attached."""
+        self.loss_scaler: Any = None
+        """fp16's GradScaler (Lightning's "16-mixed"), set by the engine; None without one."""
         self.settling = False
         """True while the engine still decides the buckets (`fusion="auto"`): searches that time steps
         (streams, sparse or dense) wait, so that two choices never read each other's changes."""
@@ -184,6 +184,20 @@ class Schedule(Generic[SettingsT]):
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         """Run Lightning's precision-plugin step (closure, hooks, clipping, `optimizer.step`)."""
         return run_step()
+
+    def unscale_gradients(self, optimizer: Optimizer, inv_scale: torch.Tensor) -> Optional[torch.Tensor]:
+        """fp16's GradScaler unscales after the closure (`commsched.schedules.loss_scale`). None: the averaged
+        gradients are whole in `.grad` and torch's scaler unscales them itself. A schedule that holds them
+        elsewhere unscales them there and returns the found-inf flag (1.0 where any rank's gradient has an
+        inf or a NaN) agreed on every rank (`agreed`)."""
+        return None
+
+    def agreed(self, found: torch.Tensor) -> torch.Tensor:
+        """This rank's found-inf flag made every rank's: one scalar all-reduce on the control link."""
+        control = self.links.control
+        flag = found.reshape(1).to(control.device, torch.float32)
+        control.all_reduce(flag, "found-inf").wait()
+        return flag.clamp(max=1.0).reshape(()).to(found.device)
 
     def before_forward(self) -> None:
         """Start of a training step, before the user's `training_step` runs."""

@@ -47,6 +47,7 @@ from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_fallback import WFBP, describe_fallback, fallback_choice
 from commsched.schedules.deferred_step import DeferredStep, SubsetStepper
+from commsched.schedules.loss_scale import non_finite
 from commsched.schedules.per_parameter import per_parameter_classes
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
@@ -77,7 +78,6 @@ class DeARSchedule(Schedule[DeARSettings]):
     description = "commsched DeAR: reduce-scatter in backward, all-gather overlapped with the next forward"
     step_collectives = ("reduce_scatter", "all_gather")
     steps_whole = False  # each bucket's update is applied when its all-gather lands, in the next forward
-    grads_complete_after_closure = False
     mask_link = "control"  # the primary is busy with the reduce-scatters when the mask goes out
     stripes = BUILTIN["dear"].stripes  # the catalogue the options are checked against before torch is imported
 
@@ -90,6 +90,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         self._norm_segments: dict[tuple[int, ...], list[list[tuple[int, int, int]]]] = {}
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self._compiled = False
+        self._unscale: Optional[torch.Tensor] = None  # fp16's 1/scale, while the shards are still scaled
         self.deferred = DeferredStep(
             plan, self.hand_back_gradients, self.settings.rollback, self.settings.per_parameter
         )
@@ -212,6 +213,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         rank and before any user hook runs; backward ends without waiting for the network, and whatever
         reads `.grad` later only waits for collectives already on their way."""
         self.deferred.gradients_on_their_way(start_gathers(self.reducers, self.links, self._gather))
+        self._unscale = None
 
     def _gather(self, b: int, u: int, previous: Optional[Pending]) -> Pending:
         scattered = self._scatters[b]
@@ -235,16 +237,39 @@ class DeARSchedule(Schedule[DeARSettings]):
         key = SubsetStepper.key(optimizer)
         if key not in self._norm_segments:
             self._norm_segments[key] = optimizer_segments(self.plan, self.reducers, optimizer)
-        squares = squared_norm(self.plan, self.reducers, self._norm_segments[key], self.deferred.whole)
+        unscale = self._unscale if not self.deferred.whole else None  # gathered buckets are unscaled as they land
+        squares = squared_norm(self.plan, self.reducers, self._norm_segments[key], self.deferred.whole, unscale)
         control = self.links.control
         squares = squares.to(control.device)
         control.all_reduce(squares, "clip-norm").wait()
         coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        self.deferred.clip_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
+        self.deferred.transform_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
 
     @override
     def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:
-        self.deferred.clip_all(lambda t: t.clamp_(min=-clip_value, max=clip_value))
+        self.deferred.transform_all(lambda t: t.clamp_(min=-clip_value, max=clip_value))
+
+    # ------------------------------------------------------------ fp16's scaler
+    @override
+    def unscale_gradients(self, optimizer: Optimizer, inv_scale: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shards are checked for inf and NaN (one scalar all-reduce makes it every rank's finding) and
+        each bucket is unscaled once gathered, before clipping, as DDP's whole gradients are: the
+        all-gathers carry the scaled values, so a low-precision wire keeps the scale's headroom."""
+        if self.deferred.whole:
+            return None  # `.grad` views the gathered buckets: torch's scaler unscales them itself
+        self._scattered()
+        key = SubsetStepper.key(optimizer)
+        if key not in self._norm_segments:
+            self._norm_segments[key] = optimizer_segments(self.plan, self.reducers, optimizer)
+        pieces = [
+            reducer.pieces()[i][1].narrow(0, start, length)
+            for reducer, ranges in zip(self.reducers, self._norm_segments[key])
+            for i, start, length in ranges
+        ]
+        found = self.agreed(non_finite(pieces))
+        self._unscale = inv_scale
+        self.deferred.transform_all(lambda t: t.mul_(inv_scale.to(t.device)))
+        return found
 
     # ------------------------------------------------------------------- update
     @override
@@ -346,16 +371,21 @@ def optimizer_segments(plan: BucketPlan, reducers: Sequence[StripedShards], opti
     return per_bucket
 
 
-def squared_norm(plan: BucketPlan, reducers: Sequence[StripedShards], segments: Segments, whole: bool) -> torch.Tensor:
+def squared_norm(
+    plan: BucketPlan,
+    reducers: Sequence[StripedShards],
+    segments: Segments,
+    whole: bool,
+    unscale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """This rank's part of the squared global norm: its shards, or its slices of the whole gradients
-    once someone read `.grad` (`whole`)."""
+    once someone read `.grad` (`whole`); `unscale`: fp16's 1/scale, not yet applied to the shards."""
     squares = torch.zeros(1, dtype=torch.float32, device=plan.buckets[0].buffer.device)
     for bucket, reducer, ranges in zip(plan.buckets, reducers, segments):
         pieces = [bucket.buffer.narrow(0, lo, shard.numel()) if whole else shard for lo, shard in reducer.pieces()]
         for i, start, length in ranges:
-            squares += (
-                torch.linalg.vector_norm(pieces[i].narrow(0, start, length), dtype=torch.float32)
-                .square()
-                .to(squares.device)
-            )
+            piece = pieces[i].narrow(0, start, length)
+            if unscale is not None:
+                piece = piece.to(torch.float32) * unscale.to(piece.device)
+            squares += torch.linalg.vector_norm(piece, dtype=torch.float32).square().to(squares.device)
     return squares

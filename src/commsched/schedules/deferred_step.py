@@ -60,7 +60,9 @@ class PendingUpdate:
     step: Callable[[], Any]
     hyper: HyperParams
     gathers: GatherWaits
-    clip: Optional[Callable[[torch.Tensor], Any]]  # Lightning's clipping, applied to each bucket once gathered
+    transforms: list[
+        Callable[[torch.Tensor], Any]
+    ]  # fp16's unscaling, Lightning's clipping: each bucket, once gathered
     waiting: list[bool]  # False once the bucket is applied
     undo: Optional[StepUndo]  # copies of buckets applied while others' all-gathers were on the network (None: not kept)
     kept: set[int]  # the buckets `undo` holds
@@ -83,7 +85,10 @@ class DeferredStep:
         self.pending = PendingTensors(self._bring_up_to_date)
         """The tensors not up to date yet: `.grad` after backward, then each bucket's parameters and state."""
         self.gathers: Optional[GatherWaits] = None  # this step's all-gathers
-        self.clip: Optional[Callable[[torch.Tensor], Any]] = None  # clipping, applied to each bucket once gathered
+        self.transforms: list[Callable[[torch.Tensor], Any]] = []
+        """What the step does to the averaged gradients before the optimizer sees them (fp16's unscaling,
+        then Lightning's clipping, in the order asked): applied to each bucket once gathered."""
+        self._stepped = False  # the optimizer step of this backward's gradients was taken or deferred
         self.whole = False
         """This step's gradients were made whole (someone read `.grad`): the step is taken at once."""
         self._update: Optional[PendingUpdate] = None
@@ -100,7 +105,7 @@ class DeferredStep:
 
     # ----------------------------------------------------------- 1. backward ends
     def gradients_on_their_way(self, gathers: GatherWaits) -> None:
-        self.gathers, self.whole, self.clip = gathers, False, None
+        self.gathers, self.whole, self.transforms, self._stepped = gathers, False, [], False
         for b, bucket in enumerate(self.plan.buckets):
             self.pending.mark(b, bucket.params, Kind.GRADIENT)
 
@@ -118,26 +123,31 @@ class DeferredStep:
         assert self.gathers is not None
         for b in reversed(range(len(self.plan.buckets))):
             self.gathers.wait(b)
-            if self.clip is not None:
-                self.clip(self.plan.buckets[b].buffer)
+            for transform in self.transforms:
+                transform(self.plan.buckets[b].buffer)
         self._hand_back_gradients(range(len(self.plan.buckets)))
-        self.whole, self.clip = True, None
+        self.whole, self.transforms = True, []
         self.applied["whole"] += 1
 
-    def clip_all(self, clip: Callable[[torch.Tensor], Any]) -> None:
-        """Lightning's clipping: whole gradients now, gathered ones as each bucket is applied."""
+    def transform_all(self, transform: Callable[[torch.Tensor], Any]) -> None:
+        """fp16's unscaling or Lightning's clipping: whole gradients now, gathered ones as each bucket is applied."""
         if self.whole:
             for bucket in self.plan.buckets:
-                clip(bucket.buffer)
+                transform(bucket.buffer)
         else:
-            self.clip = clip
+            self.transforms.append(transform)
 
     # ------------------------------------------------------ 2. the optimizer step
     def replace_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
-        """Let Lightning run closure, hooks and clipping; the update itself is `step`'s."""
-        return run_with_step_replaced(
+        """Let Lightning run closure, hooks and clipping; the update itself is `step`'s. A step not taken
+        (fp16's scaler found an inf) leaves the gradients whole in `.grad`, as under DDP, and nothing
+        of this step on the network when the next backward refills the buckets."""
+        output = run_with_step_replaced(
             optimizer, run_step, lambda real_step, kwargs: self.step(optimizer, lambda: real_step(**kwargs))
         )
+        if not self._stepped and self.gathers is not None and not self.whole:
+            self.make_whole()
+        return output
 
     def step(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         """After the closure: take the step at once (gradients already whole, or the fit's first step, so
@@ -145,6 +155,7 @@ class DeferredStep:
         if self._steps == 0 and not self.whole:
             self.make_whole()
         self._steps += 1
+        self._stepped = True
         if self.whole:
             real_step()
         else:
@@ -161,7 +172,7 @@ class DeferredStep:
             real_step,
             snapshot_hyperparams(optimizer),
             self.gathers,
-            self.clip,
+            list(self.transforms),
             [True] * len(self.plan.buckets),
             self._undo.begin() if self._undo is not None else None,
             set(),
@@ -203,8 +214,8 @@ class DeferredStep:
             for c in ready:
                 self.pending.unmark(c)  # before anything below reads its tensors
                 update.waiting[c] = False
-                if update.clip is not None:
-                    update.clip(self.plan.buckets[c].buffer)
+                for transform in update.transforms:
+                    transform(self.plan.buckets[c].buffer)
             if update.undo is not None and any(update.waiting):  # others' all-gathers may still fail
                 for c in ready:
                     update.undo.keep(self.plan.buckets[c].params, update.stepper.optimizer.state)

@@ -68,7 +68,6 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     links_used = ("primary", "secondary")
     steps_whole = False  # generations step while other generations are in flight on the links
     step_collectives = ("all_reduce",)
-    grads_complete_after_closure = False  # iterations without a step: an fp16 GradScaler would see no gradients
     skips_steps = True
     mask_link = "control"  # the primary may still carry older generations into the next forward
 
@@ -361,9 +360,28 @@ class DeFTSchedule(Schedule[DeFTSettings]):
     def optimizer_step(self, optimizer: Optimizer, run_step: Callable[[], Any]) -> Any:
         try:
             step_due = lambda real_step, kwargs: self._step_due(optimizer, partial(real_step, **kwargs))  # noqa: E731
-            return run_with_step_replaced(optimizer, run_step, step_due)
+            output = run_with_step_replaced(optimizer, run_step, step_due)
+            self._drop_skipped()
+            return output
         finally:
             self._end_iteration()
+
+    def _drop_skipped(self) -> None:
+        """fp16's scaler skipped the step (an inf on some rank): the due generations are dropped, as DDP
+        drops that step's gradients, and the step counts for the LR schedulers, as Lightning's does."""
+        for number in self._due:
+            self.in_flight.release(number)
+            self.steps_this_iteration += 1
+        self._due = []
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer, inv_scale: torch.Tensor) -> Optional[torch.Tensor]:
+        """Under fp16's scaler DeFT runs plans without delay (`settings_for`): each iteration steps its own
+        generation, whole in `.grad`, and torch's scaler unscales it; an iteration with nothing to step
+        (a drained plan's) has nothing to find."""
+        if self._due:
+            return None
+        return torch.zeros((), dtype=torch.float32)
 
     def _step_due(self, optimizer: Optimizer, real_step: Callable[[], Any]) -> None:
         self._stepper = (optimizer, real_step)

@@ -33,6 +33,7 @@ from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.reducers.units import Striping, plan_units
 from commsched.say import say
 from commsched.schedules.base import Schedule
+from commsched.schedules.loss_scale import inverse_scale, unscale_in_place
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
@@ -145,6 +146,9 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         if not sparse:
             self.reducers = self._dense_reducers(self.streams.striping)
         self._works: list[Optional[SparseExchange | Any]] = [None] * len(plan.buckets)
+        self._inv_scale: Optional[torch.Tensor] = None  # fp16's 1/scale this step, under a sparse exchange
+        self._found = torch.zeros(())
+        self._before_step: list[torch.Tensor] = []
 
     def _selection(self) -> str:
         """The selection a sparse exchange uses: the method named, or for "auto" the one rank 0 measured
@@ -443,10 +447,35 @@ class WFBPSchedule(Schedule[WFBPSettings]):
 
     @override
     def on_bucket_ready(self, b: int) -> None:
+        if self.loss_scaler is not None and self.settings.compression.method != "none":
+            self._unscale_before_exchange(b)
         if self._carry and self._carry[b] is not None:
             self.plan.buckets[b].buffer.add_(self._carry[b])
             self._carry[b] = None
         self._works[b] = self.reducers[b].start(f"bucket{b}")
+
+    def _unscale_before_exchange(self, b: int) -> None:
+        """fp16's scaler under a sparse exchange: residuals and velocities are kept across steps, so what
+        joins them is unscaled first (scales change between steps), and what they held before this step
+        is copied, to be put back if any rank's gradient had an inf (the scaler then skips the step)."""
+        if b == 0:
+            self._inv_scale = inverse_scale(self.loss_scaler)
+            self._found = torch.zeros((), dtype=torch.float32, device=self.plan.buckets[0].buffer.device)
+            self._before_step = [t.clone() for reducer in self.reducers for t in reducer.live_state()]
+        self._found = torch.maximum(self._found, unscale_in_place([self.plan.buckets[b].buffer], self._inv_scale))
+
+    @override
+    def unscale_gradients(self, optimizer: Any, inv_scale: torch.Tensor) -> Optional[torch.Tensor]:
+        """Dense: torch's scaler unscales `.grad` itself. Sparse: unscaled before the exchange; a step
+        with an inf on any rank leaves residuals and velocities as they were before it."""
+        if self.settings.compression.method == "none":
+            return None
+        found = self.agreed(self._found)
+        if found.item():
+            live = [t for reducer in self.reducers for t in reducer.live_state()]
+            for kept, before in zip(live, self._before_step):
+                kept.copy_(before)
+        return found
 
     @override
     def on_backward_end(self) -> None:
