@@ -51,6 +51,7 @@ def refused_early(proc: subprocess.CompletedProcess, *needles: str) -> str:
         ("+ckpt_path=/nope.ckpt", ["unknown key 'ckpt_path'", "resume", "checkpoint"]),
         ("schedule=fancy", ["invalid schedule=fancy", "'ddp', 'wfbp', 'dear', 'deft'"]),
         ("fusion=greedy", ["invalid fusion=greedy", "Fix: did you mean fusion=mgwfbp-greedy?"]),
+        ("comm_dtype=bf32", ["invalid comm_dtype=bf32", "'fp32', 'bf16', 'fp16'"]),
         ("+recipe=gpt2 data.path=/nonexistent", ["data.path=/nonexistent", "not found"]),
         ("resume=/nonexistent", ["resume=/nonexistent", "not found"]),
         ("trainer.max_steps=ten", ["invalid trainer.max_steps=ten", "an integer"]),

@@ -83,6 +83,33 @@ def test_fp16_with_a_grad_scaler_equals_ddp_skipped_steps_included(cases, case, 
         assert diff <= TOLERANCE, f"{case} rank {rank}: {key} differs from {reference} by {diff:.3g}"
 
 
+@pytest.mark.parametrize(
+    "case, reference, tolerance",
+    [
+        ("wfbp-bf16wire", "ddp-bf16hook", 1e-6),
+        ("wfbp-bf16hook", "ddp-bf16hook", 1e-6),  # torch's hook given to commsched: read as comm_dtype="bf16"
+        ("dear-bf16wire", "ddp-bf16hook", 1e-6),
+        ("dear-bf16wire-streams", "ddp-bf16hook", 1e-6),
+        ("deft-bf16wire", "ddp-bf16hook", 1e-6),
+        ("wfbp-fp16wire", "ddp-fp16hook", 1e-6),
+        ("dear-fp16wire", "ddp-fp16hook", TOLERANCE),
+    ],
+)
+def test_a_low_precision_wire_equals_ddps_compress_hook(cases, case, reference, tolerance):
+    """comm_dtype="bf16" / "fp16": every collective of gradients carries 16-bit values, averaged as torch's
+    compress hooks average them, so the run is DDP's with that hook (on 2 processes the division by 2 and
+    the sum of two are exact in any order), and far from fp32's."""
+    results = cases(2)
+    expected = results.load(reference)
+    assert max_abs_diff(expected["state"], results.load("ddp-sgd")["state"])[0] > TOLERANCE, "the hook did nothing"
+    wire = "torch.bfloat16" if "bf16" in case else "torch.float16"
+    for rank, result in enumerate(results.all_ranks(case)):
+        sent = {dtype for link, op, tag, numel, dtype in result["trace"] if tag.startswith(("bucket", "g"))}
+        assert sent == {wire}, f"{case} sent gradients as {sent}"
+        diff, key = max_abs_diff(result["state"], expected["state"])
+        assert diff <= tolerance, f"{case} rank {rank}: {key} differs from {reference} by {diff:.3g}"
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("schedule", ["wfbp", "dear"])
 def test_parameters_identical_on_every_rank(cases, world, schedule):

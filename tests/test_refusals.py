@@ -8,6 +8,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import commsched
 from commsched import CommSchedConfigError, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
@@ -80,6 +81,20 @@ def test_every_argument_has_a_default():
             "'when_faster', 'when_undelayed', 'never'",
         ),
         ({"deft": "fast"}, "{cls}(deft={v})", "fast", "DeFTOptions"),
+        ({"comm_dtype": "fp8"}, "{cls}(comm_dtype={v})", "fp8", "'fp32', 'bf16', 'fp16'"),
+        ({"comm_dtype": "float16"}, "{cls}(comm_dtype={v})", "float16", "'fp32', 'bf16', 'fp16'"),
+        (
+            {"ddp_comm_hook": powerSGD_hook.powerSGD_hook},
+            "{cls}(ddp_comm_hook={v})",
+            "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook",
+            "allreduce_hook, fp16_compress_hook, bf16_compress_hook (read as comm_dtype)",
+        ),
+        (
+            {"comm_dtype": "fp16", "ddp_comm_hook": default_hooks.bf16_compress_hook},
+            "{cls}(comm_dtype={v})",
+            "fp16",
+            "'bf16', the dtype ddp_comm_hook=bf16_compress_hook sends",
+        ),
     ],
 )
 @pytest.mark.parametrize("cls", [commsched.DeARStrategy, commsched.WFBPStrategy, commsched.DeFTStrategy])

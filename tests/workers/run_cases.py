@@ -18,9 +18,18 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import commsched  # noqa: F401  (registers "dear" and "wfbp")
-from commsched import DeAROptions, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
+from commsched import (
+    DeAROptions,
+    DeFTOptions,
+    FusionOptions,
+    LinkOptions,
+    ProfileOptions,
+    StreamOptions,
+    TuningOptions,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import extension_schedule  # noqa: E402,F401  (registers the "localsum" schedule)
@@ -34,9 +43,17 @@ ACCUMULATE = 2
 BATCH = 4
 
 
+class HookedDDP(DDPStrategy):
+    """Lightning's DDP with its communication hook registered on CPU too (Lightning registers hooks on
+    CUDA only; torch's DDP runs them over gloo as well): the reference for a low-precision wire."""
+
+    def _register_ddp_hooks(self) -> None:
+        self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+
+
 def make_strategy(kind: str, **options):
     if kind == "ddp":
-        return DDPStrategy(find_unused_parameters=True)
+        return (HookedDDP if "ddp_comm_hook" in options else DDPStrategy)(find_unused_parameters=True, **options)
     # 600-byte buckets: several buckets, sizes that no world size divides; DeAR never hands its iterations
     # to WFBP unless a case asks (these cases test DeAR itself)
     never = {"dear": DeAROptions(fallback="never")} if kind == "dear" else {}
@@ -162,6 +179,16 @@ AUTO = FusionOptions(
 
 QUICK_FALLBACK = DeAROptions(confirm_steps=1, confirm_rounds=1, confirm_max_rounds=1)
 
+# torch's compress hooks; bf16's refuses CPU tensors, so its CPU reference is the body it wraps, with bf16
+HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+
+
+def bf16_compress_hook_on_cpu(process_group, bucket):
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+CPU_HOOKS = {**HOOKS, "bf16": bf16_compress_hook_on_cpu}
+
 # The plan itself every step (no hand-over to WFBP or DeAR): exactness of DeFT's own replay.
 NO_DELAY = DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1, fallback="never")
 
@@ -176,6 +203,12 @@ CASES = {
     # fp16 with a GradScaler whose first steps overflow: skipped steps, then scaled ones, clipped by norm
     **{f"{kind}-fp16": (kind, {"precision": "16-mixed-skips"}) for kind in ("ddp", "wfbp", "dear")},
     "deft-fp16": ("deft", {"precision": "16-mixed-skips", "deft": NO_DELAY}),
+    # a low-precision wire: DDP's compress hooks, and comm_dtype (or the same hook) under every schedule
+    **{f"ddp-{w}hook": ("ddp", {"ddp_comm_hook": CPU_HOOKS[w]}) for w in ("bf16", "fp16")},
+    **{f"{kind}-{w}wire": (kind, {"comm_dtype": w}) for kind in ("wfbp", "dear") for w in ("bf16", "fp16")},
+    "deft-bf16wire": ("deft", {"comm_dtype": "bf16", "deft": NO_DELAY}),
+    "wfbp-bf16hook": ("wfbp", {"ddp_comm_hook": HOOKS["bf16"]}),
+    "dear-bf16wire-streams": ("dear", {"comm_dtype": "bf16", "streams": StreamOptions(count=2, unit_mb=200 / 2**20)}),
     "dear-fp16-value": ("dear", {"precision": "16-mixed-skips", "clip": "value", "optimizer": "adamw"}),
     "ddp-fp16-value": ("ddp", {"precision": "16-mixed-skips", "clip": "value", "optimizer": "adamw"}),
     "dear-layers": ("dear", {"fusion": FusionOptions(policy="layers", bucket_layers=2)}),

@@ -19,7 +19,9 @@ TUNED = "name/Nmb"
 """An entry with fixed N MB buckets (`dear/2mb`): a tuned row, beside the defaults."""
 """wfbp with another exchange: "topk" MSTopK at density 0.01 ("topk@0.001": another density; two-level
 on several nodes), "hier" the dense two-level all-reduce. `name:S` runs wfbp, dear or hier on S streams
-(`name:auto`: searched with the Python API's defaults; the search's steps are left out of the timing)."""
+(`name:auto`: searched with the Python API's defaults; the search's steps are left out of the timing).
+`name-bf16` / `name-fp16`: gradients sent as 16-bit floats (`comm_dtype`; ``ddp-bf16``: DDP with torch's
+compress hook)."""
 USER_CALLBACKS = ("clock", "weights")
 """`schedule+callback` runs the schedule with a callback of a user's in the Trainer: "clock" reads a clock
 after every step (touches nothing), "weights" reads a weight's norm after every step (touches it)."""
@@ -82,6 +84,9 @@ def validate_bench(cfg: Any) -> None:
         raise bad_value("schedules", list(cfg.schedules), f"a non-empty list of {', '.join(names)}")
     for entry in cfg.schedules:
         name, _, callback = str(entry).partition("+")
+        name, dash, wire = name.rpartition("-")
+        if not (dash and wire in ("bf16", "fp16")):
+            name = str(entry).partition("+")[0]
         name, slash, cap = name.partition("/")
         if slash:
             try:

@@ -28,6 +28,7 @@ from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
 from commsched.comm.local_workers import end_process_group
 from commsched.options import CompressionOptions, ProfileOptions, StreamOptions
 from commsched.plugins import import_plugins
+from commsched.runtime.compressed_ddp import CompressedDDP
 from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
 
@@ -69,6 +70,7 @@ def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
     """Each entry at its defaults, as a user calls it, unless it names a setting (a tuned row):
     ``name/2mb`` fixed 2 MB buckets, ``name:4`` four streams, ``topk@0.001`` another density;
     `spec["bucket_cap_mb"]`, when set, gives every entry (ddp too) fixed buckets of that size."""
+    schedule, wire = wire_of(schedule)
     schedule, slash, cap = schedule.partition("/")
     bucket_cap_mb = float(cap.removesuffix("mb")) if slash else spec.get("bucket_cap_mb")
     schedule, colon, streams = schedule.partition(":")
@@ -77,7 +79,8 @@ def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
     if bucket_cap_mb is not None:
         extra["bucket_cap_mb"] = bucket_cap_mb
     if schedule == "ddp":
-        return DDPStrategy(**extra)
+        return CompressedDDP(wire, **extra) if wire != "fp32" else DDPStrategy(**extra)
+    extra["comm_dtype"] = wire
     if schedule == "hier":
         extra["compression"] = CompressionOptions(method="none", hierarchical=True)
     if schedule.startswith("topk"):
@@ -292,7 +295,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                 final.setdefault(schedule, (state, chose[schedule]["steps_run"]))
                 if decided:
                     deft.setdefault("streams" if "entry" in decided else "rounds", []).append(decided)
-        exact = [s for s in spec["schedules"] if not s.startswith(("deft", "topk")) and ":auto" not in s]
+        exact = [
+            s
+            for s in spec["schedules"]
+            if not s.startswith(("deft", "topk")) and ":auto" not in s and wire_of(s)[1] == "fp32"
+        ]
         reference = ddp_weights(model_name, spec, {final[s][1] for s in exact}, out / model_name) if exact else {}
         measured = {s: min(step for step, *_ in r) for s, r in rounds.items()}
         best = {s: min(r) for s, r in rounds.items()}  # CPU time and bytes of the best round
@@ -336,7 +343,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
                     }
                     for s, base, ddp in (
-                        (s, s.partition("+")[0].partition(":")[0], _ddp_beside(s, rounds)) for s in spec["schedules"]
+                        (s, wire_of(s.partition("+")[0])[0].partition(":")[0], _ddp_beside(s, rounds))
+                        for s in spec["schedules"]
                     )
                 ],
             }
@@ -344,6 +352,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     end_process_group()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def wire_of(entry: str) -> tuple[str, str]:
+    """`name-bf16` / `name-fp16`: the entry with gradients sent as 16-bit floats (`comm_dtype`; ddp with
+    torch's compress hook); else fp32."""
+    name, dash, wire = entry.rpartition("-")
+    return (name, wire) if dash and wire in ("bf16", "fp16") else (entry, "fp32")
 
 
 def _ddp_beside(schedule: str, rounds: dict) -> str:

@@ -60,7 +60,12 @@ def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
     name = str(cfg.schedule.name)
     timeout = timedelta(seconds=cfg.trainer.timeout_s)
     if name == "ddp":
-        return DDPStrategy(bucket_cap_mb=cfg.fusion.bucket_cap_mb, find_unused_parameters=False, timeout=timeout)
+        ddp = dict(bucket_cap_mb=cfg.fusion.bucket_cap_mb, find_unused_parameters=False, timeout=timeout)
+        if cfg.comm_dtype != "fp32":
+            from commsched.runtime.compressed_ddp import CompressedDDP
+
+            return CompressedDDP(cfg.comm_dtype, **ddp)
+        return DDPStrategy(**ddp)
     profile = cfg.profile
     if profile.dir is None and out is not None:
         profile = dataclasses.replace(profile, dir=str(out / "profile"))
@@ -75,6 +80,7 @@ def build_strategy(cfg: TrainConfig, out: Optional[Path] = None) -> Strategy:
         streams=cfg.streams,
         profile=profile,
         timeout=timeout,
+        comm_dtype=cfg.comm_dtype,
         schedule_options=getattr(cfg, name) if name in own_nodes(bool(cfg.plugins)) else None,
     )
 

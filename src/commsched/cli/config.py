@@ -130,6 +130,7 @@ class TrainConfig:
     compression: CompressionOptions = field(default_factory=CompressionOptions)
     streams: StreamOptions = field(default_factory=StreamOptions)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    comm_dtype: str = "fp32"  # what gradients travel as: fp32, or bf16 / fp16 (half the bytes; ddp: its compress hook)
     resume: Optional[str] = None  # a checkpoint file, or a previous run directory (its checkpoints/last.ckpt)
     plugins: list[str] = field(
         default_factory=list
@@ -219,6 +220,7 @@ def train_config(cfg: DictConfig) -> TrainConfig:
 def validate(cfg: TrainConfig) -> None:
     """Raise CommSchedConfigError naming the field and the allowed values for anything unusable."""
     options.check_concerns(cfg)
+    options.choice("comm_dtype", cfg.comm_dtype, options.COMM_DTYPES)
     options.choice("schedule.name", str(cfg.schedule.name), train_schedule_names(bool(cfg.plugins)))
     for node in own_nodes(bool(cfg.plugins)):  # every plugin schedule's, as dear.* and deft.* are always checked
         options.validated(getattr(cfg, node), f"{node}.")

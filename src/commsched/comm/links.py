@@ -56,6 +56,10 @@ __all__ = [
 ]
 
 
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""`comm_dtype`'s names as torch dtypes."""
+
+
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective as this rank's issuer sent it to the backend (not as it was requested): enough to
@@ -130,6 +134,8 @@ class Link:
         self.trace = trace
         self.clock = WaitClock()
         self.timeout_s = timeout_s
+        self.wire_dtype = torch.float32
+        """What gradients travel as on this link (`comm_dtype`; control messages keep their own dtypes)."""
         self.wire_bytes = 0.0
         """Bytes this rank has sent on this link (ring counts: an all-reduce sends 2(P-1)/P of the tensor)."""
         self.recorder: Optional[SpanRecorder] = None  # set by the profiler: launch-to-completion of each collective
@@ -332,13 +338,17 @@ class Links:
         timeout: Optional[timedelta],
         trace: Optional[list[CollectiveRecord]],
         device: Optional[torch.device] = None,
+        wire_dtype: torch.dtype = torch.float32,
     ) -> None:
-        """`device`: the rank's own accelerator (the model's device), where NCCL links keep their tensors."""
+        """`device`: the rank's own accelerator (the model's device), where NCCL links keep their tensors;
+        `wire_dtype`: what gradients travel as on every link (`comm_dtype`)."""
+        self.wire_dtype = wire_dtype
         self._timeout = timeout
         self._timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
         self._trace = trace
         self._device = device
         self.control = Link("control", None, trace, device, self._timeout_s)
+        self.control.wire_dtype = wire_dtype
         self._specs = {spec.name: spec for spec in specs}
         self._links: dict[str, Link] = {}
         self._streams: dict[str, list[Link]] = {}
@@ -357,6 +367,7 @@ class Links:
             with _interface(backend, spec.ifname):
                 group = self._new_group(spec, backend, self._timeout, self._device)
                 link = Link(name, group, self._trace, self._device, self._timeout_s)
+                link.wire_dtype = self.wire_dtype
                 if backend == "nccl":  # NCCL makes its communicator at the first collective: while the interface is set
                     dist.all_reduce(torch.zeros(1, device=link.device), group=group)
             log.debug(

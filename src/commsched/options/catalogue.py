@@ -36,3 +36,5 @@ COMPRESSION_METHODS = ("none", "auto", "topk", "sampled", "mstopk")
 COMPRESSING_SCHEDULES = tuple(name for name, traits in BUILTIN.items() if traits.compresses)
 STRIPING_SCHEDULES = tuple(name for name, traits in BUILTIN.items() if traits.stripes)
 MAX_STREAMS = 16
+COMM_DTYPES = ("fp32", "bf16", "fp16")
+"""What gradients travel as (`comm_dtype`): as they are, or cast to a 16-bit float for the collective."""

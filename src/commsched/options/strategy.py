@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from commsched.errors import bad_value
+from commsched.options.catalogue import COMM_DTYPES
 from commsched.options.compression import CompressionOptions, check_compression, compression_from
 from commsched.options.dear import DeAROptions
 from commsched.options.deft import DeFTOptions, PreserverOptions
 from commsched.options.fusion import FusionOptions, ProfileOptions, TuningOptions, fusion_from, profile_from
 from commsched.options.links import LinkOptions
 from commsched.options.streams import StreamOptions, check_streams, streams_from
-from commsched.options.validators import typed, validated
+from commsched.options.validators import choice, typed, validated
 
 
 @dataclass
@@ -28,6 +29,9 @@ class StrategyOptions:
     compression: CompressionOptions = field(default_factory=CompressionOptions)
     dear: DeAROptions = field(default_factory=DeAROptions)
     streams: StreamOptions = field(default_factory=StreamOptions)
+    comm_dtype: str = "fp32"
+    """What gradients travel as (`COMM_DTYPES`): "fp32" as they are; "bf16" or "fp16" cast for every
+    collective of gradients (half the bytes), averaged as DDP's compress hooks average them."""
     schedule_options: Any = None
     """The running schedule's own options (its `Schedule.options_class`): a plugin's as given, for dear
     and deft the same object as `dear` and `deft`; None for a schedule that declares none."""
@@ -48,6 +52,7 @@ class StrategyOptions:
         schedule: str = "",
         options_class: Optional[type] = None,
         schedule_options: Any = None,
+        comm_dtype: Any = "fp32",
     ) -> "StrategyOptions":
         """`schedule_options`: a plugin schedule's own options, an instance of its `options_class`
         (the built-in schedules take theirs as `dear` and `deft`, one spelling each)."""
@@ -66,6 +71,7 @@ class StrategyOptions:
             compression_from(compression),
             typed("dear", dear or DeAROptions(), DeAROptions),
             streams_from(streams),
+            comm_dtype=choice("comm_dtype", comm_dtype, COMM_DTYPES),  # the strategy read a DDP hook into it
         )
         check_concerns(resolved)
         builtin = {DeAROptions: resolved.dear, DeFTOptions: resolved.deft}

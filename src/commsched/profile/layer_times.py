@@ -135,9 +135,16 @@ class LayerTimer:
         return [i for i in range(len(self._owners)) if i not in called] + called
 
     def workload(
-        self, name: str, batch_size: int, skip: int = 1, totals: tuple[float, float] | None = None
+        self,
+        name: str,
+        batch_size: int,
+        skip: int = 1,
+        totals: tuple[float, float] | None = None,
+        wire_element_size: int | None = None,
     ) -> Workload:
         """Median over the steps after the first `skip` (warm-up), layers in the order forward called them.
+        `wire_element_size`: bytes each gradient element takes on the wire (`comm_dtype`), when not the
+        parameters' own: a layer's bytes are what its gradients send.
 
         `totals`: measured (forward, backward) seconds of the whole step; layer times are scaled to
         them, spreading what no layer owns (activations, the loss, autograd bookkeeping) in
@@ -150,13 +157,17 @@ class LayerTimer:
         if totals is not None:
             forward = _scaled(forward, totals[0])
             backward = _scaled(backward, totals[1])
+
+        def sent(params: list) -> int:
+            return sum(p.numel() * (wire_element_size or p.element_size()) for p in params)
+
         layers = [
             Layer(
                 self._owners[i].name,
-                self._owners[i].nbytes,
+                sent(self._owners[i].params),
                 f,
                 b,
-                sum(p.numel() * p.element_size() for p in self._owners[i].params if p.dim() <= 1),
+                sent([p for p in self._owners[i].params if p.dim() <= 1]),
             )
             for i, f, b in zip(order, forward, backward)
         ]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.device_time import SpanRecorder, synchronize
 from commsched.comm.links import Link, Links
-from commsched.profile.collectives import COLLECTIVES, time_buckets
+from commsched.profile.collectives import COLLECTIVES, time_buckets, wire_dtype
 from commsched.profile.layer_times import LayerTimer
 from commsched.profile.probe import probe_link
 from commsched.run_files import folder_of, write_json
@@ -184,7 +184,11 @@ class RunProfiler:
         skip = min(self.warmup, timer.steps - 1)
         t_ff = statistics.median(self._forward[skip : timer.steps])
         t_bp = statistics.median(self._backward[skip : timer.steps])
-        workload = timer.workload(type(module).__name__, _batch_size(strategy), skip, totals=(t_ff, t_bp))
+        wire_as = wire_dtype(plan.buckets[0], schedule.link)
+        wire = torch.tensor([], dtype=wire_as).element_size()
+        workload = timer.workload(
+            type(module).__name__, _batch_size(strategy), skip, totals=(t_ff, t_bp), wire_element_size=wire
+        )
         layer_of_param = timer.layer_of_param()
         by_name = {layer.name: layer for layer in workload.layers}
         buckets = []
@@ -193,7 +197,7 @@ class RunProfiler:
             buckets.append(
                 {
                     "index": bucket.index,
-                    "nbytes": bucket.numel * bucket.buffer.element_size(),
+                    "nbytes": bucket.numel * wire,  # what its collectives send (`comm_dtype`)
                     "layers": names,
                     "forward_s": sum(by_name[n].forward_s for n in names if n in by_name),
                     "backward_s": sum(by_name[n].backward_s for n in names if n in by_name),
@@ -243,6 +247,7 @@ class RunProfiler:
         return {
             "version": 1,
             "schedule": schedule_name,
+            "wire_dtype": str(wire_as).removeprefix("torch."),
             "layer_params": layer_params,
             "world_size": plan.world_size,
             "backend": dist.get_backend(),

@@ -1,4 +1,6 @@
-"""A bucket's bytes on the link's device: gloo links carry CPU tensors even when the model is on a GPU.
+"""A bucket's bytes as the link carries them: on its device (gloo links carry CPU tensors even when the
+model is on a GPU) and in its wire dtype (`comm_dtype`: fp32 gradients cast to bf16 or fp16 on the way
+out, cast back on the way in, as DDP's compress hooks do).
 
 The host copy is pinned and both copies are asynchronous: `to_link` enqueues the device-to-host
 copy on the model's stream and returns an event the link waits for before issuing the collective
@@ -18,17 +20,19 @@ from commsched.comm.links import Link
 
 
 class Staging:
-    """Either the bucket buffer itself (same device) or a pinned host copy that collectives use instead."""
+    """Either the bucket buffer itself (same device and dtype) or a copy that collectives use instead
+    (pinned host memory for a CUDA bucket on a gloo link; the wire dtype for a low-precision wire)."""
 
     def __init__(self, buffer: torch.Tensor, link: Link) -> None:
         self.buffer = buffer
         self.device = link.device
         self._copy: Optional[torch.Tensor] = None
         self._stream: Any = None
-        if buffer.device != self.device:
-            cuda = buffer.device.type == "cuda"
-            self._copy = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device, pin_memory=cuda)
-            self._stream = torch.cuda.current_stream(buffer.device) if cuda else None  # read on the training thread
+        wire = link.wire_dtype if buffer.dtype == torch.float32 else buffer.dtype
+        if buffer.device != self.device or wire != buffer.dtype:
+            moved = buffer.device != self.device and buffer.device.type == "cuda"
+            self._copy = torch.empty(buffer.shape, dtype=wire, device=self.device, pin_memory=moved)
+            self._stream = torch.cuda.current_stream(buffer.device) if moved else None  # read on the training thread
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -11,8 +11,9 @@ is cleared too (the one-dimensional parameters, sent whole every step, keep thei
 exchange is dense). Residuals and velocities are this rank's communication state, saved by
 parameter name (`reducers.base`).
 
-Values and indices travel in one all-gather: float32 values and int32 indices side by side, the
-indices reinterpreted bit for bit as float32 (one latency instead of two on a slow link). The
+Values and indices travel in one all-gather: the values in the wire dtype (`comm_dtype`) and int32
+indices side by side, the indices reinterpreted bit for bit as one float32 or two 16-bit elements (one
+latency instead of two on a slow link; an index is never rounded). The
 elements of one-dimensional parameters are always sent, beside the k selected among the others
 (`commsched.compression.whole_vectors`: ranked with the rest they starve).
 """
@@ -38,8 +39,8 @@ def k_of(density: float, numel: int) -> int:
 
 
 class SparsePacket:
-    """One rank's selection and every rank's, in the float32 layout one all-gather carries: the k
-    selected values, their int32 indices bit-cast to float32, then the values of the window's
+    """One rank's selection and every rank's, in the layout one all-gather carries: the k selected values
+    in the wire dtype, their int32 indices bit-cast to it, then the values of the window's
     one-dimensional parameters (`WholeVectors`), whose positions every rank of the exchange already
     knows, so they travel without indices. Shared by the flat and the two-level exchange."""
 
@@ -47,10 +48,12 @@ class SparsePacket:
         self.window = window
         self.density = density
         self.k = k_of(density, window.ranked_numel)
-        self.width = 2 * self.k + window.whole_numel
+        self.dtype = link.wire_dtype
+        self.index_slots = 4 // torch.tensor([], dtype=self.dtype).element_size()  # an int32 in wire elements
+        self.width = (1 + self.index_slots) * self.k + window.whole_numel
         self.world_size = link.world_size
-        self.mine = torch.empty(self.width, dtype=torch.float32, device=link.device)
-        self.everyone = torch.empty(link.world_size * self.width, dtype=torch.float32, device=link.device)
+        self.mine = torch.empty(self.width, dtype=self.dtype, device=link.device)
+        self.everyone = torch.empty(link.world_size * self.width, dtype=self.dtype, device=link.device)
 
     def at_density(self, density: float, link: Link) -> "SparsePacket":
         """This packet, or a new one for another density (a sparsity warm-up's next stage)."""
@@ -63,21 +66,21 @@ class SparsePacket:
         if residual is not None:
             residual.copy_(x)
             residual[indices] = 0.0
-        k = self.k
+        k, end = self.k, (1 + self.index_slots) * self.k
         self.mine[:k].copy_(values[:k])
-        self.mine[k : 2 * k].copy_(indices[:k].to(torch.int32).view(torch.float32))
-        self.mine[2 * k :].copy_(values[k:])
+        self.mine[k:end].copy_(indices[:k].to(torch.int32).view(self.dtype))
+        self.mine[end:].copy_(values[k:])
         return indices[:k]
 
     def add_everyones(self, target: torch.Tensor) -> None:
         """`target` becomes the sum of what every rank sent (zeros elsewhere)."""
         sent = self.everyone.view(self.world_size, self.width).to(target.device)
-        k = self.k
-        values = sent[:, :k].reshape(-1)
-        indices = sent[:, k : 2 * k].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        k, end = self.k, (1 + self.index_slots) * self.k
+        values = sent[:, :k].reshape(-1).to(target.dtype)
+        indices = sent[:, k:end].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
         target.zero_().index_add_(0, indices, values)
         if self.window.whole_numel:
-            target[self.window.whole] = sent[:, 2 * k :].sum(0)
+            target[self.window.whole] = sent[:, end:].to(target.dtype).sum(0)
 
 
 class SparseExchange:

@@ -23,7 +23,7 @@ from torch import nn
 
 from commsched import state
 from commsched.comm.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
-from commsched.comm.links import CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
+from commsched.comm.links import WIRE_DTYPES, CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
 from commsched.options import StrategyOptions
 from commsched.options.links import SECONDARY_IFNAME_ENV
 from commsched.planning.plan_file import SavedPlan
@@ -61,6 +61,7 @@ class Engine:
         self._fusion = fusion
         self._profile = options.profile
         self._link_options = options.links
+        self.wire_dtype = WIRE_DTYPES[options.comm_dtype]
         self._module: Optional[nn.Module] = None
         self._trainable: tuple[int, ...] = ()
         self._hand_over_plan: Optional[tuple[SavedPlan, BucketPlan]] = None  # (layout, its buckets) for `_plan_for`
@@ -86,7 +87,9 @@ class Engine:
         )
         if self.trace is not None:
             self.trace.clear()
-        self.links = Links(self._link_specs(default_backend, world_size, per_node), timeout, self.trace, device)
+        self.links = Links(
+            self._link_specs(default_backend, world_size, per_node), timeout, self.trace, device, self.wire_dtype
+        )
         self._module = module
         self._iteration_starts = True
         if restored is not None:

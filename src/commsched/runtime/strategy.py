@@ -46,6 +46,7 @@ from commsched.options import (
     StreamOptions,
     TuningOptions,
 )
+from commsched.options.wire import comm_dtype_from
 from commsched.runtime import observers, refusals, run_summary
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
@@ -88,6 +89,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         streams: Union[str, StreamOptions, None] = None,
         dear: Optional[DeAROptions] = None,
         schedule_options: Any = None,
+        comm_dtype: str = "fp32",
+        ddp_comm_hook: Optional[Callable[..., Any]] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -121,12 +124,17 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             dear: `DeAROptions` for ``schedule="dear"``: whether WFBP runs the iterations when measured faster.
             schedule_options: a plugin schedule's own options, an instance of its ``options_class`` (dear and
                 deft take theirs as ``dear=`` and ``deft=``).
+            comm_dtype: what gradients travel as: "fp32" (the default, equal to DDP), or "bf16" / "fp16", cast
+                for every collective of gradients (half the bytes) and averaged as DDP's compress hooks do.
+            ddp_comm_hook: torch's ``bf16_compress_hook``, ``fp16_compress_hook`` or ``allreduce_hook``, as given
+                to Lightning's `DDPStrategy`: read as the ``comm_dtype`` it sends; any other hook is refused.
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
         """
         with errors.owned_by(type(self).__name__):
             name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
+            wire, hook_read = comm_dtype_from(comm_dtype, ddp_comm_hook)
             self.schedule_class: type[Schedule] = SCHEDULES[name]
             self.options = options.StrategyOptions.from_arguments(
                 fusion,
@@ -142,6 +150,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 name,
                 self.schedule_class.options_class,
                 schedule_options,
+                wire,
             )
             options.check_schedule_takes(
                 self.options, name, self.schedule_class.compresses, self.schedule_class.stripes
@@ -160,6 +169,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             timeout=checked_timeout,
             start_method=checked_start,  # type: ignore[arg-type]
         )
+        if hook_read is not None:
+            say(f"commsched: {hook_read}")
         self._engine = Engine(self.schedule_class, self.options, trace)
         self._buffers = BufferSync(sync_buffers)
         self._flush_points = observers.FlushPoints(self._flush)
