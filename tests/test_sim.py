@@ -296,3 +296,19 @@ def test_simulate_cli_takes_the_compression_options(capsys):
     assert "hitopk" in out and "2048" in out
     with pytest.raises(SystemExit):
         cli.main(["--schedules", "topk", "--density", "2"])
+
+
+def test_a_16_bit_wire_sends_half_the_bytes_and_the_bound_follows() -> None:
+    """`--comm-dtype bf16`: every layer's gradients cost half the bytes; a link-bound run's iteration
+    falls by the communication's half (closed form: one bucket, after backward), compute unchanged."""
+    layers = tuple(Layer(f"l{i}", 4_000_000, 0.01, 0.02, 4_000) for i in range(4))
+    fp32 = Workload("w", layers, 32)
+    bf16 = fp32.sent_as(2)
+    assert bf16.nbytes == fp32.nbytes // 2 and bf16.forward_s == fp32.forward_s
+    assert all(l.whole_nbytes == 2_000 for l in bf16.layers)
+    network = AlphaBeta(alpha=0.0, beta=1e-9)  # 1 ns a byte
+    one_bucket = [list(range(4))[::-1]]
+    slow, fast = (timelines.wfbp(w, network, 2, one_bucket).iteration_s for w in (fp32, bf16))
+    comm = 2 * (2 - 1) / 2 * fp32.nbytes * 1e-9  # a ring all-reduce of every byte
+    assert slow == pytest.approx(fp32.forward_s + fp32.backward_s + comm)
+    assert fast == pytest.approx(fp32.forward_s + fp32.backward_s + comm / 2)

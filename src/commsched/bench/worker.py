@@ -118,10 +118,10 @@ def time_schedule(
         # stale plans at once (stale_after_steps=0): the bench times them within its few steps
         callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"], stale_after_steps=0))
     plain_wfbp = (
-        entry == "wfbp" and spec.get("bucket_cap_mb") is None
-    )  # its planner profiles fixed buckets: the components
+        wire_of(entry)[0] == "wfbp" and spec.get("bucket_cap_mb") is None
+    )  # its planner profiles fixed buckets: the components (of its wire dtype)
     strategy = _strategy(
-        schedule, spec, **({"profile": ProfileOptions(dir=str(out))} if plain_wfbp else {})
+        schedule, spec, **({"profile": ProfileOptions(dir=str(_profile_dir(out, entry)))} if plain_wfbp else {})
     )  # where they go
     trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))
@@ -222,16 +222,17 @@ def _deft_report(strategy: Any) -> dict:
     return report
 
 
-def profile_components(model_name: str, spec: dict, out: Path) -> dict:
-    """A wfbp run on fixed buckets (the size ddp uses), profiled: the components of one step."""
+def profile_components(model_name: str, spec: dict, out: Path, wire: str = "fp32") -> dict:
+    """A wfbp run on fixed buckets (the size ddp uses), profiled: the components of one step, its
+    collectives in the wire dtype `wire`."""
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     steps = spec["warmup"] + spec["steps"] + 1
     # fixed buckets (the size ddp uses): the components of one step, not a planner's choice
     strategy = _strategy(
-        "wfbp",
+        "wfbp" if wire == "fp32" else f"wfbp-{wire}",
         {**spec, "bucket_cap_mb": spec.get("bucket_cap_mb") or 25.0},
-        profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(out)),
+        profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(_profile_dir(out, f"wfbp-{wire}"))),
     )
     trainer = _trainer(strategy, spec, steps + 1, [], out)
     trainer.fit(model, _loader(make_data, spec, steps + 1))
@@ -282,13 +283,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         final: dict[str, tuple[dict, int]] = {}  # the first round's weights and the steps it ran
         deft: dict[str, Any] = {}
         chose: dict[str, dict] = {}
-        profiled: Optional[dict] = None  # a plain wfbp run's own profile: the components, without a run of their own
+        profiled: dict[str, dict] = {}  # by wire dtype, a plain wfbp run's own profile: the components
         for _ in range(spec["rounds"]):  # interleaved: a noisy moment of the machine hurts every schedule alike
             for schedule in spec["schedules"]:
                 timer, rank, state, decided, chose[schedule], profile = time_schedule(
                     model_name, schedule, spec, out / model_name
                 )
-                profiled = profiled or profile
+                if profile is not None:
+                    profiled.setdefault(wire_of(schedule)[1], profile)
                 rounds[schedule].append(
                     (timer.median, timer.median_cpu, timer.median_wire_bytes, timer.median_local_bytes)
                 )
@@ -303,10 +305,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         reference = ddp_weights(model_name, spec, {final[s][1] for s in exact}, out / model_name) if exact else {}
         measured = {s: min(step for step, *_ in r) for s, r in rounds.items()}
         best = {s: min(r) for s, r in rounds.items()}  # CPU time and bytes of the best round
-        profile = profiled or profile_components(model_name, spec, out / model_name)
+        wires = {wire_of(s.partition("+")[0])[1] for s in spec["schedules"]}
+        profiles = {
+            w: profiled.get(w) or profile_components(model_name, spec, out / model_name, w) for w in sorted(wires)
+        }
+        profile = profiles.get("fp32") or next(iter(profiles.values()))
         summary = profile["summary"]
-        theory = {k: v + summary["t_other"] for k, v in summary["theoretical_best_s"].items()}
-        predicted = predict(profile)
+        theory = {  # each row's bound from the components of its own wire dtype
+            w: {k: v + p["summary"]["t_other"] for k, v in p["summary"]["theoretical_best_s"].items()}
+            for w, p in profiles.items()
+        }
+        predicted = {w: predict(p) for w, p in profiles.items()}
         nbytes = sum(layer["nbytes"] for layer in profile["workload"]["layers"])
         results.append(
             {
@@ -337,21 +346,31 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "median_speedup_vs_ddp": statistics.median(d[0] / r[0] for d, r in zip(rounds[ddp], rounds[s]))
                         if ddp in rounds
                         else None,
-                        "theoretical_ms": theory[base] * 1e3 if base in theory else None,  # ddp: not ours to bound
-                        "measured_over_theoretical": measured[s] / theory[base] if base in theory else None,
-                        "predicted_ms": predicted[base] * 1e3 if base in predicted else None,
-                        "prediction_error": predicted[base] / measured[s] - 1.0 if base in predicted else None,
+                        # ddp: not ours to bound
+                        "theoretical_ms": theory[w][base] * 1e3 if base in theory[w] else None,
+                        "measured_over_theoretical": measured[s] / theory[w][base] if base in theory[w] else None,
+                        "predicted_ms": predicted[w][base] * 1e3 if base in predicted[w] else None,
+                        "prediction_error": predicted[w][base] / measured[s] - 1.0 if base in predicted[w] else None,
                     }
-                    for s, base, ddp in (
-                        (s, wire_of(s.partition("+")[0])[0].partition(":")[0], _ddp_beside(s, rounds))
-                        for s in spec["schedules"]
-                    )
+                    for s, base, w, ddp in ((s, *_base_and_wire(s), _ddp_beside(s, rounds)) for s in spec["schedules"])
                 ],
             }
         )
     end_process_group()
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def _profile_dir(out: Path, entry: str) -> Path:
+    """Where a plain wfbp run writes its profile: the model's folder, or its wire dtype's folder in it."""
+    wire = wire_of(entry)[1]
+    return out if wire == "fp32" else out / wire
+
+
+def _base_and_wire(entry: str) -> tuple[str, str]:
+    """The schedule an entry runs (its bound's name) and its wire dtype."""
+    name, wire = wire_of(entry.partition("+")[0])
+    return name.partition(":")[0], wire
 
 
 def wire_of(entry: str) -> tuple[str, str]:

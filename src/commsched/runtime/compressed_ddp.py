@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
@@ -29,7 +27,7 @@ class CompressedDDP(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         wire = self.wire_dtype
 
-        def compress_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        def compress_hook(state, bucket):  # type: ignore[no-untyped-def]  # torch checks real annotations, if any
             return default_hooks._compress_hook(wire, state, bucket)
 
         self.model.register_comm_hook(None, compress_hook)  # type: ignore[union-attr]

@@ -31,11 +31,13 @@ from commsched.sim.workload import BUILTIN_WORKLOADS, Workload, builtin
 from commsched.trace import write_chrome_trace
 
 DEFAULT_WORKERS = "2,4,8,16,32,64,128,256,512,1024,2048"
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of one gradient element on the wire, by `comm_dtype`."""
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
-    if args.workload in BUILTIN_WORKLOADS:
-        return builtin(args.workload, args.batch_size, args.device_tflops)
+    if args.workload in BUILTIN_WORKLOADS:  # fp32 gradients; a profile's bytes are those its run sent
+        return builtin(args.workload, args.batch_size, args.device_tflops).sent_as(WIRE_BYTES[args.comm_dtype])
     path = Path(args.workload)
     if not path.is_file():
         raise bad_value("--workload", args.workload, f"one of {', '.join(BUILTIN_WORKLOADS)} or a profile JSON file")
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", default=DEFAULT_WORKERS)
     parser.add_argument("--schedules", default=",".join(SIM_SCHEDULES))
     parser.add_argument("--algorithm", default="ring", choices=("ring", "tree"))
+    parser.add_argument(
+        "--comm-dtype", default="fp32", choices=tuple(WIRE_BYTES), help="what gradients travel as (built-in workloads)"
+    )
     parser.add_argument("--bandwidth", default="10gbit", help="link rate, e.g. 10gbit, 200mbit")
     parser.add_argument("--alpha", type=float, default=50e-6, help="link latency in seconds")
     parser.add_argument("--link", default=None, help="a profile/probe JSON: use its fitted costs instead")

@@ -49,6 +49,16 @@ class Workload:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    def sent_as(self, element_bytes: int) -> "Workload":
+        """The same layers with their fp32 gradients sent as `element_bytes`-byte elements (`comm_dtype`)."""
+        if element_bytes == 4:
+            return self
+        layers = tuple(
+            Layer(l.name, l.nbytes * element_bytes // 4, l.forward_s, l.backward_s, l.whole_nbytes * element_bytes // 4)
+            for l in self.layers
+        )
+        return Workload(self.name, layers, self.batch_size)
+
     def to_dict(self) -> dict:
         return {"name": self.name, "batch_size": self.batch_size, "layers": [asdict(layer) for layer in self.layers]}
 
