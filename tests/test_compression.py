@@ -44,11 +44,11 @@ def test_error_feedback_changes_the_result(runs):
 
 
 def test_a_sparse_run_without_warm_up_is_advised_once(runs):
-    """The thirteen fresh sparse runs with no warm-up of either kind (12, 16 or 5 steps, shorter than their
+    """The fifteen fresh sparse runs with no warm-up of either kind (12, 16 or 5 steps, shorter than their
     epoch of 256 samples / 2 ranks / batch 4 = 32 steps) are told a tenth of the run; the resumed, dense,
     warmed-up and density-1 runs are not."""
     advice = re.findall(r"no dense warm-up.*?CompressionOptions\(dense_warmup_steps=(\d+)\) \((.*?)\)", runs.said)
-    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 13, (
+    assert advice == [("1", "a tenth of this run, shorter than an epoch")] * 15, (
         advice
     )  # and the dgc and adamw runs without warm-up
 

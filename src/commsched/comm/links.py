@@ -149,6 +149,10 @@ class Link:
             self.device = torch.device("cpu")
         self._issuer = Issuer(name, timeout_s)
 
+    def wire_for(self, dtype: torch.dtype) -> torch.dtype:
+        """What a tensor of gradients in `dtype` travels as on this link: fp32 in the wire dtype, others as they are."""
+        return self.wire_dtype if dtype == torch.float32 else dtype
+
     @property
     def lane(self) -> str:
         return f"link: {self.name}"

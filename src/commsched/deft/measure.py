@@ -19,7 +19,6 @@ from commsched.comm.device_time import Stopwatch, median_seconds, synchronize
 from commsched.comm.links import Link
 from commsched.deft.plan import Timings
 from commsched.errors import CommSchedConfigError, bad_value
-from commsched.profile.collectives import wire_dtype
 from commsched.reducers import ShardedReduce
 
 
@@ -101,7 +100,9 @@ def _median_seconds_together(links: list[Link], buckets: list, repeats: int) -> 
     """Per link, the median time from starting the same all-reduce on all of them to its completion
     (`Stopwatch`: the transfer's completion on the link's device, not the launch)."""
     scratch = [
-        torch.zeros_like(bucket.buffer, device=link.device, dtype=wire_dtype(bucket, link))  # as `comm_dtype` sends
+        torch.zeros_like(
+            bucket.buffer, device=link.device, dtype=link.wire_for(bucket.buffer.dtype)
+        )  # as `comm_dtype` sends
         for link, bucket in zip(links, buckets)
     ]
     for link, tensor in zip(links, scratch):

@@ -13,9 +13,9 @@ from torch.optim import Optimizer
 
 from commsched.deft.spike_compensation import COMPENSATIONS, spike_applies
 from commsched.errors import CommSchedConfigError
+from commsched.loss_scale import scaler_of
 from commsched.options import DeFTOptions, StrategyOptions
 from commsched.say import say
-from commsched.schedules.loss_scale import scaler_of
 
 
 @dataclass

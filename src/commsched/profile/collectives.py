@@ -36,12 +36,9 @@ def time_buckets(
 ) -> list[dict[str, float]]:
     """Per bucket: seconds of each of `collectives` on its buffer, run alone."""
     return [
-        {c: time_collective(link, c, bucket.buffer.numel(), repeats, wire_dtype(bucket, link)) for c in collectives}
+        {
+            c: time_collective(link, c, bucket.buffer.numel(), repeats, link.wire_for(bucket.buffer.dtype))
+            for c in collectives
+        }
         for bucket in plan.buckets
     ]
-
-
-def wire_dtype(bucket: object, link: Link) -> torch.dtype:
-    """What the bucket's collectives carry: fp32 gradients in the link's wire dtype (`comm_dtype`)."""
-    dtype = bucket.buffer.dtype  # type: ignore[attr-defined]
-    return link.wire_dtype if dtype == torch.float32 else dtype

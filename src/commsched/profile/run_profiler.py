@@ -21,7 +21,7 @@ import torch.distributed as dist
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.device_time import SpanRecorder, synchronize
 from commsched.comm.links import Link, Links
-from commsched.profile.collectives import COLLECTIVES, time_buckets, wire_dtype
+from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layer_times import LayerTimer
 from commsched.profile.probe import probe_link
 from commsched.run_files import folder_of, write_json
@@ -184,7 +184,7 @@ class RunProfiler:
         skip = min(self.warmup, timer.steps - 1)
         t_ff = statistics.median(self._forward[skip : timer.steps])
         t_bp = statistics.median(self._backward[skip : timer.steps])
-        wire_as = wire_dtype(plan.buckets[0], schedule.link)
+        wire_as = schedule.link.wire_for(plan.buckets[0].buffer.dtype)
         wire = torch.tensor([], dtype=wire_as).element_size()
         workload = timer.workload(
             type(module).__name__, _batch_size(strategy), skip, totals=(t_ff, t_bp), wire_element_size=wire

@@ -28,7 +28,7 @@ class Staging:
         self.device = link.device
         self._copy: Optional[torch.Tensor] = None
         self._stream: Any = None
-        wire = link.wire_dtype if buffer.dtype == torch.float32 else buffer.dtype
+        wire = link.wire_for(buffer.dtype)
         if buffer.device != self.device or wire != buffer.dtype:
             moved = buffer.device != self.device and buffer.device.type == "cuda"
             self._copy = torch.empty(buffer.shape, dtype=wire, device=self.device, pin_memory=moved)

@@ -32,7 +32,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from commsched import errors, options, run_files, state
+from commsched import errors, loss_scale, options, run_files, state
 from commsched.comm import peers
 from commsched.errors import PeerFailureError
 from commsched.options import (
@@ -54,7 +54,7 @@ from commsched.runtime.interrupt import StoppedBySignal
 from commsched.runtime.lr_follow import FollowOptimizerSteps
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say, say_from_this_rank
-from commsched.schedules import SCHEDULES, Schedule, loss_scale
+from commsched.schedules import SCHEDULES, Schedule
 
 log = logging.getLogger(__name__)
 

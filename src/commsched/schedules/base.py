@@ -186,7 +186,7 @@ class Schedule(Generic[SettingsT]):
         return run_step()
 
     def unscale_gradients(self, optimizer: Optimizer, inv_scale: torch.Tensor) -> Optional[torch.Tensor]:
-        """fp16's GradScaler unscales after the closure (`commsched.schedules.loss_scale`). None: the averaged
+        """fp16's GradScaler unscales after the closure (`commsched.loss_scale`). None: the averaged
         gradients are whole in `.grad` and torch's scaler unscales them itself. A schedule that holds them
         elsewhere unscales them there and returns the found-inf flag (1.0 where any rank's gradient has an
         inf or a NaN) agreed on every rank (`agreed`)."""

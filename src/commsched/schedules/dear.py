@@ -40,6 +40,7 @@ from commsched.comm.buckets import BucketPlan
 from commsched.comm.links import InOrder, Links, Pending
 from commsched.hooks import OwnHook
 from commsched.interleaved import MeasuredChoice
+from commsched.loss_scale import non_finite
 from commsched.options import BUILTIN, DeAROptions, StrategyOptions, StreamOptions
 from commsched.reducers.striped import StripedShards, Together
 from commsched.reducers.units import Striping, Unit, plan_units
@@ -47,7 +48,6 @@ from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_fallback import WFBP, describe_fallback, fallback_choice
 from commsched.schedules.deferred_step import DeferredStep, SubsetStepper
-from commsched.schedules.loss_scale import non_finite
 from commsched.schedules.per_parameter import per_parameter_classes
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel

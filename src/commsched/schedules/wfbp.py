@@ -25,6 +25,7 @@ from commsched.compression.sparse_or_dense import SparseOrDense, fastest_selecti
 from commsched.compression.warmup import SparsityWarmup
 from commsched.errors import setting
 from commsched.interleaved import MeasuredChoice
+from commsched.loss_scale import inverse_scale, unscale_in_place
 from commsched.options import BUILTIN, CompressionOptions, StrategyOptions, StreamOptions
 from commsched.reducers import into_bucket
 from commsched.reducers.hierarchical import HierarchicalReduce
@@ -33,7 +34,6 @@ from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.reducers.units import Striping, plan_units
 from commsched.say import say
 from commsched.schedules.base import Schedule
-from commsched.schedules.loss_scale import inverse_scale, unscale_in_place
 from commsched.schedules.step_control import run_with_step_replaced
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
