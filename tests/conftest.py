@@ -48,6 +48,7 @@ CASES_BY_WORLD = {
         "deft-fp16",
         "ddp-fp16-value",
         "dear-fp16-value",
+        "dear-fp16-rank0-reads",
         "ddp-bf16hook",
         "ddp-fp16hook",
         "wfbp-bf16wire",

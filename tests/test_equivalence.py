@@ -68,6 +68,7 @@ def test_bf16_mixed_equals_ddp(cases):
         ("dear-fp16", "ddp-fp16"),
         ("deft-fp16", "ddp-fp16"),
         ("dear-fp16-value", "ddp-fp16-value"),
+        ("dear-fp16-rank0-reads", "ddp-fp16"),  # rank 0 alone makes its gradients whole after backward
     ],
 )
 def test_fp16_with_a_grad_scaler_equals_ddp_skipped_steps_included(cases, case, reference):

@@ -165,6 +165,7 @@ def test_sync_batchnorm_on_cpu_refused_before_spawning(name):
         ("manual", "supports automatic optimization only"),
         ("lbfgs", "optimizer LBFGS re-evaluates the closure"),
         ("plan-mismatch", "differs between ranks"),
+        ("fused-fp16", "Adam unscales inside its own step (fused=True)"),
     ],
 )
 def test_refused_in_workers_with_clear_error(mode, message, tmp_path):

@@ -43,6 +43,15 @@ ACCUMULATE = 2
 BATCH = 4
 
 
+class ReadsGradientsOnRankZero(pl.Callback):
+    """A gradient-norm logger on rank 0 only, right after backward: DeAR's gradients are made whole there
+    and not on the other ranks, which must not change which collectives each rank issues."""
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            self.norm = sum(float(p.grad.norm()) for p in pl_module.parameters() if p.grad is not None)
+
+
 class HookedDDP(DDPStrategy):
     """Lightning's DDP with its communication hook registered on CPU too (Lightning registers hooks on
     CUDA only; torch's DDP runs them over gloo as well): the reference for a low-precision wire."""
@@ -109,6 +118,7 @@ def fit(
     resume_from: str | None = None,
     unfreeze: bool = False,
     replan_at: int | None = None,
+    rank0_reads: bool = False,
     **strategy_overrides,
 ) -> None:
     pl.seed_everything(1234, verbose=False)
@@ -135,7 +145,7 @@ def fit(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ckpt, watcher],
+        callbacks=[ckpt, watcher] + ([ReadsGradientsOnRankZero()] if rank0_reads else []),
         default_root_dir=out / name,
     )
     ckpt_path = str(out / f"{resume_from}-ckpt" / "last.ckpt") if resume_from else None
@@ -209,6 +219,7 @@ CASES = {
     "deft-bf16wire": ("deft", {"comm_dtype": "bf16", "deft": NO_DELAY}),
     "wfbp-bf16hook": ("wfbp", {"ddp_comm_hook": HOOKS["bf16"]}),
     "dear-bf16wire-streams": ("dear", {"comm_dtype": "bf16", "streams": StreamOptions(count=2, unit_mb=200 / 2**20)}),
+    "dear-fp16-rank0-reads": ("dear", {"precision": "16-mixed-skips", "rank0_reads": True}),
     "dear-fp16-value": ("dear", {"precision": "16-mixed-skips", "clip": "value", "optimizer": "adamw"}),
     "ddp-fp16-value": ("ddp", {"precision": "16-mixed-skips", "clip": "value", "optimizer": "adamw"}),
     "dear-layers": ("dear", {"fusion": FusionOptions(policy="layers", bucket_layers=2)}),

@@ -20,6 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 import commsched
 
@@ -141,8 +142,15 @@ def chain_run(mode: str, out: str) -> None:
         print("commsched-test: training finished without the expected error")
 
 
+class FusedAdamToyNet(ToyNet):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)  # unscales inside its own step
+
+
 def model_for(mode: str) -> pl.LightningModule:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if mode == "fused-fp16":
+        return FusedAdamToyNet()
     if mode == "manual":
         return ManualToyNet()
     if mode == "lbfgs":
@@ -177,6 +185,8 @@ def main() -> None:
         limit_val_batches=0,
         callbacks=callbacks,
         default_root_dir=sys.argv[2],
+        # fp16 with torch's GradScaler (Trainer(precision="16-mixed") on CPU is turned into bf16 by Lightning)
+        plugins=[MixedPrecision("16-mixed", "cpu")] if mode == "fused-fp16" else None,
     )
     trainer.fit(model_for(mode))
     print("commsched-test: training finished without the expected error")

@@ -114,7 +114,7 @@ def time_schedule(
     steps = spec["warmup"] + spec["steps"] + DECIDING_AT_MOST
     timer = StepTimer(warmup=spec["warmup"], stop_after=spec["steps"])
     callbacks: list[pl.Callback] = [timer] + ([USER_CALLBACKS[user]()] if user else [])
-    if schedule == "deft" and spec["preserver"]:
+    if wire_of(schedule)[0] == "deft" and spec["preserver"]:
         # stale plans at once (stale_after_steps=0): the bench times them within its few steps
         callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"], stale_after_steps=0))
     plain_wfbp = (
@@ -300,7 +300,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         exact = [
             s
             for s in spec["schedules"]
-            if not s.startswith(("deft", "topk")) and ":auto" not in s and wire_of(s)[1] == "fp32"
+            if not s.startswith(("deft", "topk")) and ":auto" not in s and _base_and_wire(s)[1] == "fp32"
         ]
         reference = ddp_weights(model_name, spec, {final[s][1] for s in exact}, out / model_name) if exact else {}
         measured = {s: min(step for step, *_ in r) for s, r in rounds.items()}

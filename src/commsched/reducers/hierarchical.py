@@ -48,7 +48,9 @@ class HierarchicalReduce(Reducer):
         """`density` None: the dense two-level all-reduce; else HiTopKComm with `select`."""
         self.bucket = bucket
         self.intra, self.inter = intra, inter
-        self._node = ShardedReduce(bucket.buffer, intra)
+        # sparse: the node's stages stay in the bucket's dtype (the residual and the selection work on the
+        # shard), and only what crosses the slow network takes the wire dtype (the packet)
+        self._node = ShardedReduce(bucket.buffer, intra, cast=density is None)
         shard = self._node.shard
         self.sparse = density is not None
         self.residual: Optional[torch.Tensor] = torch.zeros_like(shard) if self.sparse and error_feedback else None

@@ -19,9 +19,10 @@ from commsched.reducers.staging import Staging
 
 
 class ShardedReduce(Reducer):
-    def __init__(self, buffer: torch.Tensor, link: Link) -> None:
+    def __init__(self, buffer: torch.Tensor, link: Link, cast: bool = True) -> None:
+        """`cast`: False keeps the bucket's dtype on the wire (`Staging`)."""
         self.link = link
-        self._staging = Staging(buffer, link)
+        self._staging = Staging(buffer, link, cast)
         world, full = link.world_size, self._staging.tensor
         if link.native_reduce_scatter:
             self.shard = torch.zeros(full.numel() // world, dtype=full.dtype, device=link.device)

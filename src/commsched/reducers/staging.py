@@ -23,12 +23,13 @@ class Staging:
     """Either the bucket buffer itself (same device and dtype) or a copy that collectives use instead
     (pinned host memory for a CUDA bucket on a gloo link; the wire dtype for a low-precision wire)."""
 
-    def __init__(self, buffer: torch.Tensor, link: Link) -> None:
+    def __init__(self, buffer: torch.Tensor, link: Link, cast: bool = True) -> None:
+        """`cast`: False keeps the buffer's dtype on the wire (a stage whose result is worked on, not only sent)."""
         self.buffer = buffer
         self.device = link.device
         self._copy: Optional[torch.Tensor] = None
         self._stream: Any = None
-        wire = link.wire_for(buffer.dtype)
+        wire = link.wire_for(buffer.dtype) if cast else buffer.dtype
         if buffer.device != self.device or wire != buffer.dtype:
             moved = buffer.device != self.device and buffer.device.type == "cuda"
             self._copy = torch.empty(buffer.shape, dtype=wire, device=self.device, pin_memory=moved)

@@ -48,3 +48,23 @@ def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool =
             f"rank to hold whole gradients and step at once; strategy='{name}' steps parts of the model at different "
             "times. Use LARS(parallel_norms=False) here, or strategy='wfbp' (or 'topk', or Lightning's 'ddp')."
         )
+
+
+def refuse_under_scaler(scaler: Any, optimizers: list[Any], name: str, steps_whole: bool, options: Any) -> None:
+    """What fp16's GradScaler cannot serve here, once the optimizers exist (before any step)."""
+    if scaler is None:
+        return
+    sparse = options.compression.method != "none"
+    fused = [type(o).__name__ for o in optimizers if getattr(o, "_step_supports_amp_scaling", False)]
+    if fused and (sparse or not steps_whole):
+        why = "its gradients were unscaled before the sparse exchange" if sparse else "its update is applied later"
+        raise CommSchedConfigError(
+            f"commsched: {fused[0]} unscales inside its own step (fused=True), reading the GradScaler's scale as "
+            f"it is during the step; under precision='16-mixed' strategy='{name}' {why}. Use fused=False "
+            "(foreach is as fast on most models), or precision='bf16-mixed'."
+        )
+    if sparse and options.comm_dtype == "fp16":
+        raise CommSchedConfigError(
+            "commsched: invalid comm_dtype='fp16' with compression under precision='16-mixed': a sparse exchange "
+            "sends unscaled gradients, whose small values fp16 loses; allowed here: comm_dtype='bf16' or 'fp32'."
+        )

@@ -242,6 +242,13 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 )
             refusals.refuse_optimizer_setup(self.optimizers, self.schedule_class.name, self.schedule_class.steps_whole)
             self.schedule_class.refuse_optimizers(self.options, self.optimizers)
+            refusals.refuse_under_scaler(
+                self._engine.loss_scaler,
+                self.optimizers,
+                self.schedule_class.name,
+                self.schedule_class.steps_whole,
+                self.options,
+            )
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
             self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]
             observers.FlushPoints.install(trainer, self._flush_points)

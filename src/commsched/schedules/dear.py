@@ -254,21 +254,24 @@ class DeARSchedule(Schedule[DeARSettings]):
     def unscale_gradients(self, optimizer: Optimizer, inv_scale: torch.Tensor) -> Optional[torch.Tensor]:
         """The shards are checked for inf and NaN (one scalar all-reduce makes it every rank's finding) and
         each bucket is unscaled once gathered, before clipping, as DDP's whole gradients are: the
-        all-gathers carry the scaled values, so a low-precision wire keeps the scale's headroom."""
-        if self.deferred.whole:
-            return None  # `.grad` views the gathered buckets: torch's scaler unscales them itself
+        all-gathers carry the scaled values, so a low-precision wire keeps the scale's headroom. A rank
+        whose gradients someone made whole checks its slices of them instead and unscales them at once:
+        every rank takes part in the all-reduce, whatever its callbacks read."""
         self._scattered()
         key = SubsetStepper.key(optimizer)
         if key not in self._norm_segments:
             self._norm_segments[key] = optimizer_segments(self.plan, self.reducers, optimizer)
-        pieces = [
-            reducer.pieces()[i][1].narrow(0, start, length)
-            for reducer, ranges in zip(self.reducers, self._norm_segments[key])
-            for i, start, length in ranges
-        ]
-        found = self.agreed(non_finite(pieces))
-        self._unscale = inv_scale
-        self.deferred.transform_all(lambda t: t.mul_(inv_scale.to(t.device)))
+        whole = self.deferred.whole  # someone read `.grad` on this rank: its slices of the whole buckets
+        pieces = []
+        for bucket, reducer, ranges in zip(self.plan.buckets, self.reducers, self._norm_segments[key]):
+            held = reducer.pieces()
+            for i, start, length in ranges:
+                lo, shard = held[i]
+                piece = bucket.buffer.narrow(0, lo, shard.numel()) if whole else shard
+                pieces.append(piece.narrow(0, start, length))
+        found = self.agreed(non_finite(pieces))  # on every rank, whether or not its gradients were made whole
+        self._unscale = None if whole else inv_scale
+        self.deferred.transform_all(lambda t: t.mul_(inv_scale.to(t.device)))  # at once where whole
         return found
 
     # ------------------------------------------------------------------- update

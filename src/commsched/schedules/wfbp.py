@@ -450,7 +450,9 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         if self.loss_scaler is not None and self.settings.compression.method != "none":
             self._unscale_before_exchange(b)
         if self._carry and self._carry[b] is not None:
-            self.plan.buckets[b].buffer.add_(self._carry[b])
+            scaled = self.loss_scaler is not None and self.settings.compression.method == "none"
+            carry = self._carry[b] * self.loss_scaler.get_scale() if scaled else self._carry[b]  # as the gradient is
+            self.plan.buckets[b].buffer.add_(carry)
             self._carry[b] = None
         self._works[b] = self.reducers[b].start(f"bucket{b}")
 
