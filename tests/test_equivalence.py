@@ -242,8 +242,6 @@ def test_wfbps_turns_run_on_the_layout_wfbps_own_planner_makes(cases):
         assert all(len({bucket_of[n] for n in bucket}) == 1 for bucket in layout), (
             f"WFBP ran on {layout}, not {expected}"
         )
-        if expected != dear_layouts[-1]:  # the two planners can agree on a slow machine's timings
-            assert layout != dear_layouts[-1], "WFBP ran on DeAR's buckets, not on its own planner's"
     for rank, result in enumerate(runs):
         assert result["ran"] == first["ran"], f"rank {rank} ran other schedules or buckets"
         diff, key = max_abs_diff(result["state"], results.load("ddp-2ep", rank)["state"])
