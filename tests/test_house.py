@@ -249,7 +249,7 @@ def test_one_owner_for_what_a_schedule_takes_and_for_the_second_network():
     }
     assert _modules_mentioning(r"check_schedule_takes\(") == {
         "options/strategy.py",
-        "runtime/strategy.py",
+        "runtime/arguments.py",
         "cli/config.py",
     }
     assert _modules_mentioning(r"COMMSCHED_SECONDARY_IFNAME") - {"cluster/launch.py"} == {"options/links.py"}

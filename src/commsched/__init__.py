@@ -27,7 +27,7 @@ from commsched.options import (
     StreamOptions,
     TuningOptions,
 )
-from commsched.registration import register_entries, when_lightning_loads
+from commsched.registration import FABRIC, register_entries, register_fabric_entries, when_lightning_loads
 
 __version__ = "0.2.0"
 
@@ -45,6 +45,10 @@ _NEEDS_LIGHTNING = {
     "Handover": "commsched.schedules",
     "Preserver": "commsched.deft.preserver",
     "ResumableDataLoader": "commsched.data.resumable",
+    "CommSchedFabricStrategy": "commsched.runtime.fabric_strategy",
+    "DeARFabricStrategy": "commsched.runtime.builtin_strategies",
+    "WFBPFabricStrategy": "commsched.runtime.builtin_strategies",
+    "DeFTFabricStrategy": "commsched.runtime.builtin_strategies",
 }
 
 
@@ -60,13 +64,17 @@ def __getattr__(name: str) -> Any:
 
 
 when_lightning_loads(register_entries)
+when_lightning_loads(register_fabric_entries, FABRIC)
 
 __all__ = [
     "CommSchedConfigError",
     "CompressionOptions",
+    "CommSchedFabricStrategy",
     "CommSchedStrategy",
+    "DeARFabricStrategy",
     "DeAROptions",
     "DeARStrategy",
+    "DeFTFabricStrategy",
     "DeFTOptions",
     "DeFTStrategy",
     "FusionOptions",
@@ -85,6 +93,7 @@ __all__ = [
     "StoppedBySignal",
     "StreamOptions",
     "TuningOptions",
+    "WFBPFabricStrategy",
     "WFBPStrategy",
     "register_schedule",
 ]

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
 LIGHTNING = "lightning.pytorch"
+FABRIC = "lightning.fabric"
 TOPK = {"compression": "auto"}
 """``strategy="topk"``: WFBP with `compression="auto"`."""
 
@@ -32,34 +33,45 @@ def register_entries() -> None:
     """Lightning's registry gets each built-in name (the real classes replace these entries when they load)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    _register_into(StrategyRegistry, "STRATEGIES")
+
+
+def register_fabric_entries() -> None:
+    """Fabric's registry likewise (``Fabric(strategy="dear")``, with or without `lightning.pytorch` loaded)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    _register_into(STRATEGY_REGISTRY, "FABRIC_STRATEGIES")
+
+
+def _register_into(registry: Any, classes: str) -> None:
     from commsched.options.catalogue import BUILTIN_SCHEDULES
 
     for name, params in [*((n, {}) for n in BUILTIN_SCHEDULES), ("topk", TOPK)]:
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(
+        if name not in registry:
+            registry.register(
                 name,
-                partial(_strategy, "wfbp" if name == "topk" else name),
+                partial(_strategy, classes, "wfbp" if name == "topk" else name),
                 override=True,
                 description=f"commsched's {name} strategy (loaded when first used)",
                 **params,
             )
 
 
-def _strategy(schedule: str, **options: Any) -> Any:
+def _strategy(classes: str, schedule: str, **options: Any) -> Any:
     import commsched.runtime.registry as registry
 
-    return registry.STRATEGIES[schedule](**options)
+    return getattr(registry, classes)[schedule](**options)
 
 
-def when_lightning_loads(register: Callable[[], None]) -> None:
-    """`register()` now if Lightning is loaded, else right after `lightning.pytorch` is."""
-    module = sys.modules.get(LIGHTNING)
+def when_lightning_loads(register: Callable[[], None], name: str = LIGHTNING) -> None:
+    """`register()` now if the Lightning package `name` is loaded, else right after it is."""
+    module = sys.modules.get(name)
     if module is not None:
         if not getattr(getattr(module, "__spec__", None), "_initializing", False):
             register()
         return  # half loaded (commsched imported from within Lightning's import): registered on first use
-    if not any(isinstance(finder, _AfterLoading) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterLoading(LIGHTNING, register))
+    if not any(isinstance(finder, _AfterLoading) and finder.name == name for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterLoading(name, register))
 
 
 class _AfterLoading(importlib.abc.MetaPathFinder):

@@ -304,7 +304,7 @@ class PlanPolicy:
         assert self.decided is not None
         plan = self.decided
         if strategy.global_rank == 0:
-            folder = folder_of(strategy.lightning_module.trainer)
+            folder = folder_of(strategy.loop)
             path = folder / PLAN_FILE_NAME if folder is not None else None
             if path is not None:
                 plan.save(path)
@@ -358,6 +358,6 @@ def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:
 
 
 def _log(strategy: Any, metrics: dict[str, float]) -> None:
-    trainer = strategy.lightning_module.trainer
+    trainer = strategy.loop
     if trainer.logger is not None and strategy.global_rank == 0:
         trainer.logger.log_metrics(metrics, step=trainer.global_step)

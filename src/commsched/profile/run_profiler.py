@@ -260,7 +260,7 @@ class RunProfiler:
         }
 
     def _write(self, strategy: Any, result: dict, spans: list[Span]) -> None:
-        trainer = strategy.lightning_module.trainer
+        trainer = strategy.loop
         folder = folder_of(trainer)
         if folder is None and self.out_dir is None and not self.announce:
             return  # a planner's own profile, in a run with no folder: kept in memory only
@@ -278,7 +278,7 @@ class RunProfiler:
                 f"{summary['overlap_ratio']:.2f}; wrote {out_dir / 'profile.json'} and {out_dir / 'trace.json'} "
                 "(chrome://tracing or ui.perfetto.dev)"
             )
-        logger = strategy.lightning_module.trainer.logger
+        logger = strategy.loop.logger
         if logger is not None:
             for step in result["steps"]:
                 logger.log_metrics(
@@ -317,5 +317,5 @@ def busy_per_lane(spans: list[Span], start: float, end: float) -> dict[str, floa
 
 
 def _batch_size(strategy: Any) -> int:
-    loader = strategy.lightning_module.trainer.train_dataloader
+    loader = strategy.loop.train_dataloader
     return int(getattr(loader, "batch_size", 0) or 0)

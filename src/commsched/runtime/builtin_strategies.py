@@ -1,10 +1,12 @@
-"""The built-in schedules' strategies, one class each, so an IDE and the API reference can show them:
-``Trainer(strategy=DeARStrategy(...))`` is ``Trainer(strategy="dear")`` with settings. Each takes every
+"""The built-in schedules' strategies, one class each for the Trainer and for Fabric, so an IDE and the API
+reference can show them: ``Trainer(strategy=DeARStrategy(...))`` is ``Trainer(strategy="dear")`` with settings,
+``Fabric(strategy=DeARFabricStrategy(...))`` is ``Fabric(strategy="dear")``. Each takes every
 argument `CommSchedStrategy` takes; only the schedule it runs differs. A schedule registered by a
 user gets a class made for it by `commsched.register_schedule`."""
 
 from __future__ import annotations
 
+from commsched.runtime.fabric_strategy import CommSchedFabricStrategy
 from commsched.runtime.strategy import CommSchedStrategy
 
 
@@ -37,4 +39,29 @@ BUILTIN_STRATEGIES: dict[str, type[CommSchedStrategy]] = {
     "wfbp": WFBPStrategy,
     "dear": DeARStrategy,
     "deft": DeFTStrategy,
+}
+
+
+class WFBPFabricStrategy(CommSchedFabricStrategy):
+    """Wait-free backpropagation (DDP's schedule, with commsched's planners, streams and sparse exchanges)."""
+
+    default_schedule = "wfbp"
+
+
+class DeARFabricStrategy(CommSchedFabricStrategy):
+    """DeAR: reduce-scatter during backward, all-gather during the next forward; the trained model is DDP's."""
+
+    default_schedule = "dear"
+
+
+class DeFTFabricStrategy(CommSchedFabricStrategy):
+    """DeFT's choice between WFBP, DeAR and its plan over two links (without delay under Fabric)."""
+
+    default_schedule = "deft"
+
+
+BUILTIN_FABRIC_STRATEGIES: dict[str, type[CommSchedFabricStrategy]] = {
+    "wfbp": WFBPFabricStrategy,
+    "dear": DeARFabricStrategy,
+    "deft": DeFTFabricStrategy,
 }

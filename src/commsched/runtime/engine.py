@@ -158,6 +158,20 @@ class Engine:
         self._load(merged(carried.get("shared", {}), carried.get("per_rank", {})))
         self.owner.sync_enabled = sync_enabled
 
+    def restore(self, restored: state.Restored, module: nn.Module, world_size: int) -> None:
+        """A checkpoint loaded into a running engine (Fabric loads once the module is set up): its plan
+        decides the buckets, rebuilt if needed, and its communication state replaces this run's."""
+        assert self.owner is not None
+        self._take_back(module)
+        self.owner.detach()
+        self.policy.load_state_dict(restored.plan)
+        if self.policy.decided is not None:
+            self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
+        self._hand_over_plan = None
+        self.build(module, world_size)
+        self._load(merged(restored.shared, restored.mine))
+        self._iteration_starts = True
+
     def _load(self, saved: dict[str, Any]) -> None:
         assert self.owner is not None
         self.owner.load_state_dict(saved)

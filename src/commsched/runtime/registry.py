@@ -11,18 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
 from commsched.errors import CommSchedConfigError
 from commsched.fusion import MODEL_POLICIES
-from commsched.runtime.builtin_strategies import BUILTIN_STRATEGIES, DeARStrategy, DeFTStrategy, WFBPStrategy
+from commsched.runtime.builtin_strategies import (
+    BUILTIN_FABRIC_STRATEGIES,
+    BUILTIN_STRATEGIES,
+    DeARStrategy,
+    DeFTStrategy,
+    WFBPStrategy,
+)
+from commsched.runtime.fabric_strategy import CommSchedFabricStrategy
 from commsched.runtime.strategy import CommSchedStrategy
 from commsched.schedules import SCHEDULES, Schedule
 from commsched.sim.simulate import register as register_simulation
 
 STRATEGIES: dict[str, type[CommSchedStrategy]] = {}
 """The strategy class of every registered schedule, by name."""
+FABRIC_STRATEGIES: dict[str, type[CommSchedFabricStrategy]] = {}
+"""The Fabric strategy class of every registered schedule, by name."""
 
 RESERVED = ("ddp", "base")  # Lightning's own DDP keeps its name; "base" is the abstract class's
 
@@ -57,16 +67,16 @@ def register_schedule(cls: type[Schedule]) -> type[Schedule]:
         )
     builtin = BUILTIN_STRATEGIES.get(name)
     if builtin is not None and _BUILTIN_SCHEDULES.get(name) is cls:
-        STRATEGIES[name] = builtin
+        STRATEGIES[name], FABRIC_STRATEGIES[name] = builtin, BUILTIN_FABRIC_STRATEGIES[name]
     elif SCHEDULES.get(name) is not cls or name not in STRATEGIES:
-        STRATEGIES[name] = type(
-            f"{cls.__name__.removesuffix('Schedule')}Strategy",
-            (CommSchedStrategy,),
-            {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__},
-        )
+        made = cls.__name__.removesuffix("Schedule")
+        body = {"default_schedule": name, "__doc__": cls.description or cls.__doc__, "__module__": __name__}
+        STRATEGIES[name] = type(f"{made}Strategy", (CommSchedStrategy,), body)
+        FABRIC_STRATEGIES[name] = type(f"{made}FabricStrategy", (CommSchedFabricStrategy,), body)
     SCHEDULES[name] = cls
     register_simulation(name, cls.simulate)
     StrategyRegistry.register(name, STRATEGIES[name], description=cls.description, override=True)
+    FABRIC_STRATEGY_REGISTRY.register(name, FABRIC_STRATEGIES[name], description=cls.description, override=True)
     return cls
 
 
@@ -106,13 +116,17 @@ for _builtin in list(SCHEDULES.values()):
     STRATEGIES.pop(_builtin.name, None)
     register_schedule(_builtin)
 
-__all__ = ["DeARStrategy", "DeFTStrategy", "STRATEGIES", "WFBPStrategy", "register_schedule"]
+__all__ = ["DeARStrategy", "DeFTStrategy", "FABRIC_STRATEGIES", "STRATEGIES", "WFBPStrategy", "register_schedule"]
 
-StrategyRegistry.register(
-    "topk",
-    WFBPStrategy,
-    description="commsched WFBP with top-k sparse exchanges (density 0.01, "
-    "error feedback; the faster selection, and dense where sparse does not pay)",
-    override=True,
-    compression="auto",
-)
+for _registry, _wfbp in (
+    (StrategyRegistry, WFBPStrategy),
+    (FABRIC_STRATEGY_REGISTRY, BUILTIN_FABRIC_STRATEGIES["wfbp"]),
+):
+    _registry.register(
+        "topk",
+        _wfbp,
+        description="commsched WFBP with top-k sparse exchanges (density 0.01, "
+        "error feedback; the faster selection, and dense where sparse does not pay)",
+        override=True,
+        compression="auto",
+    )

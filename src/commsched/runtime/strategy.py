@@ -9,7 +9,6 @@ objects (`commsched.options`), the same ones `commsched-train` validates."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import signal
 import sys
@@ -32,7 +31,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from commsched import errors, loss_scale, options, run_files, state
+from commsched import loss_scale, run_files, state
 from commsched.comm import peers
 from commsched.errors import PeerFailureError
 from commsched.options import (
@@ -46,15 +45,15 @@ from commsched.options import (
     StreamOptions,
     TuningOptions,
 )
-from commsched.options.wire import comm_dtype_from
 from commsched.runtime import observers, refusals, run_summary
+from commsched.runtime.arguments import checked_arguments, refuse_unknown_arguments
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
 from commsched.runtime.interrupt import StoppedBySignal
 from commsched.runtime.lr_follow import FollowOptimizerSteps
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say, say_from_this_rank
-from commsched.schedules import SCHEDULES, Schedule
+from commsched.schedules import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CommSchedStrategy":
         """A misspelt argument is refused with the closest one this class takes, not with Python's bare TypeError."""
-        known = list(inspect.signature(cls.__init__).parameters)[1:]
-        for name in kwargs:
-            if name not in known:
-                raise errors.unknown_argument(cls.__name__, name, known)
+        refuse_unknown_arguments(cls, kwargs)
         return super().__new__(cls)
 
     def __init__(
@@ -132,33 +128,29 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
         """
-        with errors.owned_by(type(self).__name__):
-            name = options.choice("schedule", schedule or self.default_schedule, tuple(SCHEDULES))
-            wire, hook_read = comm_dtype_from(comm_dtype, ddp_comm_hook)
-            self.schedule_class: type[Schedule] = SCHEDULES[name]
-            self.options = options.StrategyOptions.from_arguments(
-                fusion,
-                bucket_cap_mb,
-                tuning,
-                profile,
-                links,
-                deft,
-                preserver,
-                compression,
-                streams,
-                dear,
-                name,
-                self.schedule_class.options_class,
-                schedule_options,
-                wire,
-            )
-            options.check_schedule_takes(
-                self.options, name, self.schedule_class.compresses, self.schedule_class.stripes
-            )
-            checked_timeout = options.timeout(timeout)
-            checked_start = options.choice("start_method", start_method, options.START_METHODS)
-            trace = options.flag("trace_collectives", trace_collectives)
-            sync_buffers = options.flag("broadcast_buffers", broadcast_buffers)
+        configured = checked_arguments(
+            type(self).__name__,
+            schedule or self.default_schedule,
+            fusion,
+            bucket_cap_mb,
+            tuning,
+            profile,
+            links,
+            deft,
+            preserver,
+            compression,
+            streams,
+            dear,
+            schedule_options,
+            comm_dtype,
+            ddp_comm_hook,
+            broadcast_buffers,
+            trace_collectives,
+            timeout,
+            start_method,
+        )
+        self.schedule_class: type[Schedule] = configured.schedule_class
+        self.options = configured.options
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -166,13 +158,13 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=checked_timeout,
-            start_method=checked_start,  # type: ignore[arg-type]
+            timeout=configured.timeout,
+            start_method=configured.start_method,  # type: ignore[arg-type]
         )
-        if hook_read is not None:
-            say(f"commsched: {hook_read}")
-        self._engine = Engine(self.schedule_class, self.options, trace)
-        self._buffers = BufferSync(sync_buffers)
+        if configured.hook_read is not None:
+            say(f"commsched: {configured.hook_read}")
+        self._engine = Engine(self.schedule_class, self.options, configured.trace_collectives)
+        self._buffers = BufferSync(configured.broadcast_buffers)
         self._flush_points = observers.FlushPoints(self._flush)
         self._lr_follow: Optional[FollowOptimizerSteps] = None
         self._restored: Optional[state.Restored] = None
@@ -184,6 +176,12 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         """This fit's folder for the files commsched writes (`commsched.run_files.run_folder`; None: the run has
         none)."""
         self.run_dir_resolved = False
+
+    @property
+    def loop(self) -> "pl.Trainer":
+        """What runs the training loop, as the engine, the planners and the profiler read it (Fabric's
+        strategies hand them a view of the same shape)."""
+        return self.lightning_module.trainer
 
     def request_replan(self) -> None:
         """Decide the fusion plan (and DeFT's plan) again from the next iteration boundary on (all ranks must ask

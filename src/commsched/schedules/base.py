@@ -269,15 +269,16 @@ class Schedule(Generic[SettingsT]):
         schedule's own options (`options_class`) as validated, None when it declares none."""
         return options.schedule_options
 
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
-        """Lightning's gradient clipping (``"norm"`` or ``"value"``), on the averaged gradients wherever they are."""
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> Optional[torch.Tensor]:
+        """Lightning's gradient clipping (``"norm"`` or ``"value"``), on the averaged gradients wherever they
+        are; by norm, the total norm before clipping (as `torch.nn.utils.clip_grad_norm_` returns it)."""
         if algorithm == "value":
             self.clip_grad_value(optimizer, clip_val)
-        else:
-            self.clip_grad_norm(optimizer, clip_val)
+            return None
+        return self.clip_grad_norm(optimizer, clip_val)
 
-    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_(params_of(optimizer), max_norm)
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params_of(optimizer), max_norm)
 
     def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:
         torch.nn.utils.clip_grad_value_(params_of(optimizer), clip_value)

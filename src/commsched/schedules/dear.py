@@ -228,7 +228,7 @@ class DeARSchedule(Schedule[DeARSettings]):
 
     # ------------------------------------------------------------------ clipping
     @override
-    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> None:
+    def clip_grad_norm(self, optimizer: Optimizer, max_norm: float) -> torch.Tensor:
         """The global norm from this rank's slice of every bucket (its shard, or its part of the whole
         gradient once someone read `.grad`) and one scalar all-reduce on the control link (the primary
         is busy with the all-gathers). Scaling commutes with the all-gather: whole gradients are
@@ -242,8 +242,10 @@ class DeARSchedule(Schedule[DeARSettings]):
         control = self.links.control
         squares = squares.to(control.device)
         control.all_reduce(squares, "clip-norm").wait()
-        coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        norm = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         self.deferred.transform_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
+        return norm
 
     @override
     def clip_grad_value(self, optimizer: Optimizer, clip_value: float) -> None:

@@ -429,9 +429,9 @@ class DeFTSchedule(Schedule[DeFTSettings]):
             self.seen += 1
 
     @override
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> None:
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: str) -> Optional[torch.Tensor]:
         self._clip = (clip_val, algorithm)
-        super().clip_gradients(optimizer, clip_val, algorithm)
+        return super().clip_gradients(optimizer, clip_val, algorithm)
 
     # ---------------------------------------------------------- flush points
     @override

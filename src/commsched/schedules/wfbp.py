@@ -355,7 +355,7 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         return export_momentum(optimizer, saved, summed, corrections.terms)
 
     @override
-    def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: str) -> None:
+    def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: str) -> Optional[torch.Tensor]:
         """Clipping by norm already ran on each rank before accumulation (DGC's local clipping)."""
         corrections = self.settings.corrections
         if (
@@ -364,8 +364,8 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             and corrections.clip_norm is not None
             and corrected(optimizer)
         ):
-            return
-        super().clip_gradients(optimizer, clip_val, algorithm)
+            return None
+        return super().clip_gradients(optimizer, clip_val, algorithm)
 
     @override
     def summary(self) -> list[str]:
