@@ -31,7 +31,7 @@ def final_metrics(output: str, strategy: str) -> tuple[float, float]:
 
 
 def test_every_example_is_tested():
-    tested = {"train_with_dear.py", "custom_schedule.py", "hydra_sweep.sh", "emulated_cluster.sh"}
+    tested = {"train_with_dear.py", "fabric_gpt2.py", "custom_schedule.py", "hydra_sweep.sh", "emulated_cluster.sh"}
     assert {p.name for p in EXAMPLES.iterdir() if p.is_file()} == tested
 
 
@@ -45,6 +45,18 @@ def test_the_lightning_script_trains_under_dear_as_under_ddp(tmp_path):
         ends[strategy] = final_metrics(proc.stdout, strategy)
     assert ends["dear"] == ends["ddp"]
     assert (tmp_path / "outputs" / "train_with_dear").is_dir()
+
+
+def test_the_fabric_loop_trains_under_dear_as_under_ddp_and_resumes_exactly(tmp_path):
+    """A hand-written Fabric loop: dear ends where Fabric's ddp ends, and a run stopped after `fabric.save`
+    and continued with `--resume` in new processes ends where the uninterrupted run ends."""
+    script = str(EXAMPLES / "fabric_gpt2.py")
+    last = lambda proc: proc.stdout.strip().splitlines()[-1].split(": ", 1)[1]  # noqa: E731
+    ends = {s: last(run([sys.executable, script, "--strategy", s, "--steps", "4"], tmp_path)) for s in ("ddp", "dear")}
+    assert ends["dear"] == ends["ddp"], ends
+    run([sys.executable, script, "--steps", "2", "--save", "half.ckpt"], tmp_path)
+    resumed = last(run([sys.executable, script, "--steps", "4", "--resume", "half.ckpt"], tmp_path))
+    assert resumed == ends["dear"]
 
 
 def test_the_hydra_sweep_collects_one_row_per_schedule(tmp_path):
