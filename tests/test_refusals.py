@@ -8,7 +8,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import commsched
 from commsched import CommSchedConfigError, DeFTOptions, FusionOptions, LinkOptions, ProfileOptions, TuningOptions
@@ -84,10 +84,10 @@ def test_every_argument_has_a_default():
         ({"comm_dtype": "fp8"}, "{cls}(comm_dtype={v})", "fp8", "'fp32', 'bf16', 'fp16'"),
         ({"comm_dtype": "float16"}, "{cls}(comm_dtype={v})", "float16", "'fp32', 'bf16', 'fp16'"),
         (
-            {"ddp_comm_hook": powerSGD_hook.powerSGD_hook},
+            {"ddp_comm_hook": "powerSGD"},
             "{cls}(ddp_comm_hook={v})",
-            "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook",
-            "allreduce_hook, fp16_compress_hook, bf16_compress_hook (read as comm_dtype)",
+            "powerSGD",
+            "a callable hook(state, bucket) -> torch.futures.Future",
         ),
         (
             {"comm_dtype": "fp16", "ddp_comm_hook": default_hooks.bf16_compress_hook},

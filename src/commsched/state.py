@@ -122,7 +122,10 @@ class Restored:
         self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}
         if resharded and same_schedule:
             kinds = " and ".join(
-                {"residual": "error-feedback residuals", "momentum": "velocities"}[kind] for kind in resharded
+                {"residual": "error-feedback residuals", "momentum": "velocities", "powersgd_error": "PowerSGD errors"}[
+                    kind
+                ]
+                for kind in resharded
             )
             say(
                 f"commsched: the checkpoint's {kinds} of {saved_world} processes are re-sharded over "
@@ -134,9 +137,9 @@ class Restored:
 RESIDUAL_TOTAL = "residual_total"
 """Every old rank's residuals (and DGC velocities) summed, by kind and parameter name: what a resume at
 another world size hands each rank."""
-SUMMABLE = ("residual", "momentum")
+SUMMABLE = ("residual", "momentum", "powersgd_error")
 """Per-rank kinds whose sum over ranks is all that matters: what the ranks together still owe the model
-(error feedback) and the velocity of their summed gradients (DGC's momentum is linear)."""
+(error feedback, top-k's and PowerSGD's) and the velocity of their summed gradients (DGC's momentum is linear)."""
 
 
 def summed_residuals(per_rank: list[Any]) -> Optional[dict[str, dict[str, torch.Tensor]]]:

@@ -2,9 +2,11 @@
 
 Usage: python run_fabric.py OUT_DIR CASE [CASE ...]
 
-CASE: STRATEGY (ddp, wfbp, dear, deft, topk, dear-fp16) trains STEPS optimizer steps; STRATEGY-first trains the
-first HALF of them and saves with `fabric.save`; STRATEGY-resumed loads that checkpoint with `fabric.load` and
-trains the rest (a separate process: the first run has ended).
+CASE: STRATEGY (ddp, wfbp, dear, deft, topk, dear-fp16, dear-bayes, deft-undelayed, ddp-compiled and
+dear-compiled: the model given to `fabric.setup` compiled, which Fabric compiles around the strategy's
+wrapper) trains STEPS optimizer steps; STRATEGY-first trains the first HALF of them and saves with `fabric.save`;
+STRATEGY-resumed loads that checkpoint with `fabric.load` and trains the rest (a separate process: the
+first run has ended).
 
 The loop is what LitGPT-style scripts write: Hugging Face's GPT-2 (a tiny config, tied embeddings),
 AdamW with a warm-up schedule stepped by the loop, two micro-batches per step under
@@ -29,16 +31,25 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import commsched
 
 warnings.filterwarnings("ignore")
-STEPS, HALF, MICRO = 6, 3, 2
+STEPS, HALF, MICRO = 16, 8, 2
 TOPK = {"compression": commsched.CompressionOptions(method="topk", density=0.05, sparsity_warmup_steps=0)}
 
 
 def strategy_for(name: str):
+    """By name as users write it; two cases whose layouts or schedule change mid-run whatever the timings:
+    a Bayesian search over bucket sizes (rebuilt every two steps) and DeFT handing its iterations to DeAR."""
     if name == "ddp":
         return "ddp"
     if name == "topk":
         return commsched.WFBPFabricStrategy(**TOPK)
-    return name.removesuffix("-fp16")
+    if name == "dear-bayes":
+        search = commsched.TuningOptions(
+            trials=4, warmup_steps=1, trial_steps=2, min_mb=0.01, max_mb=0.2, first_mb=0.02
+        )
+        return commsched.DeARFabricStrategy(fusion="bayes", tuning=search)
+    if name == "deft-undelayed":
+        return commsched.DeFTFabricStrategy(fusion="fixed", deft=commsched.DeFTOptions(fallback="when_undelayed"))
+    return name.removesuffix("-fp16").removesuffix("-compiled")
 
 
 def model() -> GPT2LMHeadModel:
@@ -66,7 +77,7 @@ def run(out: Path, case: str) -> None:
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.1)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-    net, optimizer = fabric.setup(net, optimizer)
+    net, optimizer = fabric.setup(torch.compile(net) if name.endswith("-compiled") else net, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(tokens(), batch_size=4, shuffle=False))
     checkpoint = out / f"{name}.ckpt"
     start = 0
@@ -89,7 +100,8 @@ def run(out: Path, case: str) -> None:
             norms.append(float(fabric.clip_gradients(net, optimizer, max_norm=0.5)))
         else:  # by value: elementwise, so fp16's amplified roundings do not hide a wrong order of unscale and clip
             fabric.clip_gradients(net, optimizer, clip_val=0.01)
-        ran.append(getattr(getattr(fabric.strategy, "schedule", None), "name", "ddp"))
+        running = getattr(fabric.strategy, "schedule", None)
+        ran.append((running.name, len(running.plan.buckets)) if running is not None else ("ddp", 0))
         optimizer.step()
         optimizer.zero_grad()
         if precision is not None:

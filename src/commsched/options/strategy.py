@@ -32,6 +32,9 @@ class StrategyOptions:
     comm_dtype: str = "fp32"
     """What gradients travel as (`COMM_DTYPES`): "fp32" as they are; "bf16" or "fp16" cast for every
     collective of gradients (half the bytes), averaged as DDP's compress hooks average them."""
+    comm_hook: Any = None
+    """A DDP communication hook run on each whole bucket (`commsched.options.comm_hook.CommHook`; Python
+    only), or None."""
     schedule_options: Any = None
     """The running schedule's own options (its `Schedule.options_class`): a plugin's as given, for dear
     and deft the same object as `dear` and `deft`; None for a schedule that declares none."""
@@ -53,6 +56,7 @@ class StrategyOptions:
         options_class: Optional[type] = None,
         schedule_options: Any = None,
         comm_dtype: Any = "fp32",
+        comm_hook: Any = None,
     ) -> "StrategyOptions":
         """`schedule_options`: a plugin schedule's own options, an instance of its `options_class`
         (the built-in schedules take theirs as `dear` and `deft`, one spelling each)."""
@@ -72,6 +76,7 @@ class StrategyOptions:
             typed("dear", dear or DeAROptions(), DeAROptions),
             streams_from(streams),
             comm_dtype=choice("comm_dtype", comm_dtype, COMM_DTYPES),  # the strategy read a DDP hook into it
+            comm_hook=comm_hook,
         )
         check_concerns(resolved)
         builtin = {DeAROptions: resolved.dear, DeFTOptions: resolved.deft}

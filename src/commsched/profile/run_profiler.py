@@ -135,6 +135,14 @@ class RunProfiler:
         if len(self._step_starts) > self.steps:
             self.finish(strategy)
 
+    def abandon(self) -> None:
+        """Stop timing without a result (the run's state was replaced by a checkpoint's)."""
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.detach()
+        for link in self._links:
+            link.recorder, link.measuring = None, False
+
     def finish(self, strategy: Any) -> None:
         timer, self._timer = self._timer, None
         assert timer is not None

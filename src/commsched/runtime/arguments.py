@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from commsched import errors, options
-from commsched.options.wire import comm_dtype_from
+from commsched.options.comm_hook import check_comm_hook, hook_and_wire
 from commsched.schedules import SCHEDULES, Schedule
 
 
@@ -51,6 +51,8 @@ def checked_arguments(
     schedule_options: Any,
     comm_dtype: str,
     ddp_comm_hook: Optional[Callable[..., Any]],
+    ddp_comm_state: Any,
+    ddp_comm_wrapper: Optional[Callable[..., Any]],
     broadcast_buffers: bool,
     trace_collectives: bool,
     timeout: Optional[timedelta],
@@ -59,7 +61,7 @@ def checked_arguments(
     """Every argument checked, each error naming `owner` (the strategy class), the field and what it allows."""
     with errors.owned_by(owner):
         name = options.choice("schedule", schedule, tuple(SCHEDULES))
-        wire, hook_read = comm_dtype_from(comm_dtype, ddp_comm_hook)
+        wire, hook_read, comm_hook = hook_and_wire(comm_dtype, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         schedule_class = SCHEDULES[name]
         checked = options.StrategyOptions.from_arguments(
             fusion,
@@ -76,8 +78,10 @@ def checked_arguments(
             schedule_class.options_class,
             schedule_options,
             wire,
+            comm_hook,
         )
         options.check_schedule_takes(checked, name, schedule_class.compresses, schedule_class.stripes)
+        check_comm_hook(checked, name, schedule_class.runs_comm_hooks)
         return Configured(
             schedule_class,
             checked,

@@ -42,12 +42,13 @@ class Engine:
         fusion = options.fusion
         if fusion.policy == "auto" and schedule_class.keeps_its_buckets(options):
             fusion = dataclasses.replace(fusion, policy="fixed")
-        self.policy = PlanPolicy(
+        self._new_policy = lambda: PlanPolicy(
             fusion,
             options.tuning,
             planner=schedule_class.planner,
             hand_over_planners=[SCHEDULES[name].planner for name in schedule_class.hands_over_to],
         )
+        self.policy = self._new_policy()
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.owner: Optional[Schedule] = None
         """The configured schedule: it decides hand-overs and keeps the communication state."""
@@ -66,6 +67,10 @@ class Engine:
         self._trainable: tuple[int, ...] = ()
         self._hand_over_plan: Optional[tuple[SavedPlan, BucketPlan]] = None  # (layout, its buckets) for `_plan_for`
         self._iteration_starts = True
+        self._local = False  # inside `no_sync`
+        self.compiled_outside = False
+        """The module runs under torch.compile applied around a wrapper of it (Fabric's), which the module
+        itself does not show (`runs_compiled`)."""
 
     def start(
         self,
@@ -96,7 +101,7 @@ class Engine:
             self.policy.load_state_dict(restored.plan)
         if self.policy.decided is not None:  # a plan file or a checkpoint's plan: made for this model?
             self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
-        self.policy.compiled = runs_compiled(module)
+        self.policy.compiled = runs_compiled(module) or self.compiled_outside
         compression = getattr(self.settings, "compression", None)
         self.policy.sparse = compression is not None and compression.method != "none"
         log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}'")
@@ -138,6 +143,7 @@ class Engine:
         verify_same_on_all_ranks(plan, module, self.links.control, self.schedule_class.name)
         self.owner = self.schedule = self.schedule_class(plan, self.links, self.settings)
         self.owner.loss_scaler = self.loss_scaler
+        self.owner.compiled_outside = self.compiled_outside
         self.owner.attach(module)
         self._trainable = _trainable_ids(module)
 
@@ -158,12 +164,24 @@ class Engine:
         self._load(merged(carried.get("shared", {}), carried.get("per_rank", {})))
         self.owner.sync_enabled = sync_enabled
 
+    def mark_compiled(self, module: nn.Module, world_size: int) -> None:
+        """torch.compile traces the forward from outside the module: fixed buckets, and schedules rebuilt to
+        apply their updates before the compiled region rather than from hooks inside it."""
+        self.compiled_outside = True
+        self.policy.compiled = True
+        if self.profiler is not None and self.profiler.active and not self.profiler.announce:
+            self.profiler.abandon()  # started for a plan fixed buckets no longer need; its hooks would be traced
+        self.rebuild(module, world_size)
+
     def restore(self, restored: state.Restored, module: nn.Module, world_size: int) -> None:
         """A checkpoint loaded into a running engine (Fabric loads once the module is set up): its plan
         decides the buckets, rebuilt if needed, and its communication state replaces this run's."""
         assert self.owner is not None
         self._take_back(module)
         self.owner.detach()
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.abandon()  # steps of the run before the load; the restored policy asks again if it needs one
+        self.policy = self._new_policy()  # nothing of this run's own deciding survives the checkpoint's
         self.policy.load_state_dict(restored.plan)
         if self.policy.decided is not None:
             self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
@@ -171,6 +189,7 @@ class Engine:
         self.build(module, world_size)
         self._load(merged(restored.shared, restored.mine))
         self._iteration_starts = True
+        self.maybe_start_profiler(module)
 
     def _load(self, saved: dict[str, Any]) -> None:
         assert self.owner is not None
@@ -192,6 +211,7 @@ class Engine:
             self._iteration_starts = False
             self.owner.settling = self.policy.deciding or self.policy.comparing
             self._hand_over(self.owner.at_boundary(), module)
+        self._follow_sync()
         self.maybe_start_profiler(module)
 
     def training_step_returned(self, output: Any) -> None:
@@ -219,6 +239,7 @@ class Engine:
             self._plan_for(handover.schedule, module), self.owner.links, handover.settings
         )
         self.schedule.loss_scaler = self.loss_scaler
+        self.schedule.compiled_outside = self.compiled_outside
         self.schedule.attach(module)
         log.debug(f"commsched: '{self.owner.name}' hands its iterations to '{handover.schedule}'")
 
@@ -269,15 +290,21 @@ class Engine:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradients stay local (accumulation micro-batches)."""
-        schedule = self.schedule
-        if schedule is not None:
-            schedule.sync_enabled = False
+        """Gradients stay local (accumulation micro-batches), on whichever schedule runs when backward does:
+        a batch start inside the block (Fabric's loop starts it at the forward) may rebuild or hand over."""
+        self._local = True
+        self._follow_sync()
         try:
             yield
         finally:
-            if schedule is not None:
+            self._local = False
+            for schedule in {id(s): s for s in (self.owner, self.schedule) if s is not None}.values():
                 schedule.sync_enabled = True
+
+    def _follow_sync(self) -> None:
+        """The running schedule communicates unless inside `no_sync` (after any change of schedule)."""
+        if self.schedule is not None:
+            self.schedule.sync_enabled = not self._local
 
     def checkpoint_state(self, world_size: int) -> dict[str, Any]:
         """Called on every rank (after a flush); rank 0's return value goes into the checkpoint. After a

@@ -16,6 +16,7 @@ import math
 import os
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 
@@ -83,4 +84,9 @@ class ScheduledModule(nn.Module):
         object.__setattr__(self, "_strategy", strategy)  # not a submodule: no parameters, no state of its own
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._strategy.scheduled_forward(self.module, args, kwargs)
+        """The strategy's steps run eagerly on each side of the module, which `torch.compile` (given to
+        `fabric.setup` compiled, Fabric compiles this wrapper) traces alone; tracing tells the strategy."""
+        self._strategy.forward_starts(self.module, torch.compiler.is_compiling())
+        output = self.module(*args, **kwargs)
+        self._strategy.forward_ends(self.module)
+        return output

@@ -58,6 +58,9 @@ from commsched.state import KEY, Restored, warn_if_saved_after_failure
 
 log = logging.getLogger(__name__)
 
+LOOP_STEPS = "fabric_steps"
+"""The optimizer steps a Fabric loop had taken, beside the communication state in its checkpoint."""
+
 
 class CommSchedFabricStrategy(RunReports, DDPStrategy):
     """Data-parallel training with a communication schedule under Fabric (`schedule=` one of `SCHEDULES`)."""
@@ -85,6 +88,8 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         schedule_options: Any = None,
         comm_dtype: str = "fp32",
         ddp_comm_hook: Optional[Callable[..., Any]] = None,
+        ddp_comm_state: Any = None,
+        ddp_comm_wrapper: Optional[Callable[..., Any]] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -115,6 +120,8 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             schedule_options,
             comm_dtype,
             ddp_comm_hook,
+            ddp_comm_state,
+            ddp_comm_wrapper,
             broadcast_buffers,
             trace_collectives,
             timeout,
@@ -150,6 +157,7 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         self.run_dir_resolved = True
         self._module: Optional[nn.Module] = None
         self._batch_open = False  # a forward with gradients ran since the last backward: the batch has started
+        self._evaluating = False  # the forward running has no gradients
         self._backward_pending = False  # a synchronised backward ran; its collectives are not finished yet
 
     @property
@@ -215,18 +223,23 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         return ScheduledModule(module, self)
 
     # --------------------------------------------------------------- the loop
-    def scheduled_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The module's forward at the schedule's fixed points: with gradients, a training forward (the
-        first after a backward starts the batch); without, an evaluation that sees every update."""
+    @torch.compiler.disable
+    def forward_starts(self, module: nn.Module, traced: bool) -> None:
+        """Before the module's forward: with gradients, a training forward (the first after a backward
+        starts the batch); without, an evaluation that sees every update. `traced`: torch.compile is tracing
+        the wrapper (the module was given to `fabric.setup` compiled): the schedule runs as under compile."""
         schedule = self._engine.schedule
         if schedule is None:
-            return module(*args, **kwargs)
-        if not torch.is_grad_enabled():
+            return
+        if traced and not self._engine.compiled_outside:
+            self._engine.mark_compiled(module, self.world_size)
+            schedule = self._engine.schedule
+            assert schedule is not None
+        self._evaluating = not torch.is_grad_enabled()
+        if self._evaluating:
             schedule.flush()
             self._buffers.before_forward(module, self.control_link)
-            output = module(*args, **kwargs)
-            self._buffers.after_forward(schedule.sync_enabled)
-            return output
+            return
         if not self._batch_open:
             self._batch_open = True
             self._engine.at_batch_start(self)
@@ -235,11 +248,17 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         self._profile("phase_started")
         self._buffers.before_forward(module, self.control_link)
         schedule.before_forward()
-        output = module(*args, **kwargs)
-        schedule.after_forward()
+
+    @torch.compiler.disable
+    def forward_ends(self, module: nn.Module) -> None:
+        schedule = self._engine.schedule
+        if schedule is None:
+            return
+        if not self._evaluating:
+            schedule.after_forward()
         self._buffers.after_forward(schedule.sync_enabled)
-        self._profile("forward_done")
-        return output
+        if not self._evaluating:
+            self._profile("forward_done")
 
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
@@ -353,7 +372,9 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         (collective: each rank's part) saved beside the user's objects under ``"commsched"``."""
         if self._engine.owner is not None:
             self._flush()
-            state = {**state, _free_key(state): self._engine.checkpoint_state(self.world_size)}
+            saved = self._engine.checkpoint_state(self.world_size)
+            saved[LOOP_STEPS] = self.loop.global_step  # where step-driven phases are (top-k's density warm-up)
+            state = {**state, _free_key(state): saved}
         super().save_checkpoint(path, state, storage_options, filter)
 
     @override
@@ -373,6 +394,7 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             return remaining
         saved = remaining.pop(KEY, None)
         if saved is not None:
+            self.loop.global_step = saved.pop(LOOP_STEPS, 0)
             checkpoint = {KEY: saved}
             warn_if_saved_after_failure(checkpoint)
             restored = Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size)

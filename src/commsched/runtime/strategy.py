@@ -87,6 +87,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         schedule_options: Any = None,
         comm_dtype: str = "fp32",
         ddp_comm_hook: Optional[Callable[..., Any]] = None,
+        ddp_comm_state: Any = None,
+        ddp_comm_wrapper: Optional[Callable[..., Any]] = None,
         broadcast_buffers: bool = True,
         trace_collectives: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -122,8 +124,12 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 deft take theirs as ``dear=`` and ``deft=``).
             comm_dtype: what gradients travel as: "fp32" (the default, equal to DDP), or "bf16" / "fp16", cast
                 for every collective of gradients (half the bytes) and averaged as DDP's compress hooks do.
-            ddp_comm_hook: torch's ``bf16_compress_hook``, ``fp16_compress_hook`` or ``allreduce_hook``, as given
-                to Lightning's `DDPStrategy`: read as the ``comm_dtype`` it sends; any other hook is refused.
+            ddp_comm_hook: a DDP communication hook, as given to Lightning's `DDPStrategy`: torch's
+                ``bf16_compress_hook``, ``fp16_compress_hook`` and ``allreduce_hook`` are read as the ``comm_dtype``
+                they send (every schedule); any other (``powerSGD_hook``, ``batched_powerSGD_hook``, your own) runs
+                on each whole bucket, on schedules that all-reduce whole buckets (wfbp), its state in checkpoints.
+            ddp_comm_state: the hook's state (e.g. ``PowerSGDState``); None: the primary link's process group.
+            ddp_comm_wrapper: a wrapper applied to the hook (e.g. torch's ``fp16_compress_wrapper``).
             broadcast_buffers: broadcast module buffers from rank 0 before forward, as DDP does.
             trace_collectives: record every collective this rank issues (``strategy.collective_trace``).
             timeout: process-group timeout; a dead or hung peer ends the run with `PeerFailureError` after it.
@@ -144,6 +150,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             schedule_options,
             comm_dtype,
             ddp_comm_hook,
+            ddp_comm_state,
+            ddp_comm_wrapper,
             broadcast_buffers,
             trace_collectives,
             timeout,

@@ -87,6 +87,8 @@ class Schedule(Generic[SettingsT]):
     steps_whole: ClassVar[bool] = True
     """True: `optimizer.step()` runs once per step with every gradient in place on every rank (an
     optimizer may issue its own collectives there, e.g. `commsched.optim.LARS`'s parallel norms)."""
+    runs_comm_hooks: ClassVar[bool] = False
+    """True: a DDP communication hook (``ddp_comm_hook``) may replace the all-reduce of each whole bucket."""
     skips_steps: ClassVar[bool] = False
     """True: some iterations take no optimizer step (`steps_this_iteration` says how many were taken);
     per-step LR schedulers then follow the optimizer steps, not the iterations."""
@@ -118,6 +120,8 @@ class Schedule(Generic[SettingsT]):
         """The module trained, once attached."""
         self.loss_scaler: Any = None
         """fp16's GradScaler (Lightning's "16-mixed"), set by the engine; None without one."""
+        self.compiled_outside = False
+        """torch.compile wraps what calls the module (`runs_compiled` cannot see it there): set by the engine."""
         self.settling = False
         """True while the engine still decides the buckets (`fusion="auto"`): searches that time steps
         (streams, sparse or dense) wait, so that two choices never read each other's changes."""

@@ -60,6 +60,11 @@ class GradientCapture:
         self._mask_work: Optional[Pending] = None
         self._handles: list[RemovableHandle] = []
 
+    def divide_by_world_size(self, divide: bool) -> None:
+        """Whether gradients are divided by the world size as they are copied in (DDP's average), or left
+        summed by nothing for a communication hook that averages them itself."""
+        self._scale = 1.0 / self.plan.world_size if divide else 1.0
+
     def attach(self) -> None:
         for bucket in self.plan.buckets:
             for slot, param in enumerate(bucket.params):

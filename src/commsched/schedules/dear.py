@@ -100,7 +100,7 @@ class DeARSchedule(Schedule[DeARSettings]):
     @override
     def attach(self, module: nn.Module) -> None:
         super().attach(module)
-        self._compiled = runs_compiled(module)
+        self._compiled = runs_compiled(module) or self.compiled_outside
         if self._compiled:
             return  # updates are applied before the compiled region, not from hooks inside it
         where = {id(p): bucket.index for bucket in self.plan.buckets for p in bucket.params}
@@ -242,7 +242,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         control = self.links.control
         squares = squares.to(control.device)
         control.all_reduce(squares, "clip-norm").wait()
-        norm = squares.sqrt()
+        norm = squares.sqrt().reshape(())  # a scalar, as torch.nn.utils.clip_grad_norm_ returns it
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
         self.deferred.transform_all(lambda t: t.mul_(coefficient.to(t.device, t.dtype)))
         return norm

@@ -27,8 +27,11 @@ from commsched.errors import setting
 from commsched.interleaved import MeasuredChoice
 from commsched.loss_scale import inverse_scale, unscale_in_place
 from commsched.options import BUILTIN, CompressionOptions, StrategyOptions, StreamOptions
+from commsched.options.comm_hook import CommHook
 from commsched.reducers import into_bucket
+from commsched.reducers.ddp_hook import CommHookReduce, HookChain
 from commsched.reducers.hierarchical import HierarchicalReduce
+from commsched.reducers.hook_state import load_shared, powersgd_state, shared_state
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.reducers.units import Striping, plan_units
@@ -63,6 +66,8 @@ class WFBPSettings:
     """DGC's corrections of a sparse exchange (None: error feedback alone)."""
     warmup: Optional[SparsityWarmup] = None
     """The density's fall from dense to `compression.density` at the start of the run (None: none)."""
+    comm_hook: Optional[CommHook] = None
+    """A DDP communication hook that reduces each whole bucket instead of the all-reduce (None: none)."""
 
 
 def warm_up_advice(epoch_steps: float, total_steps: float) -> str:
@@ -101,6 +106,7 @@ class WFBPSchedule(Schedule[WFBPSettings]):
     step_collectives = ("all_reduce",)
     compresses = BUILTIN["wfbp"].compresses  # the catalogue the options are checked against before torch is imported
     stripes = BUILTIN["wfbp"].stripes
+    runs_comm_hooks = True
 
     def __init__(self, plan: BucketPlan, links: Links, settings: Any = None) -> None:
         super().__init__(plan, links, settings)
@@ -143,7 +149,9 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         self.streams = self.settings.streams or StreamControl(
             1, StreamOptions(), two_level=bool(compression.hierarchical)
         )
-        if not sparse:
+        if self.settings.comm_hook is not None:
+            self.reducers = self._hook_reducers(self.settings.comm_hook)
+        elif not sparse:
             self.reducers = self._dense_reducers(self.streams.striping)
         self._works: list[Optional[SparseExchange | Any]] = [None] * len(plan.buckets)
         self._inv_scale: Optional[torch.Tensor] = None  # fp16's 1/scale this step, under a sparse exchange
@@ -179,6 +187,19 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             StripedAllReduce(b, units, self.links.streams("primary", 1 if striping.hierarchical else s), two_level)
             for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))
         ]
+
+    def _hook_reducers(self, comm_hook: CommHook) -> list[CommHookReduce]:
+        """The user's hook on each whole bucket, given the bucket undivided (averaging is the hook's, as under
+        DDP). Where its state names no process group, its collectives go on a group of their own on the
+        primary's network: issued from backward, they must never interleave with a link's own."""
+        self.capture.divide_by_world_size(False)
+        own = self.links.streams("primary", 2)[1]
+        state = comm_hook.state if comm_hook.state is not None else own.group
+        powersgd = powersgd_state(state)
+        if powersgd is not None and powersgd.process_group is None:
+            powersgd.process_group = own.group
+        hook, last, chain = comm_hook.runnable(), len(self.plan.buckets) - 1, HookChain()
+        return [CommHookReduce(b, hook, state, own, b.index == last, chain) for b in self.plan.buckets]
 
     @override
     def _restripe(self, striping: Striping) -> None:
@@ -247,6 +268,7 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             judge,
             corrections=corrections,
             warmup=warmup,
+            comm_hook=options.comm_hook,
         )
 
     @classmethod
@@ -417,10 +439,31 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             f"{warm_up_advice(self.settings.epoch_steps(), total)}"
         )
 
+    @classmethod
+    @override
+    def keeps_its_buckets(cls, options: StrategyOptions) -> bool:
+        return options.comm_hook is not None  # a hook's state is per bucket (PowerSGD's Q), as under DDP
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The reducers' state, and a DDP hook's state equal on every rank (PowerSGD's Q, step count, random state)."""
+        saved = super().state_dict()
+        hook = self.settings.comm_hook
+        shared = shared_state(hook.state, self.plan) if hook is not None else {}
+        if shared:
+            saved.setdefault("shared", {})["comm_hook"] = shared
+        return saved
+
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Residuals move with the run: by name (same world), re-sharded (`residual_total`, another
         world size), or, where this run exchanges dense gradients, into the first step's gradient."""
+        state = dict(state)
+        hook_state = state.pop("comm_hook", None)
+        if hook_state and self.settings.comm_hook is None:
+            refuse_unknown(self.name, {"comm_hook": hook_state}, ())
+        if self.settings.comm_hook is not None:
+            load_shared(self.settings.comm_hook.state, hook_state, self.plan)
         saved = dict(state.get("reducers", {}))
         totals = saved.pop(RESIDUAL_TOTAL, None)
         keeps = any("residual" in reducer.kinds for reducer in self.reducers)
@@ -435,8 +478,8 @@ class WFBPSchedule(Schedule[WFBPSettings]):
                 "join the first step's gradient"
             )
         super().load_state_dict({**state, "reducers": saved} if "reducers" in state else state)
-        if keeps and totals:
-            for reducer in self.reducers:
+        for reducer in self.reducers:
+            if totals and set(reducer.kinds) & set(totals):
                 reducer.load_total(totals)  # type: ignore[attr-defined]
 
     @staticmethod
