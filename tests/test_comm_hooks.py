@@ -63,13 +63,26 @@ def test_powersgd_resumes_exactly_with_its_state_by_parameter_name(runs):
             runs("wfbp-powersgd4k-resumed", rank)["state"], runs("wfbp-powersgd4k", rank)["state"]
         )
         assert diff <= 1e-6, f"rank {rank}: resumed {diff:.2e} from the uninterrupted run at {where}"
-    saved = torch.load(runs.out / "wfbp-powersgd4k-ckpt" / "last.ckpt", weights_only=False)["commsched"]
-    errors = [rank["reducers"]["powersgd_error"] for rank in saved["per_rank"]]
+    folder = runs.out / "wfbp-powersgd4k-ckpt"
+    saved = torch.load(folder / "last.ckpt", weights_only=False)["commsched"]
+    parts = [torch.load(folder / "last.ckpt.commsched" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    errors = [rank["reducers"]["powersgd_error"] for rank in parts]
     assert set(errors[0]) == {f"net.{i}.{kind}" for i in (0, 2, 4) for kind in ("weight", "bias")}
     assert errors[0]["net.2.weight"].shape == (48, 64) and errors[0]["net.2.weight"].abs().sum() > 0
     low_rank = saved["shared"]["comm_hook"]["low_rank"]  # Q (and P) of each bucket, named by its parameters
     named = [key.removeprefix("bucket:").split("|") for key in low_rank]
     assert len(named) == 2 and sorted(n for names in named for n in names) == sorted(errors[0])
+
+
+def test_each_ranks_part_goes_with_its_checkpoint(runs):
+    """ModelCheckpoint keeps one epoch's checkpoint (and last.ckpt): the parts of the one it removed go with it."""
+    folder = runs.out / "wfbp-powersgd4k-unused"
+    checkpoints = {p.name for p in folder.glob("*.ckpt")}
+    assert len(checkpoints) == 2 and "last.ckpt" in checkpoints, checkpoints
+    assert {p.name.removesuffix(".commsched") for p in folder.glob("*.commsched")} == checkpoints
+    assert all(
+        sorted(p.name for p in (folder / f"{c}.commsched").iterdir()) == ["rank0.pt", "rank1.pt"] for c in checkpoints
+    )
 
 
 def test_another_world_size_re_shards_powersgds_error_feedback(runs):

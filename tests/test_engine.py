@@ -61,12 +61,28 @@ def test_per_rank_state_refuses_another_world_size(cases):
     from commsched import CommSchedConfigError
     from commsched.state import Restored
 
-    checkpoint = torch.load(Path(cases(3).directory) / "localsum-1ep-ckpt" / "last.ckpt", weights_only=False)
-    assert len(checkpoint["commsched"]["per_rank"]) == 3
+    path = Path(cases(3).directory) / "localsum-1ep-ckpt" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["commsched"]["per_rank_parts"]["world_size"] == 3
     with pytest.raises(CommSchedConfigError, match="written by 3 processes.*cannot be resumed by 2 processes"):
-        Restored(checkpoint, "localsum", rank=0, world_size=2)
+        Restored(checkpoint, "localsum", rank=0, world_size=2, path=path)
     with pytest.raises(CommSchedConfigError, match="holds communication state of schedule 'localsum'.*cannot take"):
-        Restored(checkpoint, "wfbp", rank=0, world_size=3)  # another schedule would drop the local sums
+        Restored(checkpoint, "wfbp", rank=0, world_size=3, path=path)  # another schedule would drop the local sums
+
+
+def test_a_checkpoint_without_its_ranks_parts_is_refused_with_the_path(cases, tmp_path):
+    """Each rank wrote its part beside the checkpoint; a checkpoint copied without that folder is refused
+    with the file it looked for, not resumed without the state."""
+    import shutil
+
+    from commsched import CommSchedConfigError
+    from commsched.state import Restored
+
+    copied = tmp_path / "last.ckpt"
+    shutil.copy(Path(cases(3).directory) / "localsum-1ep-ckpt" / "last.ckpt", copied)
+    checkpoint = torch.load(copied, weights_only=False)
+    with pytest.raises(CommSchedConfigError, match=r"a part is missing \(rank 1: .*last\.ckpt\.commsched/rank1\.pt\)"):
+        Restored(checkpoint, "localsum", rank=1, world_size=3, path=copied)
 
 
 def test_reducer_state_no_reducer_keeps_is_refused():

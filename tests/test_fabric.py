@@ -78,10 +78,12 @@ def test_save_end_load_equals_the_uninterrupted_run(runs, schedule):
 
 
 def test_the_checkpoint_holds_each_ranks_residuals(runs):
-    """top-k's error feedback is what a resume must not lose: the checkpoint has both ranks' residuals, and
-    they are not zero (so the resume test above would fail without them)."""
+    """top-k's error feedback is what a resume must not lose: each rank wrote its residuals beside the
+    checkpoint, and they are not zero (so the resume test above would fail without them)."""
     saved = torch.load(runs.out / "topk.ckpt", weights_only=False)["commsched"]
-    residuals = [rank["reducers"]["residual"] for rank in saved["per_rank"]]
+    assert saved["per_rank"] is None and saved["per_rank_parts"] == {"folder": "topk.ckpt.commsched", "world_size": 2}
+    parts = [torch.load(runs.out / "topk.ckpt.commsched" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    residuals = [rank["reducers"]["residual"] for rank in parts]
     assert len(residuals) == 2
     assert all(sum(t.abs().sum() for t in r.values()) > 0 for r in residuals)
     diff, _ = max_abs_diff(runs("topk")["state"], runs("ddp")["state"])

@@ -5,8 +5,9 @@ Everything the engine keeps across steps goes into ``checkpoint["commsched"]``:
 - ``plan``: the plan policy's state (the decided fusion plan, tuning progress), equal on all ranks;
 - ``shared``: the schedule's state that is equal on every rank (saved once);
 - ``per_rank``: the schedule's state that differs between ranks (delayed local gradients,
-  error-feedback residuals), gathered to rank 0 when the checkpoint is written and handed back
-  to the same rank on resume.
+  error-feedback residuals), written by each rank into a file of its own beside the checkpoint
+  (`commsched.rank_parts`; the checkpoint names them under ``per_rank_parts``) and handed back to the
+  same rank on resume; gathered into the checkpoint itself only where it is saved to a URL.
 
 Schedule state is keyed by parameter name, never by bucket index, so it survives a different
 bucket layout (a rebuild, a re-plan, a plan file). State that holds training signal (delayed
@@ -23,6 +24,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from commsched import rank_parts
 from commsched.errors import CommSchedConfigError
 from commsched.say import say
 
@@ -71,33 +73,41 @@ def gather_to_rank0(mine: Any, world_size: int) -> Optional[list[Any]]:
     return everyone
 
 
-def entry(schedule: str, world_size: int, plan: Any, shared: Any, per_rank: Optional[list[Any]]) -> dict[str, Any]:
+def per_rank_saved(mine: Any, world_size: int, checkpoint_path: Any) -> dict[str, Any]:
+    """Collective: this rank's state beside the checkpoint (`rank_parts`), or gathered to rank 0 where the
+    checkpoint goes to a URL; what the checkpoint's entry holds of it."""
+    if checkpoint_path is not None and rank_parts.local(checkpoint_path):
+        return {"per_rank": None, rank_parts.PARTS_KEY: rank_parts.write(checkpoint_path, to_cpu(mine), world_size)}
+    return {"per_rank": gather_to_rank0(mine, world_size)}
+
+
+def entry(schedule: str, world_size: int, plan: Any, shared: Any, per_rank: dict[str, Any]) -> dict[str, Any]:
+    """`per_rank`: from `per_rank_saved`."""
     return {
         "version": VERSION,
         "schedule": schedule,
         "world_size": world_size,
         "plan": plan,
         "shared": to_cpu(shared),
-        "per_rank": per_rank,
+        **per_rank,
     }
 
 
 class Restored:
     """What a checkpoint's communication state gives this rank, checked against the current run."""
 
-    def __init__(self, checkpoint: dict[str, Any], schedule: str, rank: int, world_size: int) -> None:
+    def __init__(self, checkpoint: dict[str, Any], schedule: str, rank: int, world_size: int, path: Any = None) -> None:
+        """`path`: where the checkpoint was read from (each rank's part lies beside it)."""
         saved = checkpoint.get(KEY)
         saved = saved or {}
+        parts = saved.get(rank_parts.PARTS_KEY)
         per_rank = saved.get("per_rank")
         saved_world = saved.get("world_size")
         same_world = saved_world in (None, world_size)
-        resharded = summed_residuals(per_rank) if not same_world and per_rank is not None else None
-        if (
-            not same_world
-            and per_rank is not None
-            and any(has_tensors(state) for state in per_rank)
-            and resharded is None
-        ):
+        everyone = lambda: per_rank if parts is None else rank_parts.read_all(path, parts)  # noqa: E731
+        held = per_rank is not None or parts is not None
+        resharded = summed_residuals(everyone()) if not same_world and held else None
+        if not same_world and held and resharded is None and any(has_tensors(state) for state in everyone()):
             raise CommSchedConfigError(
                 f"commsched: this checkpoint was written by {saved_world} processes and holds per-rank communication "
                 f"state of schedule '{saved.get('schedule')}' (delayed gradients or residuals that differ per rank); "
@@ -105,21 +115,29 @@ class Restored:
                 f"{saved_world} processes, or load only the weights (e.g. LightningModule.load_from_checkpoint)."
             )
         same_schedule = saved.get("schedule") in (None, schedule)
-        if not same_schedule and (has_tensors(saved.get("shared")) or has_tensors(per_rank)):
+        mine = None
+        if same_world and parts is not None:
+            rank_parts.refuse_missing(path, parts, rank)
+            mine = rank_parts.read(path, parts, rank)
+        elif same_world and per_rank is not None:
+            mine = per_rank[rank]
+        if not same_schedule and (
+            has_tensors(saved.get("shared")) or (held and any(has_tensors(state) for state in everyone()))
+        ):
             raise CommSchedConfigError(
                 f"commsched: this checkpoint holds communication state of schedule '{saved.get('schedule')}' (delayed "
                 f"gradients or residuals) that schedule '{schedule}' cannot take: resuming would drop it. Resume with "
                 f"schedule '{saved.get('schedule')}', or load only the weights "
                 "(e.g. LightningModule.load_from_checkpoint)."
             )
-        if not same_schedule and (saved.get("shared") or per_rank):
+        if not same_schedule and (saved.get("shared") or held):
             say(
                 f"commsched: the checkpoint's decisions of schedule '{saved.get('schedule')}' "
                 f"are not used by '{schedule}'"
             )
         self.plan: Any = saved.get("plan") if same_world else None
         self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
-        self.mine: Any = per_rank[rank] if (same_world and same_schedule and per_rank) else {}
+        self.mine: Any = (mine or {}) if same_schedule else {}
         if resharded and same_schedule:
             kinds = " and ".join(
                 {"residual": "error-feedback residuals", "momentum": "velocities", "powersgd_error": "PowerSGD errors"}[
@@ -142,7 +160,7 @@ SUMMABLE = ("residual", "momentum", "powersgd_error")
 (error feedback, top-k's and PowerSGD's) and the velocity of their summed gradients (DGC's momentum is linear)."""
 
 
-def summed_residuals(per_rank: list[Any]) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+def summed_residuals(per_rank: Iterable[Any]) -> Optional[dict[str, dict[str, torch.Tensor]]]:
     """The sum over ranks of the reducers' residuals and velocities, by kind, when they are the only
     tensors of the per-rank state (None otherwise: other state cannot be re-sharded)."""
     total: dict[str, dict[str, torch.Tensor]] = {}

@@ -306,14 +306,15 @@ class Engine:
         if self.schedule is not None:
             self.schedule.sync_enabled = not self._local
 
-    def checkpoint_state(self, world_size: int) -> dict[str, Any]:
-        """Called on every rank (after a flush); rank 0's return value goes into the checkpoint. After a
-        fit has ended, the schedule that ran it still holds its state (residuals, plans, choices):
-        `trainer.save_checkpoint` after `fit` keeps it as ModelCheckpoint's last save would."""
+    def checkpoint_state(self, world_size: int, checkpoint_path: Any = None) -> dict[str, Any]:
+        """Called on every rank (after a flush); rank 0's return value goes into the checkpoint, each rank's
+        own state into a file beside `checkpoint_path` (`commsched.rank_parts`). After a fit has ended,
+        the schedule that ran it still holds its state (residuals, plans, choices): `trainer.save_checkpoint`
+        after `fit` keeps it as ModelCheckpoint's last save would."""
         owner = self.owner if self.owner is not None else self.finished
         assert owner is not None
         saved = owner.state_dict()
-        per_rank = state.gather_to_rank0(saved.get("per_rank", {}), world_size)
+        per_rank = state.per_rank_saved(saved.get("per_rank", {}), world_size, checkpoint_path)
         return state.entry(owner.name, world_size, self.policy.state_dict(), saved.get("shared", {}), per_rank)
 
     def stop(self, destroy_links: bool) -> None:

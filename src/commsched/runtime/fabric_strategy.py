@@ -368,11 +368,11 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """Called on every rank (`fabric.save`): every update applied, then the communication state
-        (collective: each rank's part) saved beside the user's objects under ``"commsched"``."""
+        """Called on every rank (`fabric.save`): every update applied, then the communication state saved
+        beside the user's objects under ``"commsched"`` (each rank's own part in a file beside the checkpoint)."""
         if self._engine.owner is not None:
             self._flush()
-            saved = self._engine.checkpoint_state(self.world_size)
+            saved = self._engine.checkpoint_state(self.world_size, path)
             saved[LOOP_STEPS] = self.loop.global_step  # where step-driven phases are (top-k's density warm-up)
             state = {**state, _free_key(state): saved}
         super().save_checkpoint(path, state, storage_options, filter)
@@ -397,7 +397,7 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             self.loop.global_step = saved.pop(LOOP_STEPS, 0)
             checkpoint = {KEY: saved}
             warn_if_saved_after_failure(checkpoint)
-            restored = Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size)
+            restored = Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size, path)
             assert self._module is not None
             self._engine.restore(restored, self._module, self.world_size)
             self._batch_open = self._backward_pending = False

@@ -31,7 +31,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from commsched import loss_scale, run_files, state
+from commsched import loss_scale, rank_parts, run_files, state
 from commsched.comm import peers
 from commsched.errors import PeerFailureError
 from commsched.options import (
@@ -411,8 +411,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Called on every rank: per-rank communication state is gathered to rank 0, which writes it
-        (also after `fit` returned, from the schedule that ran it, unless the fit failed)."""
+        """Called on every rank: each rank writes its own communication state beside the checkpoint, rank 0
+        the checkpoint (also after `fit` returned, from the schedule that ran it, unless the fit failed)."""
         if self._run_failed():
             # the process group may be broken: gathering the ranks' state would wait for the timeout
             self._note_failure()
@@ -425,8 +425,15 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 checkpoint[state.AFTER_FAILURE_KEY] = self._failure_state
         elif self._engine.schedule is not None or (self._engine.finished is not None and dist.is_initialized()):
             self._flush()  # nothing to flush once the fit is over
-            checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size)
+            checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """With each rank's communication state beside it (ModelCheckpoint keeping its best k)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            rank_parts.remove(filepath)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -440,7 +447,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state.warn_if_saved_after_failure(checkpoint)
         # applied once the buckets exist (configure_ddp); refused here if it cannot be resumed at this world size
-        self._restored = state.Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size)
+        self._restored = state.Restored(
+            checkpoint, self.schedule_class.name, self.global_rank, self.world_size, checkpoint_path
+        )
         return checkpoint
 
     def _run_failed(self) -> bool:
