@@ -347,7 +347,7 @@ def _with_parts(path, checkpoint: dict) -> dict:
     entry = dict(checkpoint.get("commsched", {}))
     parts = entry.pop("per_rank_parts", None)
     if parts is not None:
-        folder = path.with_name(parts["folder"])
+        folder = path.parent / parts["folder"]
         entry["per_rank"] = [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(parts["world_size"])]
     return {**checkpoint, "commsched": entry} if "commsched" in checkpoint else checkpoint
 

@@ -13,7 +13,7 @@ import commsched
 from commsched.errors import CommSchedConfigError
 from conftest import max_abs_diff, run_worker
 
-HOOKS = ["powersgd", "powersgd4k", "fp16wrap", "fp16wrap4k"]
+HOOKS = ["powersgd", "powersgd4k", "powersgd164k", "fp16wrap", "fp16wrap4k"]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,8 @@ def test_powersgd_resumes_exactly_with_its_state_by_parameter_name(runs):
         assert diff <= 1e-6, f"rank {rank}: resumed {diff:.2e} from the uninterrupted run at {where}"
     folder = runs.out / "wfbp-powersgd4k-ckpt"
     saved = torch.load(folder / "last.ckpt", weights_only=False)["commsched"]
-    parts = [torch.load(folder / "last.ckpt.commsched" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    where = folder / saved["per_rank_parts"]["folder"]
+    parts = [torch.load(where / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     errors = [rank["reducers"]["powersgd_error"] for rank in parts]
     assert set(errors[0]) == {f"net.{i}.{kind}" for i in (0, 2, 4) for kind in ("weight", "bias")}
     assert errors[0]["net.2.weight"].shape == (48, 64) and errors[0]["net.2.weight"].abs().sum() > 0
@@ -75,14 +76,17 @@ def test_powersgd_resumes_exactly_with_its_state_by_parameter_name(runs):
 
 
 def test_each_ranks_part_goes_with_its_checkpoint(runs):
-    """ModelCheckpoint keeps one epoch's checkpoint (and last.ckpt): the parts of the one it removed go with it."""
+    """ModelCheckpoint keeps one epoch's checkpoint (and last.ckpt, saved twice): the parts of the one it
+    removed go with it, and of last.ckpt's two saves only the parts of the second remain, the ones it names."""
     folder = runs.out / "wfbp-powersgd4k-unused"
     checkpoints = {p.name for p in folder.glob("*.ckpt")}
     assert len(checkpoints) == 2 and "last.ckpt" in checkpoints, checkpoints
     assert {p.name.removesuffix(".commsched") for p in folder.glob("*.commsched")} == checkpoints
-    assert all(
-        sorted(p.name for p in (folder / f"{c}.commsched").iterdir()) == ["rank0.pt", "rank1.pt"] for c in checkpoints
-    )
+    for name in checkpoints:
+        named = torch.load(folder / name, weights_only=True)["commsched"]["per_rank_parts"]["folder"]
+        saves = [p.relative_to(folder).as_posix() for p in (folder / f"{name}.commsched").iterdir()]
+        assert saves == [named], f"{name}: {saves}, naming {named}"
+        assert sorted(p.name for p in (folder / named).iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
 def test_another_world_size_re_shards_powersgds_error_feedback(runs):
@@ -117,6 +121,34 @@ def test_what_a_hook_cannot_run_with_is_refused(kwargs, spelled, allowed):
             ddp_comm_hook=default_hooks.allreduce_hook, ddp_comm_wrapper=default_hooks.fp16_compress_wrapper, **kwargs
         )
     assert allowed in str(error.value), str(error.value)
+
+
+def test_powersgds_error_feedback_re_shards_to_the_old_ranks_mean(tmp_path):
+    """PowerSGD's errors are in one rank's undivided units and the hook averages them: at another world size
+    each new rank takes the old ranks' mean (top-k's residuals, in averaged units, are shared as a sum)."""
+    from commsched.state import RESIDUAL_TOTAL, Restored
+
+    folder = tmp_path / "last.ckpt.commsched" / "save-0000001"
+    folder.mkdir(parents=True)
+    errors = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])]
+    for rank, error in enumerate(errors):
+        torch.save({"reducers": {"powersgd_error": {"fc.weight": error}}}, folder / f"rank{rank}.pt")
+    entry = {"schedule": "wfbp", "world_size": 2, "per_rank": None}
+    entry["per_rank_parts"] = {"folder": "last.ckpt.commsched/save-0000001", "world_size": 2}
+    for world in (1, 4):
+        restored = Restored({"commsched": entry}, "wfbp", rank=0, world_size=world, path=tmp_path / "last.ckpt")
+        total = restored.mine["reducers"][RESIDUAL_TOTAL]["powersgd_error"]["fc.weight"]
+        assert torch.equal(total / world, (errors[0] + errors[1]) / 2)  # each new rank's share: the old mean
+
+
+def test_powersgd_that_keeps_state_is_refused_under_fp16s_scaler():
+    from commsched.runtime.refusals import refuse_under_scaler
+
+    state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=3)
+    strategy = commsched.WFBPStrategy(ddp_comm_hook=powerSGD_hook.powerSGD_hook, ddp_comm_state=state)
+    optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)]
+    with pytest.raises(CommSchedConfigError, match="puts inf into that state for good"):
+        refuse_under_scaler(torch.amp.GradScaler("cpu"), optimizers, "wfbp", True, strategy.options)
 
 
 def test_a_hooks_state_without_the_hook_is_refused():

@@ -81,8 +81,9 @@ def test_the_checkpoint_holds_each_ranks_residuals(runs):
     """top-k's error feedback is what a resume must not lose: each rank wrote its residuals beside the
     checkpoint, and they are not zero (so the resume test above would fail without them)."""
     saved = torch.load(runs.out / "topk.ckpt", weights_only=False)["commsched"]
-    assert saved["per_rank"] is None and saved["per_rank_parts"] == {"folder": "topk.ckpt.commsched", "world_size": 2}
-    parts = [torch.load(runs.out / "topk.ckpt.commsched" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    where = saved["per_rank_parts"]
+    assert saved["per_rank"] is None and where["world_size"] == 2 and where["folder"].startswith("topk.ckpt.commsched/")
+    parts = [torch.load(runs.out / where["folder"] / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     residuals = [rank["reducers"]["residual"] for rank in parts]
     assert len(residuals) == 2
     assert all(sum(t.abs().sum() for t in r.values()) > 0 for r in residuals)

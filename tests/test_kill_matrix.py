@@ -33,8 +33,10 @@ def test_a_killed_rank_ends_the_run_cleanly(schedule, point, tmp_path):
     assert named, output[-3000:]
     assert "training finished without the expected failure" not in output
     assert "commsched-test: rank 0 issuer threads alive at exit: []" in output, output[-3000:]
-    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
     assert saved == ["step2.ckpt"], saved  # step 4's was never begun or not written in part
+    parts = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.commsched"))
+    assert set(parts) <= {"step2.ckpt.commsched"}, parts  # no rank's state left beside a checkpoint not written
     assert torch.load(tmp_path / "checkpoints" / "step2.ckpt", weights_only=True)["global_step"] == 2
 
 

@@ -29,7 +29,8 @@ from commsched.errors import CommSchedConfigError
 from commsched.say import say
 
 KEY = "commsched"
-VERSION = 2
+VERSION = 3
+"""3: per-rank state beside the checkpoint (`rank_parts`); 2: gathered into it."""
 AFTER_FAILURE_KEY = "commsched_after_failure"
 """In a checkpoint saved after a failed run whose weights do not hold the step its counters count:
 what they hold, in a sentence (a resume from it is warned)."""
@@ -138,6 +139,12 @@ class Restored:
         self.plan: Any = saved.get("plan") if same_world else None
         self.shared: Any = (saved.get("shared") or {}) if same_schedule else {}
         self.mine: Any = (mine or {}) if same_schedule else {}
+        if resharded and "powersgd_error" in resharded:
+            # PowerSGD's errors are in one rank's undivided units (the hook averages them): the ranks owe their
+            # mean, so each new rank takes the old mean (the reducers divide totals by the new world size)
+            resharded["powersgd_error"] = {
+                name: total * (world_size / saved_world) for name, total in resharded["powersgd_error"].items()
+            }
         if resharded and same_schedule:
             kinds = " and ".join(
                 {"residual": "error-feedback residuals", "momentum": "velocities", "powersgd_error": "PowerSGD errors"}[

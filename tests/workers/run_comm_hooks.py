@@ -5,10 +5,13 @@ Usage: python run_comm_hooks.py OUT_DIR DEVICES CASE [CASE ...]
 CASE: STRATEGY-HOOK[-PART]. STRATEGY: ddp (Lightning's DDPStrategy with the hook registered on CPU too:
 Lightning registers hooks on CUDA only, torch's DDP runs them over gloo as well) or wfbp (commsched's
 WFBPStrategy, the same arguments). HOOK: powersgd (torch's powerSGD_hook, rank 1, error feedback, warm
-start, PowerSGD from step 3), batched (batched_powerSGD_hook, the same state), fp16wrap (allreduce_hook
-under fp16_compress_wrapper). PART: "first" trains one epoch of HALF steps, saved by ModelCheckpoint; "resumed" resumes
-its last.ckpt and trains the rest; none: all STEPS. Every rank writes OUT_DIR/<case>.rank<r>.pt: its weights and the
-bucket layouts the hook was handed (parameter shapes per bucket, the last step's).
+start, PowerSGD from step 3), powersgd16 (the same under fp16_compress_wrapper: the hook reads and writes
+the wrapper's fp16 copy), batched (batched_powerSGD_hook, the same state), fp16wrap (allreduce_hook under
+fp16_compress_wrapper); a "4k" suffix: buckets of 4 KB, several per model. PART: "first" trains one epoch
+of HALF steps, saved by ModelCheckpoint; "resumed" resumes its last.ckpt and trains the rest; "resharded"
+the same at another world size; none: all STEPS. Every rank writes OUT_DIR/<case>.rank<r>.pt: its weights,
+the bucket layouts the hook was handed (parameter shapes per bucket) and the order of hook calls and of the
+first layer's gradient in the last step.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def hook_arguments(name: str, layouts: dict) -> dict:
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3, random_seed=7
     )
-    hook = powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
-    return {"ddp_comm_hook": recording(hook, layouts), "ddp_comm_state": state}
+    hook = powerSGD_hook.batched_powerSGD_hook if name == "batched" else powerSGD_hook.powerSGD_hook
+    wrapper = {"ddp_comm_wrapper": default_hooks.fp16_compress_wrapper} if name == "powersgd16" else {}
+    return {"ddp_comm_hook": recording(hook, layouts), "ddp_comm_state": state, **wrapper}
 
 
 class Net(pl.LightningModule):

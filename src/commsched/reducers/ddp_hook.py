@@ -19,7 +19,7 @@ import torch
 
 from commsched.comm.buckets import Bucket
 from commsched.comm.links import Link
-from commsched.errors import PeerFailureError
+from commsched.errors import CommSchedConfigError, PeerFailureError
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
 from commsched.reducers.hook_state import POWERSGD_ERROR, layout_key, powersgd_state
 
@@ -31,9 +31,6 @@ class HookBucket:
     def __init__(self, bucket: Bucket, is_last: bool) -> None:
         self._bucket = bucket
         self._buffer = bucket.buffer.clone()
-        self._views = [
-            self._buffer.narrow(0, start, p.numel()).view_as(p) for p, start in zip(bucket.params, bucket.offsets())
-        ]
         self._is_last = is_last
 
     def index(self) -> int:
@@ -47,8 +44,12 @@ class HookBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient, a view into the buffer (PowerSGD writes its approximation there)."""
-        return list(self._views)
+        """Each parameter's gradient, a view into the buffer as it is now (PowerSGD writes its approximation
+        there; under a wrapper, into the wrapper's cast copy, as torch's `GradBucket` slices its current buffer)."""
+        return [
+            self._buffer.narrow(0, start, p.numel()).view_as(p)
+            for p, start in zip(self._bucket.params, self._bucket.offsets())
+        ]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self._bucket.params)
@@ -153,16 +154,33 @@ class CommHookReduce(Reducer):
         self._load(totals.get(POWERSGD_ERROR), self.link.world_size)
 
     def _load(self, saved: Optional[Mapping[str, torch.Tensor]], share: int) -> None:
+        """This bucket's error feedback from the checkpoint, replacing this run's; refused where it would be
+        dropped (a hook that keeps none, or a whole-bucket error saved for another layout)."""
         errors = _errors(self._state)
-        if errors is None or not saved:
+        if errors is not None:
+            errors.pop(self.bucket.index, None)
+        mine = [name for name in self.bucket.names if saved and name in saved]
+        whole = saved.get(layout_key(self.bucket)) if saved else None
+        if errors is None and (mine or whole is not None):
+            raise CommSchedConfigError(
+                "commsched: the checkpoint holds PowerSGD's error feedback, which this run's hook does not keep "
+                "(no PowerSGDState with use_error_feedback=True): resuming would drop it. Resume with the hook and "
+                "state that wrote it, or load only the weights (e.g. LightningModule.load_from_checkpoint)."
+            )
+        if errors is None:
             return
-        whole = saved.get(layout_key(self.bucket))
         if whole is not None:
             errors[self.bucket.index] = whole.to(self.bucket.buffer.device, copy=True).div_(share)
-        elif any(name in saved for name in self.bucket.names):
+        elif mine:
             flat = torch.empty_like(self.bucket.buffer)
             into_bucket(self.bucket, saved, flat)
             errors[self.bucket.index] = flat.div_(share)
+        elif saved and any(key.startswith("bucket:") for key in saved):
+            raise CommSchedConfigError(
+                "commsched: the checkpoint holds a whole-bucket PowerSGD error (batched_powerSGD_hook) for another "
+                "bucket layout than this run's: resuming would drop it. Resume with the bucket_cap_mb that wrote "
+                "it, or load only the weights."
+            )
 
     def live_state(self) -> list[torch.Tensor]:
         errors = _errors(self._state)

@@ -30,6 +30,21 @@ def powersgd_state(state: Any) -> Any:
     return state if isinstance(state, PowerSGDState) else None
 
 
+_ASSIGNED: dict[int, Any] = {}
+"""id(PowerSGDState) -> the process group commsched gave it (where the user gave none)."""
+
+
+def give_group(state: Any, group: Any) -> None:
+    """A `PowerSGDState` that names no process group gets `group` (the hook's own); one that commsched gave
+    a group before, which a finished fit destroyed, gets this fit's."""
+    powersgd = powersgd_state(state)
+    if powersgd is None:
+        return
+    if powersgd.process_group is None or powersgd.process_group is _ASSIGNED.get(id(powersgd)):
+        powersgd.process_group = group
+        _ASSIGNED[id(powersgd)] = group
+
+
 def layout_key(bucket: Bucket) -> str:
     """A bucket named by its parameters: the same layout has the same key in every run."""
     return "bucket:" + "|".join(bucket.names)
@@ -65,6 +80,8 @@ def load_shared(state: Any, saved: Optional[dict[str, Any]], plan: BucketPlan) -
     kind, keys, position, has_gauss, gauss = saved["rng"]
     powersgd.rng.set_state((kind, keys.numpy().astype("uint32"), position, has_gauss, gauss))
     powersgd.iter = saved["iter"]
+    powersgd.q_memory_dict.clear()  # this run's own, replaced by the checkpoint's (a load mid-run)
+    powersgd.p_memory_dict.clear()
     missing = 0
     for bucket in plan.buckets:
         kept = saved["low_rank"].get(layout_key(bucket))

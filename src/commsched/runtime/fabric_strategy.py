@@ -31,7 +31,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from commsched import loss_scale
+from commsched import loss_scale, rank_parts
 from commsched.comm import peers
 from commsched.errors import CommSchedConfigError
 from commsched.options import (
@@ -375,7 +375,13 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             saved = self._engine.checkpoint_state(self.world_size, path)
             saved[LOOP_STEPS] = self.loop.global_step  # where step-driven phases are (top-k's density warm-up)
             state = {**state, _free_key(state): saved}
-        super().save_checkpoint(path, state, storage_options, filter)
+        try:
+            super().save_checkpoint(path, state, storage_options, filter)
+        except BaseException:
+            rank_parts.discard(path, state.get(KEY))
+            raise
+        if self.is_global_zero and KEY in state:  # the checkpoint names its parts: older saves' go
+            rank_parts.keep_only(path, state[KEY].get(rank_parts.PARTS_KEY))
 
     @override
     def load_checkpoint(

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
 from commsched.errors import CommSchedConfigError
+from commsched.reducers.hook_state import powersgd_state
 
 _CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
 
@@ -62,6 +63,14 @@ def refuse_under_scaler(scaler: Any, optimizers: list[Any], name: str, steps_who
             f"commsched: {fused[0]} unscales inside its own step (fused=True), reading the GradScaler's scale as "
             f"it is during the step; under precision='16-mixed' strategy='{name}' {why}. Use fused=False "
             "(foreach is as fast on most models), or precision='bf16-mixed'."
+        )
+    hook = getattr(options, "comm_hook", None)
+    powersgd = powersgd_state(hook.state) if hook is not None else None
+    if powersgd is not None and (powersgd.use_error_feedback or powersgd.warm_start):
+        raise CommSchedConfigError(
+            "commsched: ddp_comm_hook with a PowerSGDState that keeps error feedback or warm-starts Q, under "
+            "precision='16-mixed': one step whose gradients overflow puts inf into that state for good (under "
+            "DDP as well). Use precision='bf16-mixed', or PowerSGDState(use_error_feedback=False, warm_start=False)."
         )
     if sparse and options.comm_dtype == "fp16":
         raise CommSchedConfigError(

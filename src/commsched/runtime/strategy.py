@@ -426,7 +426,13 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         elif self._engine.schedule is not None or (self._engine.finished is not None and dist.is_initialized()):
             self._flush()  # nothing to flush once the fit is over
             checkpoint[state.KEY] = self._engine.checkpoint_state(self.world_size, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        except BaseException:
+            rank_parts.discard(filepath, checkpoint.get(state.KEY))
+            raise
+        if self.is_global_zero and state.KEY in checkpoint:  # the checkpoint names its parts: older saves' go
+            rank_parts.keep_only(filepath, checkpoint[state.KEY].get(rank_parts.PARTS_KEY))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -446,6 +452,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state.warn_if_saved_after_failure(checkpoint)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint  # validate, test, predict: the weights only, no communication to resume
         # applied once the buckets exist (configure_ddp); refused here if it cannot be resumed at this world size
         self._restored = state.Restored(
             checkpoint, self.schedule_class.name, self.global_rank, self.world_size, checkpoint_path

@@ -31,7 +31,7 @@ from commsched.options.comm_hook import CommHook
 from commsched.reducers import into_bucket
 from commsched.reducers.ddp_hook import CommHookReduce, HookChain
 from commsched.reducers.hierarchical import HierarchicalReduce
-from commsched.reducers.hook_state import load_shared, powersgd_state, shared_state
+from commsched.reducers.hook_state import give_group, load_shared, shared_state
 from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.reducers.units import Striping, plan_units
@@ -195,9 +195,7 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         self.capture.divide_by_world_size(False)
         own = self.links.streams("primary", 2)[1]
         state = comm_hook.state if comm_hook.state is not None else own.group
-        powersgd = powersgd_state(state)
-        if powersgd is not None and powersgd.process_group is None:
-            powersgd.process_group = own.group
+        give_group(state, own.group)
         hook, last, chain = comm_hook.runnable(), len(self.plan.buckets) - 1, HookChain()
         return [CommHookReduce(b, hook, state, own, b.index == last, chain) for b in self.plan.buckets]
 
@@ -495,6 +493,8 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         if self._carry and self._carry[b] is not None:
             scaled = self.loss_scaler is not None and self.settings.compression.method == "none"
             carry = self._carry[b] * self.loss_scaler.get_scale() if scaled else self._carry[b]  # as the gradient is
+            if self.settings.comm_hook is not None:
+                carry = carry * self.plan.world_size  # a hook's bucket is not divided by the world size
             self.plan.buckets[b].buffer.add_(carry)
             self._carry[b] = None
         self._works[b] = self.reducers[b].start(f"bucket{b}")
