@@ -97,10 +97,7 @@ class Engine:
         )
         self._module = module
         self._iteration_starts = True
-        if restored is not None:
-            self.policy.load_state_dict(restored.plan)
-        if self.policy.decided is not None:  # a plan file or a checkpoint's plan: made for this model?
-            self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
+        self._take_plan(restored, module)
         self.policy.compiled = runs_compiled(module) or self.compiled_outside
         compression = getattr(self.settings, "compression", None)
         self.policy.sparse = compression is not None and compression.method != "none"
@@ -110,6 +107,13 @@ class Engine:
             self._load(merged(restored.shared, restored.mine))
         self.links.control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self.maybe_start_profiler(module)
+
+    def _take_plan(self, restored: Optional[state.Restored], module: nn.Module) -> None:
+        """The checkpoint's plan, if any; a plan file's or a checkpoint's plan must be made for this model."""
+        if restored is not None:
+            self.policy.load_state_dict(restored.plan)
+        if self.policy.decided is not None:
+            self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
 
     def _link_specs(self, default_backend: Optional[str], world_size: int, per_node: int) -> list[LinkSpec]:
         """The links the schedule names: "primary", "secondary", and the sub-group links "intra" (the
@@ -142,10 +146,14 @@ class Engine:
         plan = build_plan(module, world_size, self.policy.planner())
         verify_same_on_all_ranks(plan, module, self.links.control, self.schedule_class.name)
         self.owner = self.schedule = self.schedule_class(plan, self.links, self.settings)
-        self.owner.loss_scaler = self.loss_scaler
-        self.owner.compiled_outside = self.compiled_outside
-        self.owner.attach(module)
+        self._attach(self.owner, module)
         self._trainable = _trainable_ids(module)
+
+    def _attach(self, schedule: Schedule, module: nn.Module) -> None:
+        """What every schedule made here is told of the run (fp16's scaler, compile from outside), then hooked."""
+        schedule.loss_scaler = self.loss_scaler
+        schedule.compiled_outside = self.compiled_outside
+        schedule.attach(module)
 
     def rebuild(self, module: nn.Module, world_size: int) -> None:
         """New buckets at an iteration boundary; communication state moves over by parameter name."""
@@ -182,9 +190,7 @@ class Engine:
         if self.profiler is not None and self.profiler.active:
             self.profiler.abandon()  # steps of the run before the load; the restored policy asks again if it needs one
         self.policy = self._new_policy()  # nothing of this run's own deciding survives the checkpoint's
-        self.policy.load_state_dict(restored.plan)
-        if self.policy.decided is not None:
-            self.policy.decided.check_matches([n for n, _ in module.named_parameters()])
+        self._take_plan(restored, module)
         self._hand_over_plan = None
         self.build(module, world_size)
         self._load(merged(restored.shared, restored.mine))
@@ -238,9 +244,7 @@ class Engine:
         self.schedule = SCHEDULES[handover.schedule](
             self._plan_for(handover.schedule, module), self.owner.links, handover.settings
         )
-        self.schedule.loss_scaler = self.loss_scaler
-        self.schedule.compiled_outside = self.compiled_outside
-        self.schedule.attach(module)
+        self._attach(self.schedule, module)
         log.debug(f"commsched: '{self.owner.name}' hands its iterations to '{handover.schedule}'")
 
     def _plan_for(self, schedule: str, module: nn.Module) -> BucketPlan:
