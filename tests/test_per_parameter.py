@@ -16,7 +16,7 @@ from schedulefree import SGDScheduleFree
 
 from commsched.errors import CommSchedConfigError
 from commsched.schedules.deferred_step import snapshot_hyperparams
-from commsched.schedules.per_parameter import (
+from commsched.schedules.optimizer_step import (
     KNOWN_PER_PARAMETER,
     check_splits_exactly,
     per_parameter_classes,

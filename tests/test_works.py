@@ -1,4 +1,4 @@
-"""`commsched.comm.works.Pending` between its two threads: the issuer thread that issues a collective and
+"""`commsched.comm.links.Pending` between its two threads: the issuer thread that issues a collective and
 the training thread that asks for continuations (a local sum, a copy) on it. A continuation asked
 for at any moment runs before `wait()` returns, including in the few bytecodes between the issuer
 chaining what was asked before and saying the collective is issued."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commsched.comm.works import Issuer, Pending
+from commsched.comm.links import Issuer, Pending
 from commsched.errors import PeerFailureError
 
 
@@ -181,8 +181,7 @@ def test_only_the_training_loops_own_waits_count_as_exposed_communication(one_pr
     """A second stage waits in the link's queue for its first (DeAR's all-gather for its reduce-scatter):
     the issuer thread's wait is not the loop's, and counting it made the profiler's forward time
     negative (the loop's forward minus waits that ran beside it)."""
-    from commsched.comm.links import Link
-    from commsched.comm.works import WaitClock
+    from commsched.comm.links import Link, WaitClock
 
     link = Link("primary", None, [])
     first_clock = WaitClock()

@@ -13,7 +13,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from commsched.comm.links import Links, LinkSpec
+from commsched.comm.link_groups import Links, LinkSpec
 from commsched.comm.local_workers import run_workers
 from commsched.interleaved import Comparison
 

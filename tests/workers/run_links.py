@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from commsched.comm.links import Links, LinkSpec, local_rank_groups, node_groups
+from commsched.comm.link_groups import Links, LinkSpec, local_rank_groups, node_groups
 from commsched.comm.local_workers import run_workers
 
 WORLD, PER_NODE = 4, 2

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from commsched.trace import Span
 
-if TYPE_CHECKING:
-    from commsched.comm.works import Pending
+
+class Completion(Protocol):
+    """What a span ends on: a link's in-flight collective (`commsched.comm.links.Pending`)."""
+
+    def wait(self) -> Any: ...
+
+    def then(self, callback: Callable[[], Any]) -> Any: ...
 
 
 def synchronize(device: torch.device) -> None:
@@ -62,7 +67,7 @@ class Stopwatch:
         else:
             self._started = time.perf_counter()
 
-    def stop_when(self, pending: "Pending") -> None:
+    def stop_when(self, pending: Completion) -> None:
         if self._cuda:
             pending.wait()  # the current stream now waits for the collective
             self._end.record(torch.cuda.current_stream(self._device))

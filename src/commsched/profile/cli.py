@@ -51,7 +51,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 def _probe_worker(rank: int, sizes: tuple[int, ...], repeats: int, link_name: str, groups: int, out: str) -> None:
     from datetime import timedelta
 
-    from commsched.comm.links import Links, LinkSpec
+    from commsched.comm.link_groups import Links, LinkSpec
     from commsched.options.links import LinkOptions
     from commsched.profile.probe import probe_concurrent, probe_link
 

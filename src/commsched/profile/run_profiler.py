@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.device_time import SpanRecorder, synchronize
-from commsched.comm.links import Link, Links
+from commsched.comm.link_groups import Links
+from commsched.comm.links import Link
 from commsched.profile.collectives import COLLECTIVES, time_buckets
 from commsched.profile.layer_times import LayerTimer
 from commsched.profile.probe import probe_link

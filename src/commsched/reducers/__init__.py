@@ -6,8 +6,7 @@ hierarchical exchanges are further reducers with the same shape: they keep their
 (error-feedback residuals) by parameter name (`reducers.base`).
 """
 
-from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
-from commsched.reducers.sharded import ShardedReduce
+from commsched.reducers.dense import AllReduce, ShardedReduce
 
 __all__ = ["AllReduce", "Reducer", "ReducerState", "ShardedReduce", "by_parameter", "into_bucket"]

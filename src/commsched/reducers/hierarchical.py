@@ -20,7 +20,7 @@ linear, so one velocity per shard is the sum of the node's ranks' velocities), k
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -29,8 +29,9 @@ from commsched.comm.links import Link, Pending
 from commsched.compression.dgc import Corrections
 from commsched.compression.whole_vectors import Selector, WholeVectors
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
-from commsched.reducers.sharded import ShardedReduce
+from commsched.reducers.dense import ShardedReduce, Together
 from commsched.reducers.topk import SparsePacket
+from commsched.reducers.units import Unit
 
 
 class HierarchicalReduce(Reducer):
@@ -148,3 +149,25 @@ class HierarchicalReduce(Reducer):
         whole = torch.zeros_like(self.bucket.buffer)
         into_bucket(self.bucket, saved, whole)
         shard.copy_(whole.view(self.intra.world_size, -1)[self.intra.rank]).div_(share)
+
+
+def unit_bucket(bucket: Bucket, unit: Unit, world: int) -> Bucket:
+    """A unit as a bucket of no parameters (the two-level reducer's input; it keeps no state when dense)."""
+    return Bucket(
+        bucket.index, [], [], bucket.buffer.narrow(0, unit.start, unit.numel), [], unit.numel, unit.numel // world
+    )
+
+
+class StripedTwoLevel(Reducer):
+    """wfbp's dense exchange of one bucket on several nodes, unit by unit: each unit reduced node first on
+    its stream of the intra- and inter-node links."""
+
+    def __init__(self, bucket: Bucket, units: list[Unit], intra: Sequence[Link], inter: Sequence[Link]) -> None:
+        self.units = units
+        world = intra[0].world_size * inter[0].world_size
+        self._parts = [
+            HierarchicalReduce(unit_bucket(bucket, u, world), intra[u.stream], inter[u.stream]) for u in units
+        ]
+
+    def start(self, tag: str) -> Together:
+        return Together([part.start(u.tag) for part, u in zip(self._parts, self.units)])

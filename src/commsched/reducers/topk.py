@@ -29,8 +29,8 @@ from commsched.comm.buckets import Bucket
 from commsched.comm.links import Link, Pending
 from commsched.compression.dgc import Corrections
 from commsched.compression.whole_vectors import Selector, WholeVectors
-from commsched.reducers.allreduce import AllReduce
 from commsched.reducers.base import Reducer, ReducerState, by_parameter, into_bucket
+from commsched.reducers.dense import AllReduce
 
 
 def k_of(density: float, numel: int) -> int:

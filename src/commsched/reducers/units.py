@@ -10,7 +10,7 @@ world size (a bucket is padded to one), so each unit can be reduce-scattered on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from commsched.comm.buckets import BucketPlan
@@ -49,11 +49,14 @@ class Unit:
     start: int
     numel: int
     stream: int
+    tag: str = field(init=False, compare=False)
+    """The collective's tag in traces: the bucket's own for its first unit (all of it, with one stream);
+    made once, as every collective of the unit carries it."""
 
-    @property
-    def tag(self) -> str:
-        """The collective's tag in traces: the bucket's own for its first unit (all of it, with one stream)."""
-        return f"bucket{self.bucket}" if self.start == 0 else f"bucket{self.bucket}@{self.start}"
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "tag", f"bucket{self.bucket}" if self.start == 0 else f"bucket{self.bucket}@{self.start}"
+        )
 
 
 def plan_units(plan: BucketPlan, striping: Striping) -> list[list[Unit]]:

@@ -23,7 +23,8 @@ from torch import nn
 
 from commsched import state
 from commsched.comm.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
-from commsched.comm.links import WIRE_DTYPES, CollectiveRecord, Links, LinkSpec, local_rank_groups, node_groups
+from commsched.comm.link_groups import Links, LinkSpec, local_rank_groups, node_groups
+from commsched.comm.links import WIRE_DTYPES, CollectiveRecord
 from commsched.options import StrategyOptions
 from commsched.options.links import SECONDARY_IFNAME_ENV
 from commsched.planning.plan_file import SavedPlan

@@ -14,7 +14,8 @@ import dataclasses
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from commsched.comm.links import KNOWN_COLLECTIVES, KNOWN_LINKS
+from commsched.comm.link_groups import KNOWN_LINKS
+from commsched.comm.links import KNOWN_COLLECTIVES
 from commsched.errors import CommSchedConfigError
 from commsched.fusion import MODEL_POLICIES
 from commsched.runtime.builtin_strategies import (

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from commsched.comm.buckets import BucketPlan
-from commsched.comm.links import CollectiveRecord, Link, Links
+from commsched.comm.link_groups import Links
+from commsched.comm.links import CollectiveRecord, Link
 from commsched.planning.plan_file import SavedPlan
 from commsched.schedules import Schedule
 

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from commsched.comm.buckets import BucketPlan
-from commsched.comm.links import Links
+from commsched.comm.link_groups import Links
 from commsched.reducers import Reducer, ReducerState
 from commsched.schedules.capture import GradientCapture
 from commsched.state import refuse_unknown
@@ -168,11 +168,7 @@ class Schedule(Generic[SettingsT]):
     def hand_back_gradients(self, buckets: Iterable[int]) -> None:
         """`.grad` of each parameter of `buckets` becomes a view of its averaged gradient in the bucket
         (None where no rank produced one this step, so the optimizer skips it), as DDP leaves them."""
-        self.capture.read_mask()  # which parameters got a gradient on some rank (waits once per step)
-        for b in buckets:
-            bucket = self.plan.buckets[b]
-            for param, view, used in zip(bucket.params, bucket.views, self.capture.globally_used[b]):
-                param.grad = view if used else None
+        self.capture.hand_back(buckets)
 
     # ------------------------------------------------- called by the strategy
     def at_boundary(self) -> Optional[Handover]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -164,6 +164,15 @@ class GradientCapture:
         for b, n in enumerate(self._sizes):
             self.globally_used[b] = flags[offset : offset + n]
             offset += n
+
+    def hand_back(self, buckets: Iterable[int]) -> None:
+        """`.grad` of each parameter of `buckets` becomes a view of its averaged gradient in the bucket
+        (None where no rank produced one this step, so the optimizer skips it), as DDP leaves them."""
+        self.read_mask()  # which parameters got a gradient on some rank (waits once per step)
+        for b in buckets:
+            bucket = self.plan.buckets[b]
+            for param, view, used in zip(bucket.params, bucket.views, self.globally_used[b]):
+                param.grad = view if used else None
 
     def reset(self) -> None:
         self.phase = CapturePhase.IDLE

@@ -37,18 +37,19 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from commsched.comm.buckets import BucketPlan
-from commsched.comm.links import InOrder, Links, Pending
+from commsched.comm.link_groups import Links
+from commsched.comm.links import InOrder, Pending
 from commsched.hooks import OwnHook
 from commsched.interleaved import MeasuredChoice
 from commsched.loss_scale import non_finite
 from commsched.options import BUILTIN, DeAROptions, StrategyOptions, StreamOptions
-from commsched.reducers.striped import StripedShards, Together
+from commsched.reducers.dense import StripedShards, Together
 from commsched.reducers.units import Striping, Unit, plan_units
 from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, runs_compiled
 from commsched.schedules.dear_fallback import WFBP, describe_fallback, fallback_choice
 from commsched.schedules.deferred_step import DeferredStep, SubsetStepper
-from commsched.schedules.per_parameter import per_parameter_classes
+from commsched.schedules.optimizer_step import per_parameter_classes
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
@@ -91,9 +92,7 @@ class DeARSchedule(Schedule[DeARSettings]):
         self._owner_buckets: dict[int, tuple[int, ...]] = {}  # module id -> buckets of its parameters
         self._compiled = False
         self._unscale: Optional[torch.Tensor] = None  # fp16's 1/scale, while the shards are still scaled
-        self.deferred = DeferredStep(
-            plan, self.hand_back_gradients, self.settings.rollback, self.settings.per_parameter
-        )
+        self.deferred = DeferredStep(plan, self.capture.hand_back, self.settings.rollback, self.settings.per_parameter)
         """The step from the end of backward to its last bucket applied in the next forward."""
 
     # ----------------------------------------------------------------- lifecycle

@@ -36,9 +36,15 @@ from torch.optim import Optimizer
 
 from commsched.comm.buckets import BucketPlan
 from commsched.errors import ScheduleError
+from commsched.schedules.optimizer_step import (
+    HyperParams,
+    StepMode,
+    qualified_name,
+    run_with_step_replaced,
+    step_mode,
+    step_with,
+)
 from commsched.schedules.pending_tensors import Kind, PendingTensors
-from commsched.schedules.per_parameter import HyperParams, StepMode, qualified_name, step_mode, step_with
-from commsched.schedules.step_control import run_with_step_replaced
 
 
 class GatherWaits(Protocol):

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from commsched.comm.buckets import BucketPlan
-from commsched.comm.links import Links
+from commsched.comm.link_groups import Links
 from commsched.deft.compensator import Compensator
 from commsched.deft.confirm import Confirmation
 from commsched.deft.decision import decide_plan, report
@@ -53,7 +53,7 @@ from commsched.options import DeFTOptions, StrategyOptions
 from commsched.say import say
 from commsched.schedules.base import Handover, Schedule, params_of
 from commsched.schedules.dear import DeARSettings
-from commsched.schedules.step_control import hooked_step, run_with_step_replaced
+from commsched.schedules.optimizer_step import hooked_step, run_with_step_replaced
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
 from commsched.sim.workload import Workload

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from commsched.comm.buckets import BucketPlan
-from commsched.comm.links import Links
+from commsched.comm.link_groups import Links
 from commsched.compression.dgc import Corrections, OptimizerTerms, corrected, describe_corrections, export_momentum
 from commsched.compression.selections import SELECTIONS, selector
 from commsched.compression.sparse_or_dense import SparseOrDense, fastest_selection
@@ -28,16 +28,16 @@ from commsched.interleaved import MeasuredChoice
 from commsched.loss_scale import inverse_scale, unscale_in_place
 from commsched.options import BUILTIN, CompressionOptions, StrategyOptions, StreamOptions
 from commsched.options.comm_hook import CommHook
-from commsched.reducers import into_bucket
+from commsched.reducers import Reducer, into_bucket
 from commsched.reducers.ddp_hook import CommHookReduce, HookChain
-from commsched.reducers.hierarchical import HierarchicalReduce
+from commsched.reducers.dense import StripedAllReduce
+from commsched.reducers.hierarchical import HierarchicalReduce, StripedTwoLevel
 from commsched.reducers.hook_state import give_group, load_shared, shared_state
-from commsched.reducers.striped import StripedAllReduce
 from commsched.reducers.topk import SparseExchange, TopKAllReduce
 from commsched.reducers.units import Striping, plan_units
 from commsched.say import say
 from commsched.schedules.base import Schedule
-from commsched.schedules.step_control import run_with_step_replaced
+from commsched.schedules.optimizer_step import run_with_step_replaced
 from commsched.sim import timelines
 from commsched.sim.cost_models import CostModel
 from commsched.sim.timelines import Buckets, Result
@@ -179,14 +179,13 @@ class WFBPSchedule(Schedule[WFBPSettings]):
             say(f"commsched topk: selecting with {SELECTIONS[method]} ({measured}, measured here)")
         return chosen["method"]
 
-    def _dense_reducers(self, striping: Striping) -> list[StripedAllReduce]:
+    def _dense_reducers(self, striping: Striping) -> list[Reducer]:
         """Each bucket's units on their streams, flat or node first (one unit per bucket with one stream)."""
-        s = striping.streams
-        two_level = (self.links.streams("intra", s), self.links.streams("inter", s)) if striping.hierarchical else None
-        return [
-            StripedAllReduce(b, units, self.links.streams("primary", 1 if striping.hierarchical else s), two_level)
-            for b, units in zip(self.plan.buckets, plan_units(self.plan, striping))
-        ]
+        s, units = striping.streams, plan_units(self.plan, striping)
+        if striping.hierarchical:
+            intra, inter = self.links.streams("intra", s), self.links.streams("inter", s)
+            return [StripedTwoLevel(b, u, intra, inter) for b, u in zip(self.plan.buckets, units)]
+        return [StripedAllReduce(b, u, self.links.streams("primary", s)) for b, u in zip(self.plan.buckets, units)]
 
     def _hook_reducers(self, comm_hook: CommHook) -> list[CommHookReduce]:
         """The user's hook on each whole bucket, given the bucket undivided (averaging is the hook's, as under
