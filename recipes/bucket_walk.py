@@ -1,7 +1,7 @@
 """The files one gradient bucket's path passes through under `dear`, counted by tracing a real run
 (docs/architecture.md's walk; a measure of how many files a reader follows, not a test).
 
-Usage: python recipes/bucket_walk.py [STEP [CLIP|none [BUCKET_CAP_MB]]]
+Usage: python recipes/bucket_walk.py [STEP [CLIP|none [BUCKET_CAP_MB]]] [-v]
   Runs a tiny 2-process gloo training (Lightning Trainer, cpu, devices=2, strategy DeAR with
   fallback="never", fixed small buckets). On rank 0 only, from the first gradient hook of backward
   number STEP (0-based; default 5) until the return of the DeferredStep.apply / DeARSchedule._apply
@@ -28,9 +28,11 @@ import tempfile
 import threading
 from collections import defaultdict
 
-STEP = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-CLIP = float(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "none" else None  # gradient_clip_val, None: none
-CAP = float(sys.argv[3]) if len(sys.argv) > 3 else 0.01  # bucket_cap_mb (0.01: 7 buckets here)
+VERBOSE = "-v" in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != "-v"]
+STEP = int(ARGS[0]) if len(ARGS) > 0 else 5
+CLIP = float(ARGS[1]) if len(ARGS) > 1 and ARGS[1] != "none" else None  # gradient_clip_val, None: none
+CAP = float(ARGS[2]) if len(ARGS) > 2 else 0.01  # bucket_cap_mb (0.01: 7 buckets here)
 B = 0
 RANK0 = os.environ.get("LOCAL_RANK", "0") == "0"
 
@@ -97,7 +99,7 @@ class Tracer:
         fn = code.co_filename
         if not fn.startswith(SRC):
             return
-        if event == "return":
+        if event == "return":  # "_apply": DeAR's own method before DeferredStep (the "before" count)
             if self.active:
                 self.bframes.discard(frame)
                 if self.applied and code.co_name in ("apply", "_apply") and not self._has_ancestor(frame, code.co_name):
@@ -241,7 +243,7 @@ def main() -> None:
         print(f"traced: completed={out['completed']} applied_by={out['applied_by']}")
         print(f"(a) every file entered, {len(out['a'])}:", *out["a"], sep="\n  ")
         print(f"(b) files on the bucket's path, {len(out['b'])}:", *out["b"], sep="\n  ")
-        if "-v" in sys.argv:
+        if VERBOSE:
             print(json.dumps(out["b"], indent=1))
     shutil.rmtree(trainer.default_root_dir, ignore_errors=True)
 

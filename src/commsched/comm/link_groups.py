@@ -20,6 +20,8 @@ from commsched.comm.links import CollectiveRecord, Link
 
 log = logging.getLogger(__name__)
 
+__all__ = ["IFNAME_ENV", "KNOWN_LINKS", "LinkSpec", "Links", "local_rank_groups", "node_groups"]
+
 IFNAME_ENV = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 KNOWN_LINKS = ("primary", "secondary", "intra", "inter")
 """What a schedule's `links_used` may name: the whole world on the primary and on the secondary network,

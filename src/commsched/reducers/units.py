@@ -49,7 +49,7 @@ class Unit:
     start: int
     numel: int
     stream: int
-    tag: str = field(init=False, compare=False)
+    tag: str = field(init=False, compare=False, repr=False)
     """The collective's tag in traces: the bucket's own for its first unit (all of it, with one stream);
     made once, as every collective of the unit carries it."""
 
