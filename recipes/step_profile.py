@@ -5,7 +5,8 @@ name), with the wall and CPU time per step.
     python recipes/step_profile.py dear 110 150      # also: ddp, wfbp, deft, topk
 
 Prints the step times and the 25 functions with the most time of their own; the whole profile is
-written to step_profile_<schedule>.pstats in a temporary folder (its path is printed)."""
+written to step_profile_<schedule>.pstats in a folder of its own (its path is printed); the run's
+other files are removed."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from commsched.models import SmallCNN
 
 
 class ProfileSteps(pl.Callback):
-    def __init__(self, schedule: str, start: int, end: int, out: Path) -> None:
-        self.schedule, self.start, self.end, self.out = schedule, start, end, out
+    def __init__(self, schedule: str, start: int, end: int) -> None:
+        self.schedule, self.start, self.end = schedule, start, end
         self.profile = cProfile.Profile()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -45,7 +46,7 @@ class ProfileSteps(pl.Callback):
         text = io.StringIO()
         stats = pstats.Stats(self.profile, stream=text)
         stats.sort_stats("tottime").print_stats(25)
-        path = self.out / f"step_profile_{self.schedule}.pstats"
+        path = Path(tempfile.mkdtemp(prefix="step_profile_")) / f"step_profile_{self.schedule}.pstats"
         stats.dump_stats(path)
         print(text.getvalue())
         print(f"{self.schedule}: {wall * 1e3:.1f} ms a step, CPU {cpu * 1e3:.1f} ms (under cProfile); profile: {path}")
@@ -54,8 +55,12 @@ class ProfileSteps(pl.Callback):
 def main() -> None:
     schedule = sys.argv[1] if len(sys.argv) > 1 else "dear"
     start, end = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else (110, 150)
-    out = Path(tempfile.mkdtemp(prefix="step_profile_"))
     pl.seed_everything(0, verbose=False)
+    with tempfile.TemporaryDirectory(prefix="step_profile_run_") as run_dir:  # the run's own files, removed after
+        _fit(schedule, start, end, run_dir)
+
+
+def _fit(schedule: str, start: int, end: int, run_dir: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -65,8 +70,8 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ProfileSteps(schedule, start, end, out)],
-        default_root_dir=out,
+        callbacks=[ProfileSteps(schedule, start, end)],
+        default_root_dir=run_dir,
     )
     trainer.fit(SmallCNN(width=64), DataLoader(SyntheticImages(32 * 2 * (end + 5)), batch_size=32))
 
