@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import max_abs_diff
+from conftest import max_abs_diff, run_worker
 
 BIN = Path(sys.executable).parent
 QUIET = ["trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1"]
@@ -101,6 +101,43 @@ def test_ctrl_c_saves_at_a_step_every_rank_agrees_on_and_the_run_resumes_exactly
     ]
     diff, key = max_abs_diff(*momenta)
     assert diff <= 1e-5, f"optimizer state {key} differs by {diff:.3g}"
+
+
+def test_ctrl_c_inside_a_metrics_collective_still_stops_every_rank_at_one_step(tmp_path):
+    """The signal handler runs wherever the main thread is, here between the collectives of Lightning's
+    metric synchronisation on rank 0; what it does must start no collective of its own (a
+    `ModelCheckpoint` monitoring that metric names its file from the metrics), or the ranks wait for
+    each other until the process group's timeout."""
+    proc = run_worker("run_signal_in_sync.py", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = [torch.load(tmp_path / f"result.rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    assert results[0]["fired"], "the signal was never sent: the test did not test"
+    stopped = [r["stopped"] for r in results]
+    assert stopped[0] is not None and stopped[0] == stopped[1], stopped
+    assert Path(stopped[0]["saved"]).is_file()
+    assert torch.load(stopped[0]["saved"], weights_only=False)["global_step"] == stopped[0]["step"]
+    assert (
+        f"SIGINT received: stopping at the next step every rank reaches and saving {tmp_path / 'ckpt'}" in proc.stdout
+    )
+
+
+def test_a_command_rank_whose_shutdown_hangs_ends_itself_with_a_line():
+    """Lightning ignores Ctrl-C while it shuts down after one: a rank of a command whose shutdown waits
+    on a peer (here: sleeps) ends by itself, with exit code 130 and one line, and never sooner."""
+    code = (
+        "import time\n"
+        "from commsched.runtime.interrupt import end_if_shutdown_hangs\n"
+        "end_if_shutdown_hangs(1.0)\n"
+        "print('shutting down', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stdout == "shutting down\n"
+    assert proc.stderr == "commsched: interrupted; the shutdown did not end within 1 s: stopped at once\n"
+    assert took < 30  # the import is most of it
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):

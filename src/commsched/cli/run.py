@@ -33,7 +33,7 @@ from commsched.comm.local_workers import end_process_group
 from commsched.plugins import import_plugins
 from commsched.run_files import write_json
 from commsched.runtime.callbacks import StepMetrics
-from commsched.runtime.interrupt import StopAndSave, StoppedBySignal
+from commsched.runtime.interrupt import StopAndSave, StoppedBySignal, end_if_shutdown_hangs
 
 
 class RunProgressBar(RichProgressBar):
@@ -90,6 +90,7 @@ def interruptible(out: Path, stop: Optional[StopAndSave]) -> Iterator[None]:
 
     def on_sigint(signum: int, frame: Any) -> None:
         interrupted.append(signum)
+        end_if_shutdown_hangs()
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_sigint)

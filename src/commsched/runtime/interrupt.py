@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,10 +38,31 @@ log = logging.getLogger(__name__)
 
 STOP_KEY = "commsched/stop_at_step"
 AHEAD = 2
+"""Steps between the signal being seen and the agreed stop: ranks are at most one step apart."""
 SAME_SIGTERM_S = 1.0
 """A SIGTERM this soon after another is the same stop arriving twice (the process group's and the
 launcher's forwarded copy), not a second request to stop at once."""
-"""Steps between the signal being seen and the agreed stop: ranks are at most one step apart."""
+SHUTDOWN_S = 20.0
+"""How long a command-line rank's shutdown after an interrupt may take before the process ends at once."""
+
+
+def end_if_shutdown_hangs(seconds: float = SHUTDOWN_S) -> None:
+    """For a command's rank process: end it (exit code 130) if the shutdown an interrupt started has not
+    finished within `seconds`. Lightning ignores further Ctrl-C while it shuts down, and a rank whose
+    peer was interrupted in the middle of a collective can wait there until the process group's
+    timeout; the user must never have to find and kill the processes. Not for a Python session: a
+    notebook's kernel is not ours to end."""
+
+    def end() -> None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            os.write(
+                2, f"commsched: interrupted; the shutdown did not end within {seconds:g} s: stopped at once\n".encode()
+            )
+        os._exit(130)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
 
 
 class StoppedBySignal(SystemExit):
@@ -224,16 +246,36 @@ class StopAndSave(pl.Callback):
             self._last_sigterm = now
         self.signals_seen += 1
         if self.signals_seen > 1:
+            if self.command_line:
+                end_if_shutdown_hangs()
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
         self._announce(signal.Signals(signum).name)
 
+    def _where_it_saves(self) -> str:
+        """Where the stop will save, from attributes alone. A signal handler runs between any two
+        bytecodes of the main thread, also in the middle of Lightning's metric synchronisation: reading
+        `trainer.callback_metrics` there (as a `ModelCheckpoint`'s file name template needs) would start
+        collectives of its own on this rank only, and every rank would wait for the others for ever."""
+        trainer = self._trainer
+        owner = self._owner(trainer)
+        if owner is None:
+            return str(self._folder(trainer) / (self.filename or "last.ckpt"))
+        if owner.last_model_path:
+            return str(owner.last_model_path)
+        if "{" in owner.CHECKPOINT_NAME_LAST:
+            return f"the last checkpoint in {owner.dirpath}"
+        return str(Path(owner.dirpath) / f"{owner.CHECKPOINT_NAME_LAST}{owner.FILE_EXTENSION}")
+
     @rank_zero_only
     def _announce(self, name: str) -> None:
-        print(
-            f"commsched: {name} received: stopping at the next step every rank reaches and saving {self.path} "
-            "(press Ctrl-C again to stop at once, without saving)",
-            flush=True,
+        line = (
+            f"commsched: {name} received: stopping at the next step every rank reaches and saving "
+            f"{self._where_it_saves()} (press Ctrl-C again to stop at once, without saving)\n"
         )
+        try:  # the signal may have landed inside a print of the main thread: a buffered write would be reentrant
+            os.write(sys.stdout.fileno(), line.encode())
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both: a stream with no file
+            print(line, end="", flush=True)
 
     def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
