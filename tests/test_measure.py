@@ -76,6 +76,26 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     assert any(e["ph"] == "X" and e["name"].startswith("all_reduce") for e in trace)
 
 
+def test_the_weights_column_compares_with_ddp_under_the_same_learning_rate_schedule(tmp_path):
+    """GPT-2's recipe decays its learning rate over the fit's length: the ddp reference must run a fit
+    of the same length as every entry, or the column reports a difference the schedules did not make."""
+    proc = run(
+        "commsched.bench.cli",
+        "link.rate=none",
+        "models=[gpt2_tiny]",
+        "width=16",
+        "schedules=[ddp,wfbp]",
+        "steps=3",
+        "warmup=1",
+        "rounds=1",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    assert [r["schedule"] for r in rows] == ["ddp", "wfbp"]
+    assert all(float(r["weights_vs_ddp"]) <= 1e-5 for r in rows), [r["weights_vs_ddp"] for r in rows]
+
+
 @pytest.mark.parametrize(
     "override, field",
     [

@@ -139,7 +139,7 @@ def time_schedule(
 
 
 class Snapshots(pl.Callback):
-    """The weights after each of `steps` optimizer steps."""
+    """The weights after each of `steps` optimizer steps; the fit stops after the last of them."""
 
     def __init__(self, steps: set[int]) -> None:
         self.steps, self.states = steps, {}
@@ -149,6 +149,8 @@ class Snapshots(pl.Callback):
             self.states[trainer.global_step] = {
                 k: v.detach().double().clone() for k, v in pl_module.state_dict().items()
             }
+        if trainer.global_step >= max(self.steps):
+            trainer.should_stop = True
 
 
 def ddp_weights(model_name: str, spec: dict, steps: set[int], out: Path) -> dict[int, dict]:
@@ -157,8 +159,11 @@ def ddp_weights(model_name: str, spec: dict, steps: set[int], out: Path) -> dict
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     snapshots = Snapshots(steps)
-    trainer = _trainer(_strategy("ddp", spec), spec, max(steps), [snapshots], out)
-    trainer.fit(model, _loader(make_data, spec, spec["warmup"] + spec["steps"] + DECIDING_AT_MOST))
+    # max_steps as every entry's: a learning-rate schedule over the fit's length (the GPT-2 recipe's
+    # cosine) then takes the same steps, and the fit stops once the last snapshot is taken
+    most = spec["warmup"] + spec["steps"] + DECIDING_AT_MOST
+    trainer = _trainer(_strategy("ddp", spec), spec, most, [snapshots], out)
+    trainer.fit(model, _loader(make_data, spec, most))
     return snapshots.states
 
 
