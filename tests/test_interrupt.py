@@ -127,17 +127,50 @@ def test_a_command_rank_whose_shutdown_hangs_ends_itself_with_a_line():
     code = (
         "import time\n"
         "from commsched.runtime.interrupt import end_if_shutdown_hangs\n"
-        "end_if_shutdown_hangs(1.0)\n"
+        "started = time.monotonic()\n"
+        "end_if_shutdown_hangs(lambda: 'the last checkpoint is here.ckpt', 1.0)\n"
         "print('shutting down', flush=True)\n"
-        "time.sleep(60)\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    print(f'ended after {time.monotonic() - started:.1f} s', flush=True)\n"
     )
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     took = time.monotonic() - started
     assert proc.returncode == 130, proc.stderr[-2000:]
-    assert proc.stdout == "shutting down\n"
-    assert proc.stderr == "commsched: interrupted; the shutdown did not end within 1 s: stopped at once\n"
-    assert took < 30  # the import is most of it
+    assert proc.stdout == "shutting down\n"  # ended at once: no `finally` ran
+    assert proc.stderr == (
+        "commsched: interrupted at once, without saving (the shutdown did not end within 1 s); "
+        "the last checkpoint is here.ckpt\n"
+    )
+    assert 1.0 <= took < 30  # never sooner; the import is most of the rest
+
+
+def test_a_second_signal_guards_a_command_lines_shutdown_and_nothing_else(tmp_path, monkeypatch):
+    """Under `commsched-train` (command_line=True) the second signal starts the guard above; a Python
+    session's fit (a notebook's kernel) is never ended by it."""
+    from commsched.runtime import interrupt
+
+    for command_line in (True, False):
+        guarded = []
+        monkeypatch.setattr(interrupt, "end_if_shutdown_hangs", lambda say: guarded.append(say()))
+        stopper = interrupt.StopAndSave(dirpath=tmp_path, command_line=command_line)
+        stopper._install()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert guarded == []  # the first signal stops at an agreed step: nothing to guard
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("a second Ctrl-C did not stop at once")
+        finally:
+            stopper._restore()
+        assert guarded == (["no checkpoint was saved in this fit"] if command_line else []), guarded
 
 
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):

@@ -98,6 +98,7 @@ def main() -> None:
         limit_val_batches=2,
         num_sanity_val_steps=0,
         logger=False,
+        default_root_dir=out,  # the run's files (the profile) go there, not into the current folder
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[

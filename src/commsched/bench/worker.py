@@ -95,6 +95,12 @@ DECIDING_AT_MOST = 400
 `StepTimer` stops the fit once its steps are timed)."""
 
 
+def fit_length(spec: dict) -> int:
+    """max_steps of every fit of an entry and of the ddp reference: one length, so that a learning-rate
+    schedule over the fit's length takes the same steps in each."""
+    return spec["warmup"] + spec["steps"] + DECIDING_AT_MOST
+
+
 def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
     world = spec["devices"] * spec.get("num_nodes", 1)
     return DataLoader(make_data(spec["batch_size"] * world * (steps + 2)), batch_size=spec["batch_size"])
@@ -111,7 +117,7 @@ def time_schedule(
     schedule, _, user = entry.partition("+")
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
-    steps = spec["warmup"] + spec["steps"] + DECIDING_AT_MOST
+    steps = fit_length(spec)
     timer = StepTimer(warmup=spec["warmup"], stop_after=spec["steps"])
     callbacks: list[pl.Callback] = [timer] + ([USER_CALLBACKS[user]()] if user else [])
     if wire_of(schedule)[0] == "deft" and spec["preserver"]:
@@ -161,9 +167,8 @@ def ddp_weights(model_name: str, spec: dict, steps: set[int], out: Path) -> dict
     snapshots = Snapshots(steps)
     # max_steps as every entry's: a learning-rate schedule over the fit's length (the GPT-2 recipe's
     # cosine) then takes the same steps, and the fit stops once the last snapshot is taken
-    most = spec["warmup"] + spec["steps"] + DECIDING_AT_MOST
-    trainer = _trainer(_strategy("ddp", spec), spec, most, [snapshots], out)
-    trainer.fit(model, _loader(make_data, spec, most))
+    trainer = _trainer(_strategy("ddp", spec), spec, fit_length(spec), [snapshots], out)
+    trainer.fit(model, _loader(make_data, spec, fit_length(spec)))
     return snapshots.states
 
 

@@ -90,7 +90,7 @@ def interruptible(out: Path, stop: Optional[StopAndSave]) -> Iterator[None]:
 
     def on_sigint(signum: int, frame: Any) -> None:
         interrupted.append(signum)
-        end_if_shutdown_hangs()
+        end_if_shutdown_hangs(lambda: last_checkpoint(out))
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_sigint)
@@ -116,9 +116,12 @@ def interruption(error: BaseException, out: Path, stop: Optional[StopAndSave]) -
             f"interrupted: stopped at step {error.step} and saved {error.saved}; "
             f"continue with: {hint or f'commsched-train resume={out} (and the same options)'}"
         )
+    return f"interrupted at once, without saving; {last_checkpoint(out)}; logs in {out}"
+
+
+def last_checkpoint(out: Path) -> str:
     last = out / "checkpoints" / "last.ckpt"
-    saved = f"the last checkpoint is {last}" if last.is_file() else "no checkpoint was saved yet"
-    return f"interrupted at once, without saving; {saved}; logs in {out}"
+    return f"the last checkpoint is {last}" if last.is_file() else "no checkpoint was saved yet"
 
 
 def fusion_ran(cfg: TrainConfig, strategy: Any) -> dict[str, Any]:

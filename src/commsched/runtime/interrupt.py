@@ -17,6 +17,7 @@ the last checkpoint of a failed run is the latest epoch-end or step checkpoint.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -46,23 +47,28 @@ SHUTDOWN_S = 20.0
 """How long a command-line rank's shutdown after an interrupt may take before the process ends at once."""
 
 
-def end_if_shutdown_hangs(seconds: float = SHUTDOWN_S) -> None:
+def end_if_shutdown_hangs(last_checkpoint: Callable[[], str], seconds: float = SHUTDOWN_S) -> None:
     """For a command's rank process: end it (exit code 130) if the shutdown an interrupt started has not
-    finished within `seconds`. Lightning ignores further Ctrl-C while it shuts down, and a rank whose
-    peer was interrupted in the middle of a collective can wait there until the process group's
-    timeout; the user must never have to find and kill the processes. Not for a Python session: a
-    notebook's kernel is not ours to end."""
+    finished within `seconds`, saying `last_checkpoint()` (where the user's training is). Lightning
+    ignores Ctrl-C during parts of its shutdown after one, and a rank whose peer was interrupted in the middle of
+    a collective can wait there until the process group's timeout: the user must never have to find and
+    kill the processes. Not for a Python session: a notebook's kernel is not ours to end."""
 
     def end() -> None:
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            os.write(
-                2, f"commsched: interrupted; the shutdown did not end within {seconds:g} s: stopped at once\n".encode()
+            line = (
+                f"commsched: interrupted at once, without saving (the shutdown did not end within {seconds:g} s); "
+                f"{last_checkpoint()}\n"
             )
+            os.write(2, line.encode())
         os._exit(130)
 
     timer = threading.Timer(seconds, end)
     timer.daemon = True
-    timer.start()
+    try:
+        timer.start()
+    except RuntimeError:  # no thread to be had: the shutdown goes on unguarded, the interrupt still raised
+        pass
 
 
 class StoppedBySignal(SystemExit):
@@ -247,9 +253,13 @@ class StopAndSave(pl.Callback):
         self.signals_seen += 1
         if self.signals_seen > 1:
             if self.command_line:
-                end_if_shutdown_hangs()
+                end_if_shutdown_hangs(self._last_checkpoint_said)
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
         self._announce(signal.Signals(signum).name)
+
+    def _last_checkpoint_said(self) -> str:
+        last = self.last_saved
+        return f"the last checkpoint is {last}" if last is not None else "no checkpoint was saved in this fit"
 
     def _where_it_saves(self) -> str:
         """Where the stop will save, from attributes alone. A signal handler runs between any two
@@ -260,10 +270,10 @@ class StopAndSave(pl.Callback):
         owner = self._owner(trainer)
         if owner is None:
             return str(self._folder(trainer) / (self.filename or "last.ckpt"))
+        if "{" in owner.CHECKPOINT_NAME_LAST:  # named from the metrics at the save, not the last save's name
+            return f"the last checkpoint in {owner.dirpath}"
         if owner.last_model_path:
             return str(owner.last_model_path)
-        if "{" in owner.CHECKPOINT_NAME_LAST:
-            return f"the last checkpoint in {owner.dirpath}"
         return str(Path(owner.dirpath) / f"{owner.CHECKPOINT_NAME_LAST}{owner.FILE_EXTENSION}")
 
     @rank_zero_only
@@ -272,9 +282,12 @@ class StopAndSave(pl.Callback):
             f"commsched: {name} received: stopping at the next step every rank reaches and saving "
             f"{self._where_it_saves()} (press Ctrl-C again to stop at once, without saving)\n"
         )
-        try:  # the signal may have landed inside a print of the main thread: a buffered write would be reentrant
+        if type(sys.stdout) is io.TextIOWrapper:
+            # A plain file's buffered writer raises "reentrant call" if the signal landed inside a print of
+            # the main thread: write to its descriptor. Other streams (a rich progress bar's proxy, which
+            # keeps its display above the line; a notebook's; a test's capture) take a print.
             os.write(sys.stdout.fileno(), line.encode())
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both: a stream with no file
+        else:
             print(line, end="", flush=True)
 
     def _install(self) -> None:
