@@ -62,6 +62,8 @@ CASES_BY_WORLD = {
         "dear-bf16wire-unclipped",
         "ddp-fp16hook-unclipped",
         "dear-fp16wire-unclipped",
+        "dear-bf16wire-streams-unclipped",
+        "ddp-sgd-unclipped",
         "dear-layers",
         "dear-onebucket",
         "dear-profiled",

@@ -221,6 +221,11 @@ CASES = {
     # 16-bit wire rounds that into a gradient's 16-bit value; without clipping nothing differs
     **{f"ddp-{w}hook-unclipped": ("ddp", {"ddp_comm_hook": CPU_HOOKS[w], "clip": "none"}) for w in ("bf16", "fp16")},
     **{f"dear-{w}wire-unclipped": ("dear", {"comm_dtype": w, "clip": "none"}) for w in ("bf16", "fp16")},
+    "dear-bf16wire-streams-unclipped": (
+        "dear",
+        {"comm_dtype": "bf16", "clip": "none", "streams": StreamOptions(count=2, unit_mb=200 / 2**20)},
+    ),
+    "ddp-sgd-unclipped": ("ddp", {"clip": "none"}),
     "wfbp-bf16hook": ("wfbp", {"ddp_comm_hook": HOOKS["bf16"]}),
     "dear-bf16wire-streams": ("dear", {"comm_dtype": "bf16", "streams": StreamOptions(count=2, unit_mb=200 / 2**20)}),
     "dear-fp16-rank0-reads": ("dear", {"precision": "16-mixed-skips", "rank0_reads": True}),
