@@ -26,19 +26,16 @@ def run(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def quick_bench(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """The benchmark on 3 timed steps after 1 of warm-up, one round: its output and its CSV's rows."""
+    proc = run("commsched.bench.cli", *overrides, "steps=3", "warmup=1", "rounds=1", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, list(csv.DictReader((tmp_path / "bench.csv").open()))
+
+
 def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
     """CI runs as root: the 2-worker benchmark over a 200 Mbit namespace, tiny model, few steps."""
-    proc = run(
-        "commsched.bench.cli",
-        "link.rate=200mbit",
-        "width=8",
-        "steps=3",
-        "warmup=1",
-        "rounds=1",
-        f"hydra.run.dir={tmp_path}",
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    proc, rows = quick_bench(tmp_path, "link.rate=200mbit", "width=8")
     assert [r["schedule"] for r in rows] == ["ddp", "wfbp", "dear"]
     assert {r["link_rate"] for r in rows} == {"200mbit" if CAN_EMULATE else "none"}
     if not CAN_EMULATE:
@@ -79,19 +76,7 @@ def test_benchmark_runs_on_an_emulated_link_and_explains_itself(tmp_path):
 def test_the_weights_column_compares_with_ddp_under_the_same_learning_rate_schedule(tmp_path):
     """GPT-2's recipe decays its learning rate over the fit's length: the ddp reference must run a fit
     of the same length as every entry, or the column reports a difference the schedules did not make."""
-    proc = run(
-        "commsched.bench.cli",
-        "link.rate=none",
-        "models=[gpt2_tiny]",
-        "width=16",
-        "schedules=[ddp,wfbp]",
-        "steps=3",
-        "warmup=1",
-        "rounds=1",
-        f"hydra.run.dir={tmp_path}",
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    _, rows = quick_bench(tmp_path, "link.rate=none", "models=[gpt2_tiny]", "width=16", "schedules=[ddp,wfbp]")
     assert [r["schedule"] for r in rows] == ["ddp", "wfbp"]
     assert all(float(r["weights_vs_ddp"]) <= 1e-5 for r in rows), [r["weights_vs_ddp"] for r in rows]
 
