@@ -91,6 +91,7 @@ CASES_BY_WORLD = {
         "dear-fallback-1ep",
         "dear-fallback-resume",
         "dear-auto-fallback",
+        "dear-auto-fallback-fixed",
         "dear-resume",
         "ddp-from-dear",
         "dear-from-ddp",

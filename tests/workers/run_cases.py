@@ -10,6 +10,7 @@ OUT_DIR/<case>.rank<r>.pt with the final state dict, the collective trace and th
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -50,6 +51,20 @@ class ReadsGradientsOnRankZero(pl.Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         if trainer.global_rank == 0:
             self.norm = sum(float(p.grad.norm()) for p in pl_module.parameters() if p.grad is not None)
+
+
+class SlowWhilePlanned(pl.Callback):
+    """Makes the planned layout's turns measurably slower (a sleep while it is on trial), so that the
+    run keeps fixed buckets whatever this machine's timings would have said."""
+
+    def __init__(self) -> None:
+        self.fixed: str | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        layout = trainer.strategy.bucket_plan.describe()
+        self.fixed = self.fixed or layout  # every run starts on fixed buckets
+        if layout != self.fixed and not trainer.strategy.settled:
+            time.sleep(0.2)
 
 
 class HookedDDP(DDPStrategy):
@@ -119,6 +134,7 @@ def fit(
     unfreeze: bool = False,
     replan_at: int | None = None,
     rank0_reads: bool = False,
+    slow_while_planned: bool = False,
     **strategy_overrides,
 ) -> None:
     pl.seed_everything(1234, verbose=False)
@@ -145,7 +161,9 @@ def fit(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ckpt, watcher] + ([ReadsGradientsOnRankZero()] if rank0_reads else []),
+        callbacks=[ckpt, watcher]
+        + ([ReadsGradientsOnRankZero()] if rank0_reads else [])
+        + ([SlowWhilePlanned()] if slow_while_planned else []),
         default_root_dir=out / name,
     )
     ckpt_path = str(out / f"{resume_from}-ckpt" / "last.ckpt") if resume_from else None
@@ -261,6 +279,16 @@ CASES = {
     "dear-auto-fallback": (
         "dear",
         {"epochs": 2, "fusion": AUTO, "dear": DeAROptions(confirm_steps=1, confirm_rounds=2)},
+    ),
+    # the same, where the run keeps fixed buckets (its plan measured slower): WFBP's turns on fixed ones too
+    "dear-auto-fallback-fixed": (
+        "dear",
+        {
+            "epochs": 2,
+            "fusion": AUTO,
+            "dear": DeAROptions(confirm_steps=1, confirm_rounds=2),
+            "slow_while_planned": True,
+        },
     ),
     "wfbp-auto-resume": ("wfbp", {"epochs": 2, "resume_from": "wfbp-auto", "fusion": AUTO}),
     "wfbp-2ep": ("wfbp", {"epochs": 2}),

@@ -56,6 +56,8 @@ class PlanPolicy:
         self._hand_over_planners = tuple(p for p in dict.fromkeys(hand_over_planners) if p != planner)
         self.hand_over_layouts: dict[str, SavedPlan] = {}
         """Per planner: the layout a schedule the run hands its iterations to runs on (`layout_for`)."""
+        self._hand_over_planned: dict[str, SavedPlan] = {}
+        """Per planner: its layout from the run's profile, run only once the run's own plan beat fixed buckets."""
         self.compiled = False
         """The module runs under torch.compile (set by the engine): its backward is one compiled graph that
         hands every gradient over at its end, so no bucket plan can overlap it, and timing layers would
@@ -104,10 +106,13 @@ class PlanPolicy:
         return partial(plan_fixed, cap_bytes=int(self._cap_mb * 2**20))
 
     def layout_for(self, planner: str) -> Optional[SavedPlan]:
-        """The buckets a schedule planned by `planner` runs on when the run hands it the iterations: the
-        layout that planner makes from the profile the run's own was planned from (DeAR sizes buckets for
-        two halves, each hidden behind a different pass; WFBP for one all-reduce hidden behind backward),
-        or fixed buckets where its model predicts no gain. None: the run's own buckets."""
+        """The buckets a schedule planned by `planner` runs on when the run hands it the iterations: where
+        the run's own plan measured faster than fixed buckets on real steps, the layout that planner makes
+        from the same profile (DeAR sizes buckets for two halves, each hidden behind a different pass; WFBP
+        for one all-reduce hidden behind backward), or fixed buckets where its model predicts no gain.
+        Where the run kept fixed buckets, the planners' model did not hold on this run, and a layout from
+        it that no step has measured would run unchecked: the hand-over runs on the fixed buckets too.
+        None: the run's own buckets."""
         return self.hand_over_layouts.get(planner)
 
     def request_replan(self) -> None:
@@ -127,7 +132,7 @@ class PlanPolicy:
             self._start_tuning()
             if self.auto is not None:
                 self.auto.reopen(strategy.profile)
-            self.hand_over_layouts = {}  # planned again with the run's own layout
+            self.hand_over_layouts, self._hand_over_planned = {}, {}  # planned again with the run's own layout
             return True
         if self.auto is not None:
             return self._auto_step(strategy, iteration_start)
@@ -165,7 +170,7 @@ class PlanPolicy:
                 "measured: deciding the buckets again"
             )
             auto.reopen(strategy.profile)
-            self.decided, self.hand_over_layouts = None, {}
+            self.decided, self.hand_over_layouts, self._hand_over_planned = None, {}, {}
             return True  # back to fixed buckets, profiled afresh
         if strategy.world_size == 1 or self.compiled or self.sparse:  # nothing to plan for (see `compiled`, `sparse`)
             self.decided = self._current(strategy, "fixed")
@@ -190,7 +195,7 @@ class PlanPolicy:
             mine = self._plans_from(profile, cap, fixed) if link.rank == 0 else None
             plans = link.broadcast_object(mine, 0, "auto-plan")
             candidate = SavedPlan(**plans[auto.planner])
-            self.hand_over_layouts = {p: SavedPlan(**plans[p]) for p in self._hand_over_planners}
+            self._hand_over_planned = {p: SavedPlan(**plans[p]) for p in self._hand_over_planners}
             auto.steps_deciding += self.fusion.profile_warmup_steps + self.fusion.profile_steps
             if candidate.buckets == fixed.buckets:
                 self.decided = fixed
@@ -223,6 +228,7 @@ class PlanPolicy:
             },
         }
         self.decided = kept
+        self.hand_over_layouts = dict(self._hand_over_planned) if verdict.keep == PLANNED else {}
         if auto.arm == verdict.keep:
             self._announce(strategy)
             return False
@@ -333,6 +339,7 @@ class PlanPolicy:
             "trials": list(self.trials),
             "auto": self.auto.state_dict(self._fixed_plan) if self.auto is not None else None,
             "hand_over_layouts": {p: vars(plan) for p, plan in self.hand_over_layouts.items()},
+            "hand_over_planned": {p: vars(plan) for p, plan in self._hand_over_planned.items()},
         }
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
@@ -345,11 +352,14 @@ class PlanPolicy:
             self.decided = SavedPlan.from_dict(state["decided"])
             if self.auto is not None and state.get("auto") is not None:  # its later checks and drift watch go on
                 self._fixed_plan = self.auto.load_state_dict(state["auto"])
-            self.hand_over_layouts = {
-                p: SavedPlan.from_dict(plan)
-                for p, plan in state.get("hand_over_layouts", {}).items()
-                if p in self._hand_over_planners
-            }
+            self.hand_over_layouts, self._hand_over_planned = (
+                {
+                    p: SavedPlan.from_dict(plan)
+                    for p, plan in state.get(key, {}).items()
+                    if p in self._hand_over_planners
+                }
+                for key in ("hand_over_layouts", "hand_over_planned")
+            )
 
 
 def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:
