@@ -266,3 +266,47 @@ def test_the_default_fusion_plans_then_keeps_what_measured_faster(cases, case, p
     layouts = results.load(case)["layouts"]
     assert layouts[:4] == [layouts[0], layouts[1]] * 2 and layouts[0] != layouts[1], layouts  # fixed, planned, twice
     assert layouts[4:] == ([] if auto["kept"] == "planned" else [layouts[0]]), layouts
+
+
+def test_a_checkpoint_from_before_the_hand_over_rule_runs_no_unmeasured_layout(cases):
+    """A checkpoint saved before hand-overs followed the run's own verdict holds the other planner's
+    layout as the one to hand over on, whatever that verdict was. Where the run kept fixed buckets the
+    resumed run hands over on them (as an uninterrupted run now does), and keeps the planned layout for a
+    later check that may keep the plan."""
+    from commsched.options import FusionOptions, TuningOptions
+    from commsched.planning.policy import PlanPolicy
+
+    results = cases(3)
+    saved = torch.load(results.directory / "dear-auto-fallback-fixed-ckpt" / "last.ckpt", weights_only=False)[
+        "commsched"
+    ]["plan"]
+    assert saved["auto"]["verdict"]["keep"] == 0, "the case keeps fixed buckets"
+    unmeasured = {"policy": "mgwfbp", "world_size": 3, "buckets": [["a"], ["b"]]}
+    old = {k: v for k, v in saved.items() if k != "hand_over_planned"} | {"hand_over_layouts": {"mgwfbp": unmeasured}}
+    policy = PlanPolicy(
+        FusionOptions(policy="auto"), TuningOptions(), planner="dear-model", hand_over_planners=["mgwfbp"]
+    )
+    policy.load_state_dict(old)
+    assert policy.layout_for("mgwfbp") is None
+    assert policy.state_dict()["hand_over_planned"]["mgwfbp"]["buckets"] == unmeasured["buckets"]
+    current = PlanPolicy(
+        FusionOptions(policy="auto"), TuningOptions(), planner="dear-model", hand_over_planners=["mgwfbp"]
+    )
+    current.load_state_dict(saved)  # saved with the rule: as it was saved
+    assert current.layout_for("mgwfbp") is None and "hand_over_planned" in saved
+
+
+def test_a_later_check_under_way_ends_where_nothing_is_left_to_compare():
+    """A later check of the layout starts its turns, then the run turns out to have nothing to compare
+    (resumed under torch.compile, or sparse): the check must end, or the run counts as comparing for
+    good, and every choice that waits for the buckets to be decided (DeAR or WFBP, streams) never starts."""
+    from commsched.options import FusionOptions, TuningOptions
+    from commsched.planning import SavedPlan
+    from commsched.planning.policy import PlanPolicy
+
+    policy = PlanPolicy(FusionOptions(policy="auto"), TuningOptions(), planner="mgwfbp")
+    assert policy.auto is not None
+    policy.auto.start_confirming(SavedPlan("mgwfbp", 2, [["a"], ["b"]]), turn_factor=3)
+    assert policy.comparing
+    policy.auto.decided_without_confirming()
+    assert not policy.comparing

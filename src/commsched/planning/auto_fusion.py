@@ -110,7 +110,9 @@ class AutoFusion:
         return self.verdict
 
     def decided_without_confirming(self) -> None:
-        self.phase = FusionPhase.DECIDED
+        """Nothing to compare (one process, a compiled or sparse run, a plan equal to the fixed layout):
+        turns a later check had started end too, or the run would count as comparing for good."""
+        self.phase, self.turns = FusionPhase.DECIDED, None
 
     def drifted(self, control: Any) -> bool:
         """After a measured decision: True (every rank at once) when steps drifted slower than the kept layout

@@ -111,7 +111,8 @@ class PlanPolicy:
         from the same profile (DeAR sizes buckets for two halves, each hidden behind a different pass; WFBP
         for one all-reduce hidden behind backward), or fixed buckets where its model predicts no gain.
         Where the run kept fixed buckets, the planners' model did not hold on this run, and a layout from
-        it that no step has measured would run unchecked: the hand-over runs on the fixed buckets too.
+        it that no step has measured would run unchecked: the hand-over runs on the fixed buckets too, as
+        it does where the run's own plan was the fixed layout (nothing was measured then either).
         None: the run's own buckets."""
         return self.hand_over_layouts.get(planner)
 
@@ -352,7 +353,7 @@ class PlanPolicy:
             self.decided = SavedPlan.from_dict(state["decided"])
             if self.auto is not None and state.get("auto") is not None:  # its later checks and drift watch go on
                 self._fixed_plan = self.auto.load_state_dict(state["auto"])
-            self.hand_over_layouts, self._hand_over_planned = (
+            layouts, planned = (
                 {
                     p: SavedPlan.from_dict(plan)
                     for p, plan in state.get(key, {}).items()
@@ -360,6 +361,11 @@ class PlanPolicy:
                 }
                 for key in ("hand_over_layouts", "hand_over_planned")
             )
+            if "hand_over_planned" not in state:  # saved before the hand-over followed the run's own verdict
+                planned = layouts
+                verdict = self.auto.verdict if self.auto is not None else None
+                layouts = dict(planned) if verdict is not None and verdict.keep == PLANNED else {}
+            self.hand_over_layouts, self._hand_over_planned = layouts, planned
 
 
 def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:

@@ -79,7 +79,8 @@ class Schedule(Generic[SettingsT]):
     `commsched.fusion.MODEL_POLICIES` name)."""
     hands_over_to: ClassVar[tuple[str, ...]] = ()
     """The schedules `at_boundary` may hand the iterations to (`Handover`): under ``fusion="auto"`` each
-    runs on the layout its own planner makes from the same profile, where that differs."""
+    runs on the layout its own planner makes from the same profile where the run's own plan beat fixed
+    buckets on real steps, and on the run's buckets otherwise (`PlanPolicy.layout_for`)."""
     compresses: ClassVar[bool] = False
     """True: the schedule builds sparse reducers when the strategy's `compression` asks for them."""
     stripes: ClassVar[bool] = False
