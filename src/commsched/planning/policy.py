@@ -54,10 +54,8 @@ class PlanPolicy:
         self._announce_pending = False
         self._fixed_plan: Optional[SavedPlan] = None
         self._hand_over_planners = tuple(p for p in dict.fromkeys(hand_over_planners) if p != planner)
-        self.hand_over_layouts: dict[str, SavedPlan] = {}
-        """Per planner: the layout a schedule the run hands its iterations to runs on (`layout_for`)."""
         self._hand_over_planned: dict[str, SavedPlan] = {}
-        """Per planner: its layout from the run's profile, run only once the run's own plan beat fixed buckets."""
+        """Per planner: its layout from the run's profile, run only while the run's own plan is kept (`layout_for`)."""
         self.compiled = False
         """The module runs under torch.compile (set by the engine): its backward is one compiled graph that
         hands every gradient over at its end, so no bucket plan can overlap it, and timing layers would
@@ -114,7 +112,8 @@ class PlanPolicy:
         it that no step has measured would run unchecked: the hand-over runs on the fixed buckets too, as
         it does where the run's own plan was the fixed layout (nothing was measured then either).
         None: the run's own buckets."""
-        return self.hand_over_layouts.get(planner)
+        verdict = self.auto.verdict if self.auto is not None else None
+        return self._hand_over_planned.get(planner) if verdict is not None and verdict.keep == PLANNED else None
 
     def request_replan(self) -> None:
         """Decide again from the next boundary on (a plan file or checkpoint plan is given up too)."""
@@ -133,7 +132,7 @@ class PlanPolicy:
             self._start_tuning()
             if self.auto is not None:
                 self.auto.reopen(strategy.profile)
-            self.hand_over_layouts, self._hand_over_planned = {}, {}  # planned again with the run's own layout
+            self._hand_over_planned = {}  # planned again with the run's own layout
             return True
         if self.auto is not None:
             return self._auto_step(strategy, iteration_start)
@@ -171,7 +170,7 @@ class PlanPolicy:
                 "measured: deciding the buckets again"
             )
             auto.reopen(strategy.profile)
-            self.decided, self.hand_over_layouts, self._hand_over_planned = None, {}, {}
+            self.decided, self._hand_over_planned = None, {}
             return True  # back to fixed buckets, profiled afresh
         if strategy.world_size == 1 or self.compiled or self.sparse:  # nothing to plan for (see `compiled`, `sparse`)
             self.decided = self._current(strategy, "fixed")
@@ -229,7 +228,6 @@ class PlanPolicy:
             },
         }
         self.decided = kept
-        self.hand_over_layouts = dict(self._hand_over_planned) if verdict.keep == PLANNED else {}
         if auto.arm == verdict.keep:
             self._announce(strategy)
             return False
@@ -339,7 +337,6 @@ class PlanPolicy:
             "decided": vars(self.decided) if self.decided is not None else None,
             "trials": list(self.trials),
             "auto": self.auto.state_dict(self._fixed_plan) if self.auto is not None else None,
-            "hand_over_layouts": {p: vars(plan) for p, plan in self.hand_over_layouts.items()},
             "hand_over_planned": {p: vars(plan) for p, plan in self._hand_over_planned.items()},
         }
 
@@ -353,19 +350,11 @@ class PlanPolicy:
             self.decided = SavedPlan.from_dict(state["decided"])
             if self.auto is not None and state.get("auto") is not None:  # its later checks and drift watch go on
                 self._fixed_plan = self.auto.load_state_dict(state["auto"])
-            layouts, planned = (
-                {
-                    p: SavedPlan.from_dict(plan)
-                    for p, plan in state.get(key, {}).items()
-                    if p in self._hand_over_planners
-                }
-                for key in ("hand_over_layouts", "hand_over_planned")
-            )
-            if "hand_over_planned" not in state:  # saved before the hand-over followed the run's own verdict
-                planned = layouts
-                verdict = self.auto.verdict if self.auto is not None else None
-                layouts = dict(planned) if verdict is not None and verdict.keep == PLANNED else {}
-            self.hand_over_layouts, self._hand_over_planned = layouts, planned
+            # saved before the hand-over followed the run's verdict: the same layouts, under their old name
+            planned = state.get("hand_over_planned", state.get("hand_over_layouts", {}))
+            self._hand_over_planned = {
+                p: SavedPlan.from_dict(plan) for p, plan in planned.items() if p in self._hand_over_planners
+            }
 
 
 def _fixed_layout(module: Any, bucket_mb: float) -> tuple[tuple[int, ...], ...]:
