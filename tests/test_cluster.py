@@ -65,6 +65,31 @@ def test_a_multi_node_run_equals_a_one_node_run_of_the_same_world_size(tmp_path,
     assert leftovers() == []
 
 
+def test_nodes_on_the_host_run_lightnings_multi_node_path_over_the_loopback(tmp_path, capfd):
+    """`run_on_nodes(on_host=True)`, for ranks that cannot be one node's devices (several sharing one
+    GPU): each node a plain process on this machine, no namespace made (no root needed), and the run
+    ends where a one-node run of the same world size does."""
+    from commsched.cluster.launch import run_on_nodes
+    from commsched.cluster.spec import ClusterSpec
+    from commsched.comm.local_workers import free_port
+
+    before = leftovers()
+    spec = ClusterSpec(2, 1, master_port=free_port())
+    assert run_on_nodes(spec, train_script(tmp_path / "nodes", 2, 1), on_host=True) == 0
+    said = capfd.readouterr().out
+    assert "[node 0] cluster_train: dear done" in said and "world size 2" in said, said[-3000:]
+    local = subprocess.run(
+        train_script(tmp_path / "local", 1, 2), capture_output=True, text=True, timeout=600, cwd=WORKERS
+    )
+    assert local.returncode == 0, local.stderr[-3000:]
+    for schedule in SCHEDULES:
+        diff, key = max_abs_diff(
+            torch.load(tmp_path / "nodes" / f"{schedule}.pt"), torch.load(tmp_path / "local" / f"{schedule}.pt")
+        )
+        assert diff <= 1e-5, f"{schedule}: {key} differs by {diff:.3g}"
+    assert leftovers() == before
+
+
 @needs_root
 def test_commsched_train_starts_the_ranks_of_each_node(tmp_path):
     """`commsched-train` with two workers on each of two nodes: each node starts its own two ranks

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from commsched.cluster import netns
 from commsched.options import FusionOptions
@@ -81,6 +82,28 @@ def test_the_weights_column_compares_with_ddp_under_the_same_learning_rate_sched
     assert all(float(r["weights_vs_ddp"]) <= 1e-5 for r in rows), [r["weights_vs_ddp"] for r in rows]
 
 
+def test_ranks_sharing_a_gpu_run_as_nodes_of_their_own_over_gloo(tmp_path, monkeypatch, capfd):
+    """Where the ranks outnumber the GPUs (two ranks, one GPU), the benchmark runs each rank as a node of
+    its own on the loopback, every entry (ddp too) over gloo. No GPU here: the same launch, with the
+    ranks on the CPU, said to share; every row measured and exact."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from commsched.bench import report
+    from commsched.bench.config import BenchConfig
+
+    monkeypatch.setattr(report, "shares_gpus", lambda spec: True)
+    spec = {**dataclasses.asdict(BenchConfig()), "width": 8, "steps": 3, "warmup": 1, "rounds": 1}
+    results, rate = report.run_benchmark(spec, tmp_path, Console())
+    assert rate == "none" and "2 ranks share the GPU(s)" in capfd.readouterr().out
+    ran = json.loads((tmp_path / "bench.json").read_text())
+    assert (ran["devices"], ran["num_nodes"], ran["backend"]) == (1, 2, "gloo")
+    rows = results[0]["rows"]
+    assert [r["schedule"] for r in rows] == ["ddp", "wfbp", "dear"]
+    assert all(r["step_ms"] > 0 and r["weights_vs_ddp"] <= 1e-5 for r in rows), rows
+
+
 @pytest.mark.parametrize(
     "override, field",
     [
@@ -90,6 +113,12 @@ def test_the_weights_column_compares_with_ddp_under_the_same_learning_rate_sched
         ("devices=1", "devices=1"),
         ("schedules=[ddp,topk@2]", "allowed: topk@D with 0 < D <= 1"),
         ("schedules=[ddp,hier@0.1]", "a density after @ only for topk"),
+        ("accelerator=tpu", "accelerator=tpu; allowed: one of 'cpu', 'gpu'"),
+        pytest.param(
+            "accelerator=gpu",
+            "accelerator=gpu; allowed: cpu (this machine has no CUDA device)",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+        ),
     ],
 )
 def test_benchmark_refuses_bad_input_before_starting_workers(tmp_path, override, field):

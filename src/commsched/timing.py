@@ -8,6 +8,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from commsched.comm.device_time import compute_done
+
 
 class StepTimer(pl.Callback):
     """Records step durations after `warmup` steps, counted from when the strategy has made its
@@ -16,7 +18,9 @@ class StepTimer(pl.Callback):
     the fit stops once that many steps were timed (every rank at the same step: they settle together).
 
     CPU time is this process's, all threads included (the backend's communication threads too):
-    on a machine with few cores, CPU spent on communication is compute time lost."""
+    on a machine with few cores, CPU spent on communication is compute time lost. On a GPU each step
+    boundary is read once the model's stream has finished the step before (`compute_done`): a
+    completion time, not how far ahead of the GPU the host has queued."""
 
     def __init__(self, warmup: int = 3, stop_after: int = 0) -> None:
         self.warmup = warmup
@@ -37,6 +41,7 @@ class StepTimer(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         wire = getattr(trainer.strategy, "wire_bytes", None)  # None: not a commsched strategy
+        compute_done(pl_module.device)
         now = (
             time.perf_counter(),
             time.process_time(),

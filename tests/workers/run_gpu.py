@@ -1,7 +1,12 @@
-"""The GPU path in real runs: every schedule and planner on CUDA with NCCL, against Lightning's ddp on
-the same device, and the profiler's figures against a synchronised wall-clock measurement.
+"""The GPU path in real runs: every schedule and planner on CUDA, against Lightning's ddp on the same
+devices, and the profiler's figures against a synchronised wall-clock measurement.
 
-Usage: python run_gpu.py OUT_DIR WORLD_SIZE CASE [CASE ...]   (needs WORLD_SIZE CUDA devices)
+Usage: python run_gpu.py OUT_DIR WORLD_SIZE CASE [CASE ...]   (needs WORLD_SIZE CUDA devices: NCCL)
+
+Started once per rank with `NODE_RANK` (and `MASTER_ADDR`, `MASTER_PORT`) set, each rank is a node of
+its own with one device: every rank computes on `cuda:0` and the ranks talk over gloo, since NCCL
+refuses two ranks on one GPU (tests/gpu/test_two_ranks.py). `COMMSCHED_TEST_ACCELERATOR=cpu` runs the
+same cases on the CPU (the harness, on a machine without a GPU).
 
 Every rank writes OUT_DIR/<case>.rank<r>.pt (final state, trace, profile where asked); the
 "clock" case times each bucket's all-reduce with a device synchronize around it, independently
@@ -10,6 +15,7 @@ of the profiler, and saves the bucket sizes and seconds.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -22,61 +28,88 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 import commsched
+from commsched.comm.device_time import synchronize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from toy import ToyNet  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
+ACCELERATOR = os.environ.get("COMMSCHED_TEST_ACCELERATOR", "gpu")
+SHARED = "NODE_RANK" in os.environ
+"""Every rank a node of its own on the one device, over gloo (else: WORLD_SIZE devices, NCCL)."""
 BUCKET_MB = 600 / 2**20
 NO_DELAY = commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1)
+
+
+def every_element(method: str) -> commsched.CompressionOptions:
+    """A sparse exchange that sends everything, with error feedback alone."""
+    return commsched.CompressionOptions(
+        method=method, density=1.0, momentum_correction=False, decay_before_accumulation=False, sparsity_warmup_steps=0
+    )
+
+
 CASES = {
-    "ddp": lambda: DDPStrategy(find_unused_parameters=True),
-    "wfbp": lambda: commsched.WFBPStrategy(bucket_cap_mb=BUCKET_MB, trace_collectives=True),
-    "dear": lambda: commsched.DeARStrategy(
-        bucket_cap_mb=BUCKET_MB, trace_collectives=True, dear=commsched.DeAROptions(fallback="never")
+    "ddp": lambda **common: DDPStrategy(**common, find_unused_parameters=True),
+    "wfbp": lambda **common: commsched.WFBPStrategy(**common, bucket_cap_mb=BUCKET_MB, trace_collectives=True),
+    "dear": lambda **common: commsched.DeARStrategy(
+        **common, bucket_cap_mb=BUCKET_MB, trace_collectives=True, dear=commsched.DeAROptions(fallback="never")
     ),
-    "deft": lambda: commsched.DeFTStrategy(bucket_cap_mb=BUCKET_MB, deft=NO_DELAY, trace_collectives=True),
-    "deft-plan": lambda: commsched.DeFTStrategy(
+    "deft": lambda **common: commsched.DeFTStrategy(
+        **common, bucket_cap_mb=BUCKET_MB, deft=NO_DELAY, trace_collectives=True
+    ),
+    "deft-plan": lambda **common: commsched.DeFTStrategy(
+        **common,
         bucket_cap_mb=BUCKET_MB,
         trace_collectives=True,
         deft=commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1, fallback="never"),
     ),
-    "dear-profiled": lambda: commsched.DeARStrategy(
-        bucket_cap_mb=BUCKET_MB, profile=commsched.ProfileOptions(steps=6, probe=True)
+    "dear-profiled": lambda **common: commsched.DeARStrategy(
+        **common, bucket_cap_mb=BUCKET_MB, profile=commsched.ProfileOptions(steps=6, probe=True)
     ),
-    "dear-mgwfbp": lambda: commsched.DeARStrategy(
+    "dear-mgwfbp": lambda **common: commsched.DeARStrategy(
+        **common,
         bucket_cap_mb=BUCKET_MB,
         fusion=commsched.FusionOptions(policy="mgwfbp", profile_steps=2, profile_warmup_steps=1),
     ),
-    "wfbp-dear-model": lambda: commsched.WFBPStrategy(
+    "wfbp-dear-model": lambda **common: commsched.WFBPStrategy(
+        **common,
         bucket_cap_mb=BUCKET_MB,
         fusion=commsched.FusionOptions(policy="dear-model", profile_steps=2, profile_warmup_steps=1),
     ),
-    "dear-bayes": lambda: commsched.DeARStrategy(
+    "dear-bayes": lambda **common: commsched.DeARStrategy(
+        **common,
         fusion="bayes",
         tuning=commsched.TuningOptions(
             trials=2, trial_steps=2, warmup_steps=1, min_mb=200 / 2**20, max_mb=2000 / 2**20, first_mb=600 / 2**20
         ),
     ),
-    # sparse exchanges on the device: at density 1 they must equal ddp; at 0.1 the residuals stay on CUDA
-    "topk-whole": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=1.0)),
-    "mstopk-whole": lambda: commsched.WFBPStrategy(
-        compression=commsched.CompressionOptions(method="mstopk", density=1.0)
+    # sparse exchanges on the device: at density 1 with error feedback alone (DGC's corrections move the
+    # momentum, the decay and the clipping into the exchange: another trajectory) they must equal ddp;
+    # at 0.1 the residuals stay on the rank's device
+    "topk-whole": lambda **common: commsched.WFBPStrategy(**common, compression=every_element("topk")),
+    "mstopk-whole": lambda **common: commsched.WFBPStrategy(**common, compression=every_element("mstopk")),
+    "topk-sparse": lambda **common: commsched.WFBPStrategy(
+        **common, compression=commsched.CompressionOptions(method="topk", density=0.1)
     ),
-    "topk-sparse": lambda: commsched.WFBPStrategy(compression=commsched.CompressionOptions(method="topk", density=0.1)),
     # several NCCL communicators, each on its own CUDA stream; and the search switching between them
-    "wfbp-streams": lambda: commsched.WFBPStrategy(
+    "wfbp-streams": lambda **common: commsched.WFBPStrategy(
+        **common,
         bucket_cap_mb=BUCKET_MB,
         streams=commsched.StreamOptions(count=4, unit_mb=160 / 2**20),
         trace_collectives=True,
     ),
-    "dear-streams": lambda: commsched.DeARStrategy(
+    "dear-streams": lambda **common: commsched.DeARStrategy(
+        **common,
         bucket_cap_mb=BUCKET_MB,
         streams=commsched.StreamOptions(count=3, unit_mb=160 / 2**20),
         trace_collectives=True,
     ),
-    "dear-streams-auto": lambda: commsched.DeARStrategy(
+    "dear-streams2": lambda **common: commsched.DeARStrategy(
+        **common, bucket_cap_mb=BUCKET_MB, streams=commsched.StreamOptions(count=2), trace_collectives=True
+    ),
+    "dear-streams-auto": lambda **common: commsched.DeARStrategy(
+        **common,
         bucket_cap_mb=BUCKET_MB,
         trace_collectives=True,
         streams=commsched.StreamOptions(
@@ -97,10 +130,12 @@ STEPS = 12
 def fit(out: Path, case: str, world: int) -> None:
     pl.seed_everything(1234, verbose=False)
     model = ToyNet(optimizer="adamw" if case.endswith("adamw") else "sgd", batch_size=4, train_size=STEPS * 4 * world)
-    strategy = CASES[case.removesuffix("-adamw")]()  # "<case>-adamw": the same strategy, the model under AdamW
+    common = {"process_group_backend": "gloo"} if SHARED else {}
+    strategy = CASES[case.removesuffix("-adamw")](**common)  # "<case>-adamw": the same strategy, under AdamW
     trainer = pl.Trainer(
-        accelerator="gpu",
-        devices=world,
+        accelerator=ACCELERATOR,
+        devices=1 if SHARED else world,
+        num_nodes=world if SHARED else 1,
         strategy=strategy,
         max_steps=STEPS,
         logger=False,
@@ -133,17 +168,21 @@ def residual_devices(trainer: pl.Trainer) -> list[str]:
 
 
 def clock(out: Path, trainer: pl.Trainer, profile: dict) -> None:
-    """Each profiled bucket's all-reduce, timed here with a synchronize before and after (no futures)."""
+    """Each profiled bucket's all-reduce, timed here with a synchronize before and after (no futures), on
+    the device the link's collectives touch (the GPU for NCCL; host memory for gloo, which the engine
+    stages a CUDA bucket into)."""
     device = trainer.strategy.root_device
+    linked = device if dist.get_backend() == "nccl" else torch.device("cpu")
     measured = []
     for bucket in profile["buckets"]:
-        tensor = torch.zeros(max(1, bucket["nbytes"] // 4), device=device)
+        tensor = torch.zeros(max(1, bucket["nbytes"] // 4), device=linked)
         times = []
-        for _ in range(6):
-            torch.cuda.synchronize(device)
+        for _ in range(16):
+            dist.barrier()  # both ranks start together: the time is the collective's, not the other's arrival
+            synchronize(device)
             started = time.perf_counter()
             dist.all_reduce(tensor)
-            torch.cuda.synchronize(device)
+            synchronize(device)
             times.append(time.perf_counter() - started)
         measured.append(statistics.median(times[1:]))
     torch.save(

@@ -1,6 +1,7 @@
-"""`commsched-bench`: ddp, wfbp and dear side by side on N local CPU workers, over the unlimited
-loopback or an emulated slow link, with each schedule's best possible step and the simulator's
-prediction for the same measured components, and how far each one's final weights are from ddp's.
+"""`commsched-bench`: ddp, wfbp and dear side by side on N local workers (on the CPU, or on GPUs with
+`accelerator=gpu`), over the unlimited loopback or an emulated slow link, with each schedule's best
+possible step and the simulator's prediction for the same measured components, and how far each
+one's final weights are from ddp's.
 
     commsched-bench                                   # the README's defaults table: SmallCNN width 64, 2 MB buckets
     commsched-bench link.rate=1gbit models=[small_cnn,resnet18] steps=20

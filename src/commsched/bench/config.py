@@ -54,6 +54,7 @@ class BenchConfig:
         default_factory=list
     )  # modules imported first: the schedules they register can be benchmarked
     devices: int = 2
+    accelerator: str = "cpu"  # gpu: each rank computes on a CUDA device (ranks sharing one talk over gloo)
     link: LinkConfig = field(default_factory=LinkConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     width: int = 64  # channels (images) or embedding size (gpt2_tiny); SmallCNN width 64: 3.06 M parameters
@@ -71,6 +72,44 @@ class BenchConfig:
 
 def register_bench_config() -> None:
     ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+
+
+ACCELERATORS = ("cpu", "gpu")
+
+
+def shares_gpus(spec: Any) -> bool:
+    """More ranks on this machine than it has GPUs (every emulated node is on this machine, and each
+    numbers its devices from 0): they share devices, and since NCCL refuses two ranks on one device
+    every entry (ddp too) talks over gloo, through host memory."""
+    if spec["accelerator"] != "gpu":
+        return False
+    import torch
+
+    cluster = spec["cluster"]
+    ranks = cluster["nodes"] * cluster["workers_per_node"] if cluster["nodes"] else spec["devices"]
+    return cluster["nodes"] > 1 or ranks > torch.cuda.device_count()
+
+
+def _check_accelerator(cfg: Any) -> None:
+    options.choice("accelerator", cfg.accelerator, ACCELERATORS)
+    if cfg.accelerator != "gpu":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise bad_value("accelerator", cfg.accelerator, "cpu (this machine has no CUDA device)")
+    if cfg.cluster.nodes and cfg.cluster.workers_per_node > gpus:
+        raise bad_value(
+            "cluster.workers_per_node", cfg.cluster.workers_per_node, f"at most {gpus} (the GPUs a node's ranks use)"
+        )
+    if not cfg.cluster.nodes and cfg.devices > gpus and cfg.link.rate != "none":
+        raise bad_value(
+            "link.rate",
+            cfg.link.rate,
+            f"none with {cfg.devices} ranks on {gpus} GPU(s): ranks sharing a GPU run as nodes of their own; "
+            f"for a slow link between them use cluster.nodes={cfg.devices} cluster.rate={cfg.link.rate}",
+        )
 
 
 def validate_bench(cfg: Any) -> None:
@@ -146,3 +185,4 @@ def validate_bench(cfg: Any) -> None:
         options.positive_number("bucket_cap_mb", cfg.bucket_cap_mb)
     if "gpt2_tiny" in cfg.models and cfg.width % 2:
         raise bad_value("width", cfg.width, "an even number with gpt2_tiny (2 attention heads)")
+    _check_accelerator(cfg)

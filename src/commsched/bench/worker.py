@@ -35,7 +35,7 @@ from commsched.timing import StepTimer
 
 def _trainer(strategy: Any, spec: dict, steps: int, callbacks: list, out: Path) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=spec.get("accelerator", "cpu"),
         devices=spec["devices"],
         num_nodes=spec.get("num_nodes", 1),
         strategy=strategy,
@@ -69,7 +69,10 @@ USER_CALLBACKS = {"clock": ReadsClock, "weights": ReadsWeights}
 def _strategy(schedule: str, spec: dict, **extra: Any) -> Any:
     """Each entry at its defaults, as a user calls it, unless it names a setting (a tuned row):
     ``name/2mb`` fixed 2 MB buckets, ``name:4`` four streams, ``topk@0.001`` another density;
-    `spec["bucket_cap_mb"]`, when set, gives every entry (ddp too) fixed buckets of that size."""
+    `spec["bucket_cap_mb"]`, when set, gives every entry (ddp too) fixed buckets of that size;
+    `spec["backend"]`, when set, every entry's process group backend (gloo for ranks sharing a GPU)."""
+    if spec.get("backend"):
+        extra["process_group_backend"] = spec["backend"]
     schedule, wire = wire_of(schedule)
     schedule, slash, cap = schedule.partition("/")
     bucket_cap_mb = float(cap.removesuffix("mb")) if slash else spec.get("bucket_cap_mb")

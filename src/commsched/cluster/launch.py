@@ -5,7 +5,10 @@ Each node's command gets the environment Lightning's own multi-node launch reads
 ``Trainer(num_nodes=N, devices=G)`` runs unchanged; Lightning then starts the node's G processes.
 The primary interface is what gloo and NCCL use by default (`GLOO_SOCKET_IFNAME`,
 `NCCL_SOCKET_IFNAME`); `COMMSCHED_PRIMARY_IFNAME` / `COMMSCHED_SECONDARY_IFNAME` name the links for
-strategies that open a group on a given interface. Every line a node prints is prefixed with its
+strategies that open a group on a given interface. `on_host=True` runs the nodes as plain processes of
+this machine over its unlimited loopback, with the same environment and the same handling: what ranks
+that cannot be one node's devices need (several ranks sharing one GPU: Lightning gives one node's
+ranks one device each). Every line a node prints is prefixed with its
 rank; the exit status is the worst of the nodes', and one line on stderr says which node's command
 failed with what status (a failing command may print nothing at all); a node that fails ends the
 others after `grace_s` (they would otherwise wait for it until the process-group timeout). The
@@ -23,7 +26,7 @@ import time
 from typing import IO, Optional, Sequence
 
 from commsched.cluster.network import Network
-from commsched.cluster.spec import PRIMARY_IFNAME, SECONDARY_IFNAME, ClusterSpec
+from commsched.cluster.spec import LOOPBACK, PRIMARY_IFNAME, SECONDARY_IFNAME, ClusterSpec
 from commsched.options.links import SECONDARY_IFNAME_ENV
 
 
@@ -33,21 +36,35 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def node_environment(spec: ClusterSpec, node: int) -> dict[str, str]:
+class OnHost:
+    """The nodes' "network" when they run on this machine's loopback: nothing to build or remove."""
+
+    def create(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
+
+    def command_in(self, node: int, argv: Sequence[str]) -> list[str]:
+        return list(argv)
+
+
+def node_environment(spec: ClusterSpec, node: int, on_host: bool = False) -> dict[str, str]:
+    interface = LOOPBACK if on_host else PRIMARY_IFNAME
     env = {
-        "MASTER_ADDR": spec.address(0),
+        "MASTER_ADDR": "127.0.0.1" if on_host else spec.address(0),
         "MASTER_PORT": str(spec.master_port),
         "NODE_RANK": str(node),
         "COMMSCHED_NUM_NODES": str(spec.nodes),
         "COMMSCHED_WORKERS_PER_NODE": str(spec.workers_per_node),
-        "COMMSCHED_PRIMARY_IFNAME": PRIMARY_IFNAME,
-        "GLOO_SOCKET_IFNAME": PRIMARY_IFNAME,
-        "NCCL_SOCKET_IFNAME": PRIMARY_IFNAME,
+        "COMMSCHED_PRIMARY_IFNAME": interface,
+        "GLOO_SOCKET_IFNAME": interface,
+        "NCCL_SOCKET_IFNAME": interface,
         "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10d warns on every connection that the shared hostname does not resolve
         # all nodes share this machine's cores: each process gets its share, not a node's worth
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.world_size)),
     }
-    if spec.secondary_rate is not None:
+    if spec.secondary_rate is not None and not on_host:
         env[SECONDARY_IFNAME_ENV] = SECONDARY_IFNAME
     return env
 
@@ -65,10 +82,11 @@ def _exit_code(code: Optional[int]) -> int:
     return 128 - code if code < 0 else code  # killed by signal n: 128 + n, as a shell reports it
 
 
-def run_on_nodes(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) -> int:
-    """Build the cluster, run `argv` on every node, remove the cluster; the worst exit status."""
+def run_on_nodes(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0, on_host: bool = False) -> int:
+    """Build the cluster, run `argv` on every node, remove the cluster; the worst exit status.
+    `on_host`: the nodes are processes on this machine's loopback (no namespace; the rates unused)."""
     spec.check()
-    network = Network(spec)
+    network = OnHost() if on_host else Network(spec)
     previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
     processes: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -76,7 +94,7 @@ def run_on_nodes(spec: ClusterSpec, argv: Sequence[str], grace_s: float = 60.0) 
     try:
         network.create()
         for node in range(spec.nodes):
-            env = {**os.environ, **node_environment(spec, node)}
+            env = {**os.environ, **node_environment(spec, node, on_host)}
             process = subprocess.Popen(
                 network.command_in(node, argv),
                 env=env,

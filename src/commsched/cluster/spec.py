@@ -10,6 +10,8 @@ from commsched.rates import parse_rate
 
 PRIMARY_IFNAME = "eth0"
 SECONDARY_IFNAME = "eth1"
+LOOPBACK = "lo"
+"""The interface of nodes run on this machine itself (`run_on_nodes(on_host=True)`)."""
 PRIMARY_SUBNET = "10.123.0"  # inside the cluster's own namespaces only; nothing outside is ever addressed
 SECONDARY_SUBNET = "10.124.0"
 MTU = 9000

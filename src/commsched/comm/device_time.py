@@ -33,6 +33,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def compute_done(device: torch.device) -> None:
+    """Wait until the model's own stream (the current one) has run everything enqueued on it; not the
+    collectives' streams. A step boundary read after it is when that step's compute completed (the
+    host may otherwise run steps ahead of the GPU), while an exchange the schedule overlaps with the
+    next step (DeAR's all-gathers) goes on. Nothing to do on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def seconds_of(device: torch.device, run: Callable[[], object]) -> float:
     """Wall seconds until everything `run` enqueued on `device` has completed."""
     synchronize(device)

@@ -23,6 +23,7 @@ from torch import nn
 
 from commsched import state
 from commsched.comm.buckets import BucketPlan, build_plan, verify_same_on_all_ranks
+from commsched.comm.device_time import compute_done
 from commsched.comm.link_groups import Links, LinkSpec, local_rank_groups, node_groups
 from commsched.comm.links import WIRE_DTYPES, CollectiveRecord
 from commsched.options import StrategyOptions
@@ -209,6 +210,8 @@ class Engine:
         module = strategy.lightning_module
         if self.profiler is not None:
             self.profiler.on_batch_start(strategy)
+        if self._iteration_starts and self._timing_a_choice():
+            compute_done(strategy.root_device)  # the choices' turns time completed steps (a no-op on the CPU)
         if self.policy.at_boundary(strategy, self._iteration_starts):
             self.rebuild(module, strategy.world_size)
             self.policy.rebuilt(strategy)
@@ -220,6 +223,11 @@ class Engine:
             self._hand_over(self.owner.at_boundary(), module)
         self._follow_sync()
         self.maybe_start_profiler(module)
+
+    def _timing_a_choice(self) -> bool:
+        """Some automatic choice is timing the steps now (the buckets, DeAR or WFBP, a stream search,
+        sparse or dense, a recheck of any of them)."""
+        return self.policy.deciding or self.policy.comparing or (self.owner is not None and not self.owner.settled)
 
     def training_step_returned(self, output: Any) -> None:
         """The loss `training_step` returned goes to the schedule that chose (also while it hands its
