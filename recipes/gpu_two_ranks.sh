@@ -4,7 +4,7 @@
 # no network): the project runs from src/, and the few dependencies such an image lacks (hydra-core,
 # omegaconf, antlr4, bayesian-optimization) are installed from wheels in .whl/ when that folder exists.
 #   recipes/gpu_two_ranks.sh tests             # `make test-gpu`'s suite, about 5 minutes on an H200
-#   recipes/gpu_two_ranks.sh bench             # ResNet-18 at width 64 over the unlimited host, 2 ranks
+#   recipes/gpu_two_ranks.sh bench             # ResNet-18 at width 64, 2 ranks (sharing the GPU on a one-GPU machine)
 #   MODELS="[vgg16]" WHERE="cluster.nodes=2 cluster.rate=1gbit" recipes/gpu_two_ranks.sh bench
 # Each rank computes on the GPU; the ranks share it, so every entry (ddp too) talks over gloo through
 # host memory: `commsched-bench accelerator=gpu` does this by itself where the ranks outnumber the GPUs.
@@ -17,7 +17,7 @@ if [ -d .whl ]; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/commsched-site .whl/*.whl
   export PYTHONPATH="/tmp/commsched-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD/src:$PYTHONPATH" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$python" -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name(0))"
 case "${1:-tests}" in
   tests)

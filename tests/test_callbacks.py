@@ -1,5 +1,6 @@
 """Exact under Lightning's own callbacks: every callback or module hook that reads or changes weights,
-buffers or optimizer state sees and produces what it would under `ddp` (<= 1e-5, fp32), on a
+buffers or optimizer state, stops the fit, changes how many micro-batches make a step or sweeps the
+learning rate sees and produces what it would under `ddp` (<= 1e-5, fp32), on a
 third-party model (a RegNet from `transformers`) and on the project's own ResNet. Where `ddp`
 itself lets replicas diverge (BackboneFinetuning), every schedule keeps them identical and equal
 to a correct synchronous run (`wfbp`)."""
@@ -12,9 +13,20 @@ import torch
 from conftest import max_abs_diff, run_worker
 
 TOLERANCE = 1e-5
-CALLBACKS = ["ema", "swa", "pruning", "reader", "ckpt1", "ckpt2", "ckpt3"]
+FULL_FIT_STEPS = 24  # run_callbacks.py: 4 epochs of 6 steps
+INITIAL_LR = 0.05  # callback_models.Classifier's
+CALLBACKS = ["ema", "swa", "pruning", "reader", "ckpt1", "ckpt2", "ckpt3", "early", "accum", "lrfind", "lrmon"]
 OWN_MODEL_CALLBACKS = ["ema", "swa", "pruning", "reader"]
-DEFT_CALLBACKS = ["ema", "swa", "pruning", "reader", "ckpt2"]  # deft with room for everything: DDP's updates
+DEFT_CALLBACKS = [
+    "ema",
+    "swa",
+    "pruning",
+    "reader",
+    "ckpt2",
+    "early",
+    "accum",
+    "lrfind",
+]  # deft with room for everything: DDP's updates
 CASES = [
     *(f"regnet-{cb}-{s}" for cb in [*CALLBACKS, "finetune"] for s in ("ddp", "wfbp", "dear")),
     *(f"regnet-{cb}-deft" for cb in [*DEFT_CALLBACKS, "finetune"]),
@@ -70,6 +82,10 @@ def test_callback_sees_and_produces_what_it_would_under_ddp(results, case, sched
         seen, expected = result["weights_seen"], reference["weights_seen"]
         assert len(seen) == len(expected) == reference["global_step"]
         assert max((a - b).abs().max().item() for a, b in zip(seen, expected)) <= TOLERANCE
+    if case.endswith(("early", "accum")):  # fewer steps than the full fit: the callback acted, alike on both
+        assert reference["global_step"] < FULL_FIT_STEPS
+    if case.endswith("lrfind"):  # the sweep's suggestion (from its losses) is ddp's, and was taken
+        assert result["lr"] == reference["lr"] != INITIAL_LR
     if case.endswith("ema"):  # the averaged model, built in on_train_batch_end
         diff, key = max_abs_diff(result["average"], reference["average"])
         assert diff <= TOLERANCE, f"EMA average {key} differs from ddp by {diff:.3g}"

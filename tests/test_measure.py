@@ -93,10 +93,10 @@ def test_ranks_sharing_a_gpu_run_as_nodes_of_their_own_over_gloo(tmp_path, monke
     from commsched.bench import report
     from commsched.bench.config import BenchConfig
 
-    monkeypatch.setattr(report, "shares_gpus", lambda spec: True)
+    monkeypatch.setattr(report, "gpu_layout", lambda spec: "nodes")
     spec = {**dataclasses.asdict(BenchConfig()), "width": 8, "steps": 3, "warmup": 1, "rounds": 1}
     results, rate = report.run_benchmark(spec, tmp_path, Console())
-    assert rate == "none" and "2 ranks share the GPU(s)" in capfd.readouterr().out
+    assert rate == "none" and "2 ranks, more than this machine's GPUs" in capfd.readouterr().out
     ran = json.loads((tmp_path / "bench.json").read_text())
     assert (ran["devices"], ran["num_nodes"], ran["backend"]) == (1, 2, "gloo")
     rows = results[0]["rows"]

@@ -6,6 +6,7 @@ Skipped, with the reason, on a machine without CUDA."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,26 @@ def test_a_compensated_stale_plan_and_its_watch_equal_the_replay_on_cuda(watched
     for rank in range(result["world"]):
         diff, key = max_abs_diff(expected, watched_runs(case, rank)["state"])
         assert diff <= 1e-5, f"{case}, rank {rank}: {key} differs from the replay by {diff:.3g}"
+
+
+def test_step_marks_read_completion_without_holding_the_host_back():
+    """`StreamMarks` (the step timer's clock on CUDA): a span the host queued in a few milliseconds but
+    the GPU took far longer to run reads as the GPU's time, and nothing waited while it was queued."""
+    from commsched.comm.device_time import StreamMarks
+
+    device = torch.device("cuda", 0)
+    x = torch.randn(4096, 4096, device=device)
+    marks = StreamMarks()
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    start = StreamMarks.mark(device)
+    for _ in range(40):
+        x = x @ x
+        x = x / x.norm()
+    marks.add(start, StreamMarks.mark(device))
+    queued = time.perf_counter() - started
+    torch.cuda.synchronize(device)
+    finished = time.perf_counter() - started
+    (seconds,) = marks.seconds()
+    assert queued < seconds / 4, (queued, seconds)
+    assert 0.8 * finished <= seconds <= finished, (seconds, finished)

@@ -64,7 +64,13 @@ class Pair:
         self.logs = [logs / f"node{node}.log" for node in range(WORLD)]
         self.processes: list[subprocess.Popen] = []
         for node in range(WORLD):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node)}
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "NODE_RANK": str(node),
+                "COMMSCHED_TEST_SHARED_GPU": "1",
+            }
             env.pop("LOCAL_RANK", None)
             if ON_CPU:
                 env["OMP_NUM_THREADS"] = "1"
@@ -79,6 +85,16 @@ class Pair:
                         process_group=0 if node == 0 else self.processes[0].pid,
                     )
                 )
+
+    def __enter__(self) -> "Pair":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        """Whatever happened in the test (a failed assertion, pytest's timeout), no rank is left running."""
+        if any(p.poll() is None for p in self.processes):
+            os.killpg(self.processes[0].pid, signal.SIGKILL)
+            for process in self.processes:
+                process.wait()
 
     def interrupt(self) -> None:
         os.killpg(self.processes[0].pid, signal.SIGINT)
@@ -100,7 +116,8 @@ class Pair:
 
 
 def run_pair(script: str, *args: str, logs: Path, timeout: float) -> list[Ended]:
-    ended = Pair(script, *args, logs=logs).wait(timeout)
+    with Pair(script, *args, logs=logs) as pair:
+        ended = pair.wait(timeout)
     for node, rank in enumerate(ended):
         assert rank.returncode == 0, f"node {node} ended with {rank.returncode}:\n{rank.output[-6000:]}"
     return ended
@@ -159,7 +176,8 @@ def test_profiled_collectives_are_completion_times_across_two_processes(runs):
 
 def test_a_peer_killed_mid_step_ends_the_other_with_the_message(tmp_path):
     started = time.monotonic()
-    ended = Pair("run_gpu_pair.py", "peer-dies", str(tmp_path), logs=tmp_path / "logs").wait(240)
+    with Pair("run_gpu_pair.py", "peer-dies", str(tmp_path), logs=tmp_path / "logs") as pair:
+        ended = pair.wait(240)
     survivor = ended[0]
     assert ended[1].returncode == 17
     assert survivor.returncode == 1, survivor.output[-3000:]
@@ -171,11 +189,12 @@ def test_a_peer_killed_mid_step_ends_the_other_with_the_message(tmp_path):
 
 def test_ctrl_c_stops_both_ranks_at_one_step_and_the_resume_is_exact(tmp_path):
     interrupted = tmp_path / "interrupted"
-    pair = Pair("run_gpu_pair.py", "interrupt", str(interrupted), logs=tmp_path / "logs-interrupted")
-    _wait_for(interrupted / "started", pair)
-    time.sleep(1.0)
-    pair.interrupt()
-    for node, rank in enumerate(pair.wait(180)):
+    with Pair("run_gpu_pair.py", "interrupt", str(interrupted), logs=tmp_path / "logs-interrupted") as pair:
+        _wait_for(interrupted / "started", pair)
+        time.sleep(1.0)
+        pair.interrupt()
+        ended = pair.wait(180)
+    for node, rank in enumerate(ended):
         assert rank.returncode == 130, f"node {node}:\n{rank.output[-3000:]}"
         assert "Traceback" not in rank.output, rank.output[-3000:]
     saved = torch.load(interrupted / "last.ckpt", weights_only=False)

@@ -40,6 +40,7 @@ class Classifier(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.backbone, self.head = ARCHS[arch]()
+        self.lr = 0.05  # what Lightning's LearningRateFinder sets
         self.weights_seen: list[torch.Tensor] = []
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,7 @@ class Classifier(pl.LightningModule):
 
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(trainable, lr=0.05, momentum=0.9, weight_decay=1e-3)
+        optimizer = torch.optim.SGD(trainable, lr=self.lr, momentum=0.9, weight_decay=1e-3)
         if not self.hparams.lr_schedule:  # BackboneFinetuning adds a param group, which LambdaLR cannot follow
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.05 * s))

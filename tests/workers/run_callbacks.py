@@ -16,11 +16,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
+    EarlyStopping,
     EMAWeightAveraging,
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+    LearningRateMonitor,
     ModelCheckpoint,
     ModelPruning,
     StochasticWeightAveraging,
 )
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 import commsched
@@ -45,6 +50,14 @@ def callbacks_for(name: str, out: Path, case: str) -> list[pl.Callback]:
         return [ModelPruning("l1_unstructured", amount=0.3, apply_pruning=lambda epoch: epoch in (0, 1), verbose=0)]
     if name == "finetune":
         return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False)]
+    if name == "early":  # stops at the first validation that fails to improve by 10 (every one)
+        return [EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)]
+    if name == "accum":  # 1, then 2, then 3 micro-batches a step
+        return [GradientAccumulationScheduler({0: 1, 1: 2, 2: 3})]
+    if name == "lrfind":  # a learning-rate sweep on the first steps, the weights restored after it
+        return [LearningRateFinder(min_lr=1e-3, max_lr=0.1, num_training_steps=16, early_stop_threshold=None)]
+    if name == "lrmon":
+        return [LearningRateMonitor(logging_interval="step")]
     if name.startswith("ckpt"):  # ckpt<N>: a checkpoint every N steps
         return [ModelCheckpoint(dirpath=out / f"{case}-ckpt", every_n_train_steps=int(name[4:]), save_top_k=-1)]
     if name in ("reader", "plain"):
@@ -89,7 +102,7 @@ def run(out: Path, case: str, world: int) -> None:
         limit_val_batches=1,
         val_check_interval=0.5,
         num_sanity_val_steps=0,
-        logger=False,
+        logger=CSVLogger(out / case) if callback == "lrmon" else False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=callback.startswith("ckpt"),
@@ -104,6 +117,7 @@ def run(out: Path, case: str, world: int) -> None:
         "optimizer": optimizer_state_by_name(model, trainer.optimizers[0]),
         "weights_seen": model.weights_seen,
         "global_step": trainer.global_step,
+        "lr": model.lr,
     }
     for cb in callbacks:
         if isinstance(cb, EMAWeightAveraging) and cb._average_model is not None:

@@ -3,8 +3,8 @@ devices, and the profiler's figures against a synchronised wall-clock measuremen
 
 Usage: python run_gpu.py OUT_DIR WORLD_SIZE CASE [CASE ...]   (needs WORLD_SIZE CUDA devices: NCCL)
 
-Started once per rank with `NODE_RANK` (and `MASTER_ADDR`, `MASTER_PORT`) set, each rank is a node of
-its own with one device: every rank computes on `cuda:0` and the ranks talk over gloo, since NCCL
+Started once per rank with `COMMSCHED_TEST_SHARED_GPU=1` (and `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`),
+each rank is a node of its own with one device: every rank computes on `cuda:0` and the ranks talk over gloo, since NCCL
 refuses two ranks on one GPU (tests/gpu/test_two_ranks.py). `COMMSCHED_TEST_ACCELERATOR=cpu` runs the
 same cases on the CPU (the harness, on a machine without a GPU).
 
@@ -36,7 +36,7 @@ from toy import ToyNet  # noqa: E402
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 ACCELERATOR = os.environ.get("COMMSCHED_TEST_ACCELERATOR", "gpu")
-SHARED = "NODE_RANK" in os.environ
+SHARED = os.environ.get("COMMSCHED_TEST_SHARED_GPU") == "1"  # not NODE_RANK: Lightning sets it in its children
 """Every rank a node of its own on the one device, over gloo (else: WORLD_SIZE devices, NCCL)."""
 BUCKET_MB = 600 / 2**20
 NO_DELAY = commsched.DeFTOptions(capacity=None, warmup_steps=1, measure_steps=2, cost_repeats=1)

@@ -4,7 +4,8 @@ a peer that dies mid-step, and Ctrl-C with its resume. Started once per rank wit
 one device is `cuda:0`, and the ranks talk over gloo (NCCL refuses two ranks on one GPU).
 
 Usage: python run_gpu_pair.py MODE OUT_DIR [STEPS [CHECKPOINT]]
-  peer-dies    DeAR; rank 1 leaves the run at step 3 (`os._exit`): rank 0 must end with the error.
+  peer-dies    DeAR; rank 1 leaves the run in step 3's backward (`os._exit`), once the buckets whose
+               gradients came first are on the network: rank 0 must end with the error.
   interrupt    DeAR with `StopAndSave` into OUT_DIR, for ever: writes OUT_DIR/started once at step 5
                (the test then sends Ctrl-C to both ranks' process group).
   resume       from CHECKPOINT to step STEPS; each rank saves OUT_DIR/final.rank<r>.pt.
@@ -29,12 +30,24 @@ from commsched.data import ResumableDataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
 from exit_report import report_issuer_threads  # noqa: E402
-from run_failure import DiesAtStep3  # noqa: E402
 from toy import ToyData, ToyNet  # noqa: E402
 
 ACCELERATOR = os.environ.get("COMMSCHED_TEST_ACCELERATOR", "gpu")
 BATCH = 4
 STARTED_AT = 5
+
+
+class DiesInBackward(ToyNet):
+    """Rank 1 exits in the middle of step 3's backward: when the first layer's gradient is ready, the
+    last of the step's gradients, after the other buckets' exchanges were started."""
+
+    def on_train_start(self) -> None:
+        if self.global_rank == 1:
+            self.conv.weight.register_post_accumulate_grad_hook(self._maybe_die)
+
+    def _maybe_die(self, _param: torch.Tensor) -> None:
+        if self.global_step == 3:
+            os._exit(17)
 
 
 class ResumableToyNet(ToyNet):
@@ -84,7 +97,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     if mode == "peer-dies":
         atexit.register(report_issuer_threads)
-        trainer(out, 20, [], timeout_s=15).fit(DiesAtStep3("dies"))
+        trainer(out, 20, [], timeout_s=15).fit(DiesInBackward())
         print("commsched-test: training finished without the expected error")
         return
     model = ResumableToyNet(batch_size=BATCH, train_size=BATCH * 2 * 50)  # 50 steps an epoch: the stop lands mid-epoch

@@ -77,17 +77,21 @@ def register_bench_config() -> None:
 ACCELERATORS = ("cpu", "gpu")
 
 
-def shares_gpus(spec: Any) -> bool:
-    """More ranks on this machine than it has GPUs (every emulated node is on this machine, and each
-    numbers its devices from 0): they share devices, and since NCCL refuses two ranks on one device
-    every entry (ddp too) talks over gloo, through host memory."""
-    if spec["accelerator"] != "gpu":
-        return False
+def gpu_layout(spec: Any) -> Optional[str]:
+    """How ranks on GPUs are laid out where Lightning's own placement will not do; None elsewhere (the
+    CPU, or no more ranks than GPUs: Lightning's devices, over NCCL).
+
+    "cluster": an emulated cluster's nodes all run on this machine and each numbers its devices from
+    0, so its ranks share GPUs; "nodes": more ranks than GPUs, each rank then a node of its own on the
+    loopback (Lightning gives one node's ranks a device each). Either way every entry, ddp too, talks
+    over gloo through host memory: NCCL refuses two ranks on one device."""
+    if spec.get("accelerator", "cpu") != "gpu":
+        return None
+    if spec["cluster"]["nodes"]:
+        return "cluster"
     import torch
 
-    cluster = spec["cluster"]
-    ranks = cluster["nodes"] * cluster["workers_per_node"] if cluster["nodes"] else spec["devices"]
-    return cluster["nodes"] > 1 or ranks > torch.cuda.device_count()
+    return "nodes" if spec["devices"] > torch.cuda.device_count() else None
 
 
 def _check_accelerator(cfg: Any) -> None:
@@ -103,12 +107,13 @@ def _check_accelerator(cfg: Any) -> None:
         raise bad_value(
             "cluster.workers_per_node", cfg.cluster.workers_per_node, f"at most {gpus} (the GPUs a node's ranks use)"
         )
-    if not cfg.cluster.nodes and cfg.devices > gpus and cfg.link.rate != "none":
+    if not cfg.cluster.nodes and cfg.link.rate != "none":
         raise bad_value(
             "link.rate",
             cfg.link.rate,
-            f"none with {cfg.devices} ranks on {gpus} GPU(s): ranks sharing a GPU run as nodes of their own; "
-            f"for a slow link between them use cluster.nodes={cfg.devices} cluster.rate={cfg.link.rate}",
+            "none with accelerator=gpu: ranks on GPUs of one machine talk through GPU copies or host memory, "
+            f"never through a limited loopback; for a slow link between them use cluster.nodes={cfg.devices} "
+            f"cluster.rate={cfg.link.rate}",
         )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from commsched.bench.config import shares_gpus
+from commsched.bench.config import gpu_layout
 from commsched.cluster import netns
 
 COLUMNS = (
@@ -39,15 +39,15 @@ ROUNDS_AGREE = 0.05  # rounds further apart than this are too noisy to trust
 def run_benchmark(spec: dict, out: Path, console: Console) -> tuple[list[dict], str]:
     """Run the workers on `spec` (a validated bench config); the results and the link rate really used."""
     out.mkdir(parents=True, exist_ok=True)
-    shared = shares_gpus(spec)
-    spec = {**spec, "backend": "gloo" if shared else None}
+    layout = gpu_layout(spec)
+    spec = {**spec, "backend": "gloo" if layout else None}
     spec_file = out / "bench.json"
     spec_file.write_text(json.dumps(spec, indent=1))
     argv = [sys.executable, "-m", "commsched_cli", "bench-worker", str(spec_file), str(out)]
     cluster = spec.get("cluster", {})
     if cluster.get("nodes"):
         return _run_in_cluster(spec, spec_file, argv, out, console)
-    if shared:
+    if layout == "nodes":
         return _run_as_host_nodes(spec, spec_file, argv, out, console)
     rate = spec["link"]["rate"]
     if rate != "none":
@@ -92,7 +92,10 @@ def _run_as_host_nodes(
 
     ranks = spec["devices"]
     spec_file.write_text(json.dumps({**spec, "devices": 1, "num_nodes": ranks}, indent=1))
-    console.print(f"commsched: {ranks} ranks share the GPU(s): each runs as a node of its own, over gloo")
+    console.print(
+        f"commsched: {ranks} ranks, more than this machine's GPUs: each runs as a node of its own on the first GPU, "
+        "every entry over gloo"
+    )
     _check(run_on_nodes(ClusterSpec(ranks, 1, master_port=free_port()), argv, on_host=True))
     return json.loads((out / "results.json").read_text()), "none"
 

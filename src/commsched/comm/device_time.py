@@ -42,6 +42,48 @@ def compute_done(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+class StreamMarks:
+    """Spans between moments of the model's stream: on CUDA an event recorded there, read once the
+    stream has passed it (nothing is synchronised on the way, so the host still queues ahead); on the
+    CPU the host clock. A span is then when the stream reached its end less when it reached its start:
+    a step whose compute the host queued ahead counts that compute, and one the GPU spent waiting for
+    the host counts the wait."""
+
+    def __init__(self) -> None:
+        self._open: list[tuple[Any, Any]] = []
+        self._seconds: list[float] = []
+
+    @staticmethod
+    def mark(device: torch.device) -> Any:
+        """This moment of `device`'s current stream."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def add(self, start: Any, end: Any) -> None:
+        if isinstance(end, float):
+            self._seconds.append(end - start)
+            return
+        self._open.append((start, end))
+        self._close(wait=False)
+
+    def __len__(self) -> int:
+        return len(self._seconds) + len(self._open)
+
+    def seconds(self) -> list[float]:
+        """Every span so far (waits for the stream to pass the last one)."""
+        self._close(wait=True)
+        return list(self._seconds)
+
+    def _close(self, wait: bool) -> None:
+        while self._open and (wait or self._open[0][1].query()):
+            start, end = self._open.pop(0)
+            end.synchronize()
+            self._seconds.append(start.elapsed_time(end) / 1e3)
+
+
 def seconds_of(device: torch.device, run: Callable[[], object]) -> float:
     """Wall seconds until everything `run` enqueued on `device` has completed."""
     synchronize(device)
