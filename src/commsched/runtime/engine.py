@@ -210,8 +210,8 @@ class Engine:
         module = strategy.lightning_module
         if self.profiler is not None:
             self.profiler.on_batch_start(strategy)
-        if self._iteration_starts and self._timing_a_choice():
-            compute_done(strategy.root_device)  # the choices' turns time completed steps (a no-op on the CPU)
+        if self._iteration_starts and strategy.root_device.type == "cuda" and self._timing_a_choice():
+            compute_done(strategy.root_device)  # the choices' turns time completed steps
         if self.policy.at_boundary(strategy, self._iteration_starts):
             self.rebuild(module, strategy.world_size)
             self.policy.rebuilt(strategy)
