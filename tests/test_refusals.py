@@ -162,7 +162,6 @@ def test_sync_batchnorm_on_cpu_refused_before_spawning(name):
 @pytest.mark.parametrize(
     "mode, message",
     [
-        ("manual", "supports automatic optimization only"),
         ("lbfgs", "optimizer LBFGS re-evaluates the closure"),
         ("plan-mismatch", "differs between ranks"),
         ("fused-fp16", "Adam unscales inside its own step (fused=True)"),

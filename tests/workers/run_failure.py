@@ -1,6 +1,6 @@
 """Start a 2-process run that must fail with a clear error; the test reads the exit code and output.
 
-Usage: python run_failure.py MODE OUT_DIR   (MODE: manual, lbfgs, plan-mismatch, peer-dies, peer-hangs,
+Usage: python run_failure.py MODE OUT_DIR   (MODE: lbfgs, plan-mismatch, peer-dies, peer-hangs,
 peer-dies-saved: with Lightning's OnExceptionCheckpoint saving into OUT_DIR, the run's folder;
 gather-dies, gather-dies-no-rollback: a `Chain` under DeAR whose rank 1 dies between two of step 3's
 all-gathers, so that rank 0 has applied part of that step when the failure reaches it, saved by
@@ -26,7 +26,7 @@ import commsched
 
 sys.path.insert(0, str(Path(__file__).parent))
 from exit_report import report_issuer_threads, watch_workers_slowly  # noqa: E402
-from toy import ManualToyNet, ToyNet  # noqa: E402
+from toy import ToyNet  # noqa: E402
 
 
 class DiesAtStep3(ToyNet):
@@ -151,8 +151,6 @@ def model_for(mode: str) -> pl.LightningModule:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     if mode == "fused-fp16":
         return FusedAdamToyNet()
-    if mode == "manual":
-        return ManualToyNet()
     if mode == "lbfgs":
         return ToyNet(optimizer="lbfgs")
     if mode == "plan-mismatch":

@@ -105,21 +105,6 @@ class ToyNet(pl.LightningModule):
         return self.val_dataloader()
 
 
-class ManualToyNet(ToyNet):
-    """Manual optimization: refused by commsched with a clear error."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        opt = self.optimizers()
-        loss = self._loss(batch, True)
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
-
-
 class UnfreezingToyNet(ToyNet):
     """Makes the frozen layer trainable at step 6 and hands it to the optimizer, as BaseFinetuning does."""
 

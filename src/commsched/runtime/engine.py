@@ -70,6 +70,7 @@ class Engine:
         self._hand_over_plan: Optional[tuple[SavedPlan, BucketPlan]] = None  # (layout, its buckets) for `_plan_for`
         self._iteration_starts = True
         self._local = False  # inside `no_sync`
+        self._for_good: Optional[tuple[Handover, str]] = None  # (the schedule that runs every iteration, why)
         self.compiled_outside = False
         """The module runs under torch.compile applied around a wrapper of it (Fabric's), which the module
         itself does not show (`runs_compiled`)."""
@@ -88,6 +89,7 @@ class Engine:
         `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
         processes per node (the sub-group links: one group per node, one per local rank)."""
         self._hand_over_plan = None  # a layout built for another fit's module
+        self._for_good = None
         log.debug(
             f"commsched: creating links {self.schedule_class.links_for(self.settings)}, "
             f"{self.schedule_class.streams_for(self.settings)} stream(s) each"
@@ -220,14 +222,15 @@ class Engine:
         if self._iteration_starts and self.owner is not None:
             self._iteration_starts = False
             self.owner.settling = self.policy.deciding or self.policy.comparing
-            self._hand_over(self.owner.at_boundary(), module)
+            self._hand_over(self._for_good[0] if self._for_good else self.owner.at_boundary(), module)
         self._follow_sync()
         self.maybe_start_profiler(module)
 
     def _timing_a_choice(self) -> bool:
         """Some automatic choice is timing the steps now (the buckets, DeAR or WFBP, a stream search,
         sparse or dense, a recheck of any of them)."""
-        return self.policy.deciding or self.policy.comparing or (self.owner is not None and not self.owner.settled)
+        deciding = self.schedule if self._for_good else self.owner  # an owner handing over for good decides nothing
+        return self.policy.deciding or self.policy.comparing or (deciding is not None and not deciding.settled)
 
     def training_step_returned(self, output: Any) -> None:
         """The loss `training_step` returned goes to the schedule that chose (also while it hands its
@@ -235,6 +238,22 @@ class Engine:
         loss = output.get("loss") if isinstance(output, dict) else output
         if isinstance(loss, torch.Tensor) and self.owner is not None:
             self.owner.on_loss(loss)
+
+    def hand_over_for_good(self, handover: Handover, why: str) -> None:
+        """The owner cannot serve this run (`why`, said once): `handover`'s schedule runs every iteration from
+        the next one on, and the owner makes none of its own choices. The owner keeps the communication
+        state (the running schedule, on dense buckets, keeps none across steps)."""
+        if self._for_good is None:
+            say(f"commsched {self.schedule_class.name}: {why}")
+        self._for_good = (handover, why)
+
+    def summary(self) -> list[str]:
+        """What the schedules decided, for the fit's closing summary (called on every rank)."""
+        assert self.owner is not None
+        if self._for_good is None:
+            return self.owner.summary()
+        assert self.schedule is not None
+        return [self._for_good[1], *(self.schedule.summary() if self.schedule is not self.owner else [])]
 
     def iteration_done(self) -> None:
         """After an optimizer step: the next batch starts an iteration (accumulation micro-batches do not)."""

@@ -16,7 +16,6 @@ that its forward marks the batch boundaries. The loop's calls map onto the sched
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -42,7 +41,6 @@ from commsched.options import (
     LinkOptions,
     PreserverOptions,
     ProfileOptions,
-    StrategyOptions,
     StreamOptions,
     TuningOptions,
 )
@@ -51,6 +49,7 @@ from commsched.runtime.arguments import checked_arguments, refuse_unknown_argume
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
 from commsched.runtime.fabric_loop import FabricLoop, ScheduledModule
+from commsched.runtime.manual_optimization import without_delays
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say
 from commsched.schedules import Schedule
@@ -140,7 +139,7 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         if configured.hook_read is not None:
             say(f"commsched: {configured.hook_read}")
         self.schedule_class: type[Schedule] = configured.schedule_class
-        self.options = _without_delays(configured.options)
+        self.options = without_delays(configured.options)
         if self.schedule_class.name == "deft" and configured.options.deft.capacity is not None:
             say(
                 "commsched deft: under Fabric, plans without delay (the guard of delayed plans reads the Trainer's "
@@ -427,20 +426,6 @@ def _free_key(user_state: dict[str, Any]) -> str:
             "state commsched saves beside yours; name your entry otherwise"
         )
     return KEY
-
-
-def _without_delays(options: StrategyOptions) -> StrategyOptions:
-    """deft's plans without delay (and no guard to run): the Preserver is a Trainer callback."""
-    if options.deft.capacity is None and not options.preserver.enabled:
-        return options
-    exact = dataclasses.replace(options.deft, capacity=None)
-    schedule_options = exact if options.schedule_options is options.deft else options.schedule_options
-    return dataclasses.replace(
-        options,
-        deft=exact,
-        preserver=dataclasses.replace(options.preserver, enabled=False),
-        schedule_options=schedule_options,
-    )
 
 
 class _ScheduleSyncControl(_BackwardSyncControl):

@@ -22,20 +22,13 @@ def refuse_before_launch(strategy: Any) -> None:
         )
 
 
-def refuse_manual_optimization(module: Any, name: str) -> None:
-    if not module.automatic_optimization:
+def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool = True, by_hand: bool = False) -> None:
+    """`by_hand`: the user steps the optimizers (manual optimization), so there may be several."""
+    if not optimizers or (len(optimizers) > 1 and not by_hand):
         raise CommSchedConfigError(
-            f"commsched: strategy='{name}' supports automatic optimization only "
-            "(LightningModule.automatic_optimization=True); manual optimization (several optimizers, "
-            "GANs) is not supported yet. Use strategy='ddp' for this module."
-        )
-
-
-def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool = True) -> None:
-    if len(optimizers) != 1:
-        raise CommSchedConfigError(
-            f"commsched: strategy='{name}' supports exactly one optimizer; "
-            f"configure_optimizers returned {len(optimizers)}."
+            f"commsched: strategy='{name}' steps exactly one optimizer under automatic optimization; "
+            f"configure_optimizers returned {len(optimizers)}. Several optimizers (a GAN's) are stepped by hand: "
+            "set self.automatic_optimization = False in the LightningModule, as Lightning requires for them."
         )
     if isinstance(optimizers[0], _CLOSURE_OPTIMIZERS):
         raise CommSchedConfigError(

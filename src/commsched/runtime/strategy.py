@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Generator, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import do_nothing_closure
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
@@ -33,7 +34,7 @@ from typing_extensions import override
 
 from commsched import loss_scale, rank_parts, run_files, state
 from commsched.comm import peers
-from commsched.errors import PeerFailureError
+from commsched.errors import CommSchedConfigError, PeerFailureError
 from commsched.options import (
     CompressionOptions,
     DeAROptions,
@@ -51,6 +52,13 @@ from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
 from commsched.runtime.interrupt import StoppedBySignal
 from commsched.runtime.lr_follow import FollowOptimizerSteps
+from commsched.runtime.manual_optimization import (
+    StepMarks,
+    every_optimizer_trainable,
+    refuse_by_hand,
+    whole_step_handover,
+    without_delays,
+)
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say, say_from_this_rank
 from commsched.schedules import Schedule
@@ -179,6 +187,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._failed = False
         self._failure_state: Optional[str] = None
         self._clock = run_summary.StepClock()
+        self._by_hand = StepMarks()
         self._files_before = 0
         self.run_dir: Optional[Path] = None
         """This fit's folder for the files commsched writes (`commsched.run_files.run_folder`; None: the run has
@@ -212,7 +221,6 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def configure_ddp(self) -> None:
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper."""
         module = self.lightning_module
-        refusals.refuse_manual_optimization(module, self.schedule_class.name)
         self._engine.start(
             module,
             self.world_size,
@@ -238,16 +246,30 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             f"{self.__class__.__name__}: files of this run go to "
             f"{self.run_dir or 'no folder (no logger, no checkpoints)'}"
         )
-        self._engine.settings = self.schedule_class.settings_for(self.options, trainer, self._advance_schedulers)
+        by_hand = not trainer.lightning_module.automatic_optimization
+        options = without_delays(self.options) if by_hand else self.options
+        if by_hand and options is not self.options and self.schedule_class.name == "deft":
+            say(
+                "commsched deft: under manual optimization, plans without delay (a delayed plan skips optimizer "
+                "steps, which training_step takes itself); DeFT still chooses between WFBP, DeAR and its plan"
+            )
+        self._engine.settings = self.schedule_class.settings_for(options, trainer, self._advance_schedulers)
         self._engine.loss_scaler = loss_scale.scaler_of(self.precision_plugin)
+        self._by_hand = StepMarks()
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.schedule_class.skips_steps:
+            if self.schedule_class.skips_steps and not by_hand:
                 self._lr_follow = FollowOptimizerSteps(
                     trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration
                 )
-            refusals.refuse_optimizer_setup(self.optimizers, self.schedule_class.name, self.schedule_class.steps_whole)
-            self.schedule_class.refuse_optimizers(self.options, self.optimizers)
+            name = self.schedule_class.name
+            refusals.refuse_optimizer_setup(self.optimizers, name, self.schedule_class.steps_whole, by_hand)
+            if by_hand:
+                refuse_by_hand(self.options, self.optimizers, name)
+                handover = whole_step_handover(name, self.optimizers, self.schedule_class.steps_whole)
+                if handover is not None:
+                    self._engine.hand_over_for_good(*handover)
+            self.schedule_class.refuse_optimizers(options, self.optimizers)
             refusals.refuse_under_scaler(
                 self._engine.loss_scaler,
                 self.optimizers,
@@ -263,7 +285,9 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._engine.schedule is not None:
-            self._engine.at_batch_start(self)
+            self._by_hand.stepped_this_batch = False
+            with every_optimizer_trainable(self.optimizers if self._stepped_by_hand else ()):
+                self._engine.at_batch_start(self)
 
     @contextmanager
     @override
@@ -280,12 +304,26 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._profile("phase_started")
         self._buffers.before_forward(self.lightning_module, self.control_link)
         schedule.before_forward()
+        self._by_hand.forward_open = True
         output = super().training_step(*args, **kwargs)
-        self._engine.training_step_returned(output)
-        schedule.after_forward()
-        self._buffers.after_forward(schedule.sync_enabled)
-        self._profile("forward_done")
+        self._forward_ends(schedule, output)  # by hand: at the first backward, or here if none ran
         return output
+
+    def _forward_ends(self, schedule: Schedule, loss: Any) -> None:
+        if not self._by_hand.forward_open:
+            return
+        self._by_hand.forward_open = False
+        self._engine.training_step_returned(loss)
+        schedule.after_forward()
+        # By hand, Lightning's DDP turns its wrapper's sync off around each training_step: buffers go out from
+        # rank 0 before the fit's first forward only, and each rank keeps its own statistics from then on.
+        self._buffers.after_forward(schedule.sync_enabled and not self._stepped_by_hand)
+        self._profile("forward_done")
+
+    @property
+    def _stepped_by_hand(self) -> bool:
+        module = self.lightning_module
+        return module is not None and not module.automatic_optimization
 
     def _evaluation_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
         if self._engine.schedule is not None:
@@ -310,6 +348,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         schedule = self._engine.schedule
         if schedule is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._stepped_by_hand:
+            return self._step_by_hand(schedule, optimizer, closure, model, **kwargs)
 
         def closure_then_reduce() -> Any:
             output = closure()
@@ -327,14 +367,53 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         self._clock.stepped(self.exposed_comm_seconds, sum(self.wire_bytes.values()))
         return output
 
+    def _step_by_hand(
+        self,
+        schedule: Schedule,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", nn.Module]],
+        **kwargs: Any,
+    ) -> Any:
+        """`optimizer.step()` in the user's `training_step`: its backward (before, or in `closure`) finished
+        its collectives when it returned; with none, the optimizer steps on `.grad` as it is, as under DDP."""
+        run_step = partial(Strategy.optimizer_step, self, optimizer, closure, model, **kwargs)
+        if not self._by_hand.backward_pending and closure is do_nothing_closure:
+            schedule.flush()
+            return run_step()
+        try:
+            with loss_scale.answered_by(self._engine.loss_scaler, schedule.unscale_gradients):
+                output = schedule.optimizer_step(optimizer, run_step)
+        finally:
+            self._by_hand.backward_pending = False
+            self._engine.iteration_done()
+        if not self._by_hand.stepped_this_batch:
+            self._by_hand.stepped_this_batch = True
+            self._clock.stepped(self.exposed_comm_seconds, sum(self.wire_bytes.values()))
+        return output
+
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
+        schedule = self._engine.schedule
+        if schedule is not None and self._stepped_by_hand:
+            self._forward_ends(schedule, closure_loss)
+            if self._by_hand.backward_pending and schedule.sync_enabled and not schedule.steps_whole:
+                raise CommSchedConfigError(
+                    f"commsched: a second synchronised manual_backward before optimizer.step() under strategy "
+                    f"'{schedule.name}', whose gradients are still on the network when backward returns. Keep the "
+                    "gradients of all but the last local (`with optimizer.toggle_model(sync_grad=False):`, as DDP "
+                    "needs for speed too), or use strategy='wfbp'"
+                )
         self._profile("backward_started")
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
+        schedule = self._engine.schedule
+        if schedule is not None and self._stepped_by_hand and schedule.sync_enabled:
+            schedule.finish_backward()  # as DDP: every collective of this backward issued when it returns
+            self._by_hand.backward_pending = True
         self._profile("backward_done")
 
     def _profile(self, event: str) -> None:
@@ -389,7 +468,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def _say_summary(self) -> None:
         """The fit's closing lines (rank 0 says them; every rank gathers the schedule's part)."""
         assert self._engine.owner is not None
-        decided = self._engine.owner.summary()  # may write files (an unfinished search's trials)
+        decided = self._engine.summary()  # may write files (an unfinished search's trials)
         written = run_files.WRITTEN[self._files_before :]
         lines = run_summary.closing_lines(self, self.lightning_module.trainer, self._clock, decided, written)
         say("\n".join(lines))

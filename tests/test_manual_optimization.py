@@ -1,0 +1,113 @@
+"""Manual optimization (``automatic_optimization = False``) under every schedule, against Lightning's ddp on the
+same module (2 processes, 8 batches): a GAN stepping two optimizers with Lightning's toggling (or with
+`requires_grad` switched by hand and left off at the batch end), one optimizer
+stepped with a closure, clipping and a scheduler stepped by hand, accumulation kept local by hand, two
+synchronised backwards per step; resumed from a checkpoint half way; what cannot be served, refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+from conftest import max_abs_diff, per_link, run_worker
+
+SCHEDULES = ["wfbp", "dear", "deft", "streams"]
+PATTERNS = ["gan", "ganctx", "ganflags", "single", "accum"]
+EXTRA = ["topk-accum", "wfbp-twice"]  # top-k's DGC clipping is its own (local, before accumulation): no clip case
+RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("manual")
+    cases = [f"ddp-{p}" for p in [*PATTERNS, "twice"]] + [f"{s}-{p}" for s in SCHEDULES for p in PATTERNS] + EXTRA
+    cases += [f"ddp-{p}-resume" for p in ("gan", "single")] + [f"{c}-resume" for c in RESUMED]
+    proc = run_worker("run_manual.py", str(out), *cases)
+    if proc.returncode != 0:
+        pytest.fail(f"runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    load = lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)  # noqa: E731
+    load.output = proc.stdout + proc.stderr
+    return load
+
+
+def _optimizer_tensors(saved: dict) -> dict[str, torch.Tensor]:
+    return {str(i): t for i, t in enumerate(tree_leaves(saved["optimizers"])) if isinstance(t, torch.Tensor)}
+
+
+def _same_as(got: dict, reference: dict, what: str) -> None:
+    diff, where = max_abs_diff(got["state"], reference["state"])
+    assert diff <= 1e-5, f"{what}: {diff:.2e} from the reference at {where}"
+    diff, where = max_abs_diff(_optimizer_tensors(got), _optimizer_tensors(reference))
+    assert diff <= 1e-5, f"{what}: optimizer state {diff:.2e} from the reference (leaf {where})"
+    assert got["reads"] == pytest.approx(reference["reads"], abs=1e-5), f"{what}: read other weights after a step"
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trains_the_model_ddp_trains(runs, schedule, pattern):
+    for rank in (0, 1):
+        _same_as(runs(f"{schedule}-{pattern}", rank), runs(f"ddp-{pattern}", rank), f"{schedule} {pattern} rank {rank}")
+
+
+@pytest.mark.parametrize("case", EXTRA)
+def test_more_schedules_and_patterns_equal_ddp(runs, case):
+    pattern = case.split("-", 1)[1]
+    for rank in (0, 1):
+        _same_as(runs(case, rank), runs(f"ddp-{pattern}", rank), f"{case} rank {rank}")
+
+
+def test_the_reference_trains_both_halves_of_the_gan(runs):
+    """A test comparing models that never moved could not fail: both optimizers stepped, each with its own
+    parameters only (Adam's state holds a step count per parameter: 8 steps each)."""
+    saved = runs("ddp-gan")
+    for optimizer in saved["optimizers"]:
+        counts = {float(s["step"]) for s in optimizer["state"].values()}
+        assert counts == {8.0}, counts
+    assert len(set(saved["reads"])) == len(saved["reads"]), "the generator did not move every step"
+
+
+@pytest.mark.parametrize("case", [f"{s}-{p}" for s in SCHEDULES for p in PATTERNS] + EXTRA)
+def test_every_rank_issues_the_same_collectives(runs, case):
+    first, second = runs(case, 0)["trace"], runs(case, 1)["trace"]
+    assert first and per_link(first) == per_link(second)
+
+
+def test_a_gan_sends_what_ddp_sends(runs):
+    """Two backwards a batch, each averaging every bucket, as DDP's (a toggled-off half's zeros included)."""
+    trace = runs("wfbp-gan")["trace"]
+    gradients = [numel for link, op, tag, numel in trace if op == "all_reduce" and tag.startswith("bucket")]
+    assert len(gradients) == 8 * 2 * 3, gradients  # 8 batches, 2 backwards, 3 buckets
+
+
+def test_several_optimizers_run_wfbp_under_dear_and_deft(runs):
+    said = runs.output
+    for name in ("dear", "deft"):
+        assert f"commsched {name}: this module steps 2 optimizers by hand" in said
+    assert "so WFBP (DDP's schedule, exact with any number of optimizers) runs every iteration" in said
+    assert "commsched dear: the optimizer (SGD) steps bucket by bucket" in said, "one optimizer: DeAR itself runs"
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_resumed_by_hand_equals_a_run_that_never_stopped(runs, case):
+    """Rank 0 against its own uninterrupted run (weights, buffers, optimizer state, weights read after each
+    resumed step); every rank against ddp resumed the same way (a checkpoint holds rank 0's BatchNorm
+    statistics, which each rank resumes from, under ddp too)."""
+    schedule, pattern = case.split("-", 1)
+    resumed, whole = runs(f"{case}-resume"), runs(case)
+    _same_as({**resumed, "reads": resumed["reads"]}, {**whole, "reads": whole["reads"][-len(resumed["reads"]) :]}, case)
+    for rank in (0, 1):
+        _same_as(runs(f"{case}-resume", rank), runs(f"ddp-{pattern}-resume", rank), f"{case} resumed, rank {rank}")
+
+
+def test_what_cannot_be_served_is_refused_with_the_way_out(tmp_path):
+    proc = run_worker("run_manual.py", str(tmp_path), "dear-twice")
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "a second synchronised manual_backward before optimizer.step() under strategy 'dear'" in said
+    assert "toggle_model(sync_grad=False)" in said and "strategy='wfbp'" in said
+    proc = run_worker("run_manual.py", str(tmp_path), "topk-gan")
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "invalid compression='topk' under strategy='wfbp' with 2 optimizers stepped by hand" in said
+    assert "allowed here: compression='none'" in said
