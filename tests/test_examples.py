@@ -31,7 +31,14 @@ def final_metrics(output: str, strategy: str) -> tuple[float, float]:
 
 
 def test_every_example_is_tested():
-    tested = {"train_with_dear.py", "fabric_gpt2.py", "custom_schedule.py", "hydra_sweep.sh", "emulated_cluster.sh"}
+    tested = {
+        "train_with_dear.py",
+        "gan.py",
+        "fabric_gpt2.py",
+        "custom_schedule.py",
+        "hydra_sweep.sh",
+        "emulated_cluster.sh",
+    }
     assert {p.name for p in EXAMPLES.iterdir() if p.is_file()} == tested
 
 
@@ -45,6 +52,18 @@ def test_the_lightning_script_trains_under_dear_as_under_ddp(tmp_path):
         ends[strategy] = final_metrics(proc.stdout, strategy)
     assert ends["dear"] == ends["ddp"]
     assert (tmp_path / "outputs" / "train_with_dear").is_dir()
+
+
+def test_the_gan_trains_by_hand_under_dear_as_under_ddp(tmp_path):
+    """Two optimizers stepped by hand: the same weights (a checksum printed to six decimals) as Lightning's ddp."""
+    sums = {}
+    for strategy in ("ddp", "dear"):
+        proc = run([sys.executable, str(EXAMPLES / "gan.py"), "--strategy", strategy, "--batches", "6"], tmp_path)
+        found = re.search(rf"{strategy}: \S+ ms a batch .* weights checksum (\S+)", proc.stdout)
+        assert found, proc.stdout[-3000:]
+        sums[strategy] = found.group(1)
+    assert sums["dear"] == sums["ddp"]
+    assert "so WFBP (DDP's schedule, exact with any number of optimizers) runs every iteration" in proc.stderr + proc.stdout
 
 
 def test_the_fabric_loop_trains_under_dear_as_under_ddp_and_resumes_exactly(tmp_path):

@@ -1,7 +1,8 @@
 """Manual optimization (``automatic_optimization = False``) under every schedule, against Lightning's ddp on the
 same module (2 processes, 8 batches): a GAN stepping two optimizers with Lightning's toggling (or with
 `requires_grad` switched by hand and left off at the batch end), one optimizer
-stepped with a closure, clipping and a scheduler stepped by hand, accumulation kept local by hand, two
+stepped with a closure, clipping and a scheduler stepped by hand, accumulation kept local by hand, a step on
+this rank's own gradients every other batch (a closure whose backward is kept local), two
 synchronised backwards per step; resumed from a checkpoint half way; what cannot be served, refused."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 from conftest import max_abs_diff, per_link, run_worker
 
 SCHEDULES = ["wfbp", "dear", "deft", "streams"]
-PATTERNS = ["gan", "ganctx", "ganflags", "single", "accum"]
+PATTERNS = ["gan", "ganctx", "ganflags", "single", "accum", "localstep"]
 EXTRA = ["topk-accum", "wfbp-twice"]  # top-k's DGC clipping is its own (local, before accumulation): no clip case
 RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 
@@ -73,11 +74,20 @@ def test_every_rank_issues_the_same_collectives(runs, case):
     assert first and per_link(first) == per_link(second)
 
 
-def test_a_gan_sends_what_ddp_sends(runs):
-    """Two backwards a batch, each averaging every bucket, as DDP's (a toggled-off half's zeros included)."""
-    trace = runs("wfbp-gan")["trace"]
-    gradients = [numel for link, op, tag, numel in trace if op == "all_reduce" and tag.startswith("bucket")]
-    assert len(gradients) == 8 * 2 * 3, gradients  # 8 batches, 2 backwards, 3 buckets
+def test_a_gan_sends_each_half_once_a_batch(runs):
+    """DDP averages every bucket at both backwards of a batch, the toggled-off half's zeros included. Here a
+    bucket no rank can fill in a backward (agreed just before it) sends nothing: each half's buckets go once
+    a batch, half of DDP's bytes, and the model is still ddp's (above)."""
+    for case in ("wfbp-gan", "dear-gan", "wfbp-ganflags", "streams-gan"):
+        trace = runs(case)["trace"]
+        sent = [tag for link, op, tag, numel in trace if op == "all_reduce" and tag.startswith("bucket")]
+        buckets = sorted(set(sent))
+        assert len(buckets) == 3 and all(sent.count(b) == 8 for b in buckets), (case, sent)
+
+
+def test_one_optimizer_pays_nothing_for_it(runs):
+    for case in ("wfbp-single", "dear-single", "wfbp-accum"):
+        assert not [r for r in runs(case)["trace"] if r[2] == "idle-buckets"], case
 
 
 def test_several_optimizers_run_wfbp_under_dear_and_deft(runs):
@@ -104,7 +114,7 @@ def test_what_cannot_be_served_is_refused_with_the_way_out(tmp_path):
     proc = run_worker("run_manual.py", str(tmp_path), "dear-twice")
     assert proc.returncode != 0
     said = proc.stdout + proc.stderr
-    assert "a second synchronised manual_backward before optimizer.step() under strategy 'dear'" in said
+    assert "another manual_backward after a synchronised one, before optimizer.step(), under strategy 'dear'" in said
     assert "toggle_model(sync_grad=False)" in said and "strategy='wfbp'" in said
     proc = run_worker("run_manual.py", str(tmp_path), "topk-gan")
     assert proc.returncode != 0

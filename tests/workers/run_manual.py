@@ -15,7 +15,10 @@ PATTERN:
 - single: one optimizer (SGD with momentum), `opt.step(closure=...)` running `manual_backward` inside,
   `self.clip_gradients` by norm, a per-step LR scheduler stepped by hand, a weight read after each step;
 - accum: one optimizer, two micro-batches per step, the first inside `toggle_model(sync_grad=False)`;
-- twice: one optimizer, two synchronised backwards per step (each averaged, as DDP averages each).
+- twice: one optimizer, two synchronised backwards per step (each averaged, as DDP averages each);
+- localstep: one optimizer, `opt.step(closure=...)` inside `toggle_model(sync_grad=...)` as the docstring of
+  `LightningOptimizer.step` writes it: every other step on this rank's own gradients (the ranks' weights part),
+  the others on the average of the two batches' gradients.
 A case ending in ``-resume`` trains half the steps, saves a checkpoint, and a new Trainer resumes from it to
 the end (a `ResumableDataLoader`, so the resumed epoch goes on at the batch it had reached).
 
@@ -146,6 +149,18 @@ class Classifier(pl.LightningModule):
 
             opt.step(closure=closure)
             self.lr_schedulers().step()
+        elif self.pattern == "localstep":
+            sync = batch_idx % 2 == 1
+
+            def closure():
+                loss = F.cross_entropy(self.net(x), y)
+                self.manual_backward(loss)
+                return loss
+
+            with opt.toggle_model(sync_grad=sync):
+                opt.step(closure=closure)
+            if sync:
+                opt.zero_grad()
         else:  # accum, twice: two micro-batches, the first kept local under accum
             half = x.shape[0] // 2
             with opt.toggle_model(sync_grad=self.pattern == "twice"):

@@ -219,6 +219,8 @@ class Engine:
             self.policy.rebuilt(strategy)
         elif _trainable_ids(module) != self._trainable:
             self.rebuild(module, strategy.world_size)
+        if self._for_good and self.schedule is self.owner:  # rebuilt: the owner must not run a single batch
+            self._hand_over(self._for_good[0], module)
         if self._iteration_starts and self.owner is not None:
             self._iteration_starts = False
             self.owner.settling = self.policy.deciding or self.policy.comparing
@@ -229,8 +231,14 @@ class Engine:
     def _timing_a_choice(self) -> bool:
         """Some automatic choice is timing the steps now (the buckets, DeAR or WFBP, a stream search,
         sparse or dense, a recheck of any of them)."""
-        deciding = self.schedule if self._for_good else self.owner  # an owner handing over for good decides nothing
+        deciding = self.deciding_schedule
         return self.policy.deciding or self.policy.comparing or (deciding is not None and not deciding.settled)
+
+    @property
+    def deciding_schedule(self) -> Optional[Schedule]:
+        """The schedule whose own choices time the steps: the owner, or the one it handed every iteration to
+        for good (the owner then decides nothing)."""
+        return self.schedule if self._for_good else self.owner
 
     def training_step_returned(self, output: Any) -> None:
         """The loss `training_step` returned goes to the schedule that chose (also while it hands its

@@ -30,13 +30,14 @@ def refuse_optimizer_setup(optimizers: list[Any], name: str, steps_whole: bool =
             f"configure_optimizers returned {len(optimizers)}. Several optimizers (a GAN's) are stepped by hand: "
             "set self.automatic_optimization = False in the LightningModule, as Lightning requires for them."
         )
-    if isinstance(optimizers[0], _CLOSURE_OPTIMIZERS):
+    closure_optimizers = [o for o in optimizers if isinstance(o, _CLOSURE_OPTIMIZERS)]
+    if closure_optimizers:
         raise CommSchedConfigError(
-            f"commsched: optimizer {type(optimizers[0]).__name__} re-evaluates the closure inside step() and "
+            f"commsched: optimizer {type(closure_optimizers[0]).__name__} re-evaluates the closure inside step() and "
             f"cannot be used with strategy='{name}'; allowed: torch.optim optimizers "
             "that step once per closure (SGD, Adam, AdamW, RMSprop, Adagrad, ...)."
         )
-    if not steps_whole and getattr(optimizers[0], "parallel_norms", False):
+    if not steps_whole and any(getattr(o, "parallel_norms", False) for o in optimizers):
         raise CommSchedConfigError(
             f"commsched: LARS(parallel_norms=True) all-reduces its per-layer norms inside step(), which needs every "
             f"rank to hold whole gradients and step at once; strategy='{name}' steps parts of the model at different "

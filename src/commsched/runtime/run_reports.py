@@ -35,8 +35,8 @@ class RunReports:
     def settled(self) -> bool:
         """Every automatic choice of this fit is made (the buckets, the schedule's own searches): the
         steps from here on are the steady state a benchmark should time. False before setup."""
-        owner = self._engine.owner
-        return owner is not None and not self._engine.policy.deciding and owner.settled
+        deciding = self._engine.deciding_schedule
+        return deciding is not None and not self._engine.policy.deciding and deciding.settled
 
     @property
     def bucket_plan(self) -> Optional[BucketPlan]:

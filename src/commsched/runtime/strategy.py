@@ -263,20 +263,15 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                     trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration
                 )
             name = self.schedule_class.name
-            refusals.refuse_optimizer_setup(self.optimizers, name, self.schedule_class.steps_whole, by_hand)
+            handover = whole_step_handover(name, self.optimizers, self.schedule_class.steps_whole) if by_hand else None
+            steps_whole = self.schedule_class.steps_whole or handover is not None  # as the running schedule steps
+            refusals.refuse_optimizer_setup(self.optimizers, name, steps_whole, by_hand)
             if by_hand:
                 refuse_by_hand(self.options, self.optimizers, name)
-                handover = whole_step_handover(name, self.optimizers, self.schedule_class.steps_whole)
-                if handover is not None:
-                    self._engine.hand_over_for_good(*handover)
+            if handover is not None:
+                self._engine.hand_over_for_good(*handover)
             self.schedule_class.refuse_optimizers(options, self.optimizers)
-            refusals.refuse_under_scaler(
-                self._engine.loss_scaler,
-                self.optimizers,
-                self.schedule_class.name,
-                self.schedule_class.steps_whole,
-                self.options,
-            )
+            refusals.refuse_under_scaler(self._engine.loss_scaler, self.optimizers, name, steps_whole, self.options)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
             self.precision_plugin.clip_gradients = self._clip_gradients  # type: ignore[method-assign]
             observers.FlushPoints.install(trainer, self._flush_points)
@@ -377,8 +372,11 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     ) -> Any:
         """`optimizer.step()` in the user's `training_step`: its backward (before, or in `closure`) finished
         its collectives when it returned; with none, the optimizer steps on `.grad` as it is, as under DDP."""
+        if closure is not do_nothing_closure:  # its backward first: whether one was synchronised decides the step
+            ran = closure()
+            closure = lambda: ran  # noqa: E731 - what Lightning's step gets back from the closure, as it was
         run_step = partial(Strategy.optimizer_step, self, optimizer, closure, model, **kwargs)
-        if not self._by_hand.backward_pending and closure is do_nothing_closure:
+        if not self._by_hand.backward_pending:
             schedule.flush()
             return run_step()
         try:
@@ -398,13 +396,20 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         schedule = self._engine.schedule
         if schedule is not None and self._stepped_by_hand:
             self._forward_ends(schedule, closure_loss)
-            if self._by_hand.backward_pending and schedule.sync_enabled and not schedule.steps_whole:
+            sparse = self.options.compression.method != "none"
+            if self._by_hand.backward_pending and (not schedule.steps_whole or sparse):
+                where = "sparse exchange" if sparse else f"strategy '{schedule.name}'"
                 raise CommSchedConfigError(
-                    f"commsched: a second synchronised manual_backward before optimizer.step() under strategy "
-                    f"'{schedule.name}', whose gradients are still on the network when backward returns. Keep the "
-                    "gradients of all but the last local (`with optimizer.toggle_model(sync_grad=False):`, as DDP "
-                    "needs for speed too), or use strategy='wfbp'"
+                    f"commsched: another manual_backward after a synchronised one, before optimizer.step(), under "
+                    f"{where}: the first's gradients are {'exchanged sparsely' if sparse else 'still on the network'}"
+                    " and cannot be added to. Keep the gradients of all but the last backward local "
+                    "(`with optimizer.toggle_model(sync_grad=False):`, as DDP needs for speed too), or use "
+                    "strategy='wfbp' without compression"
                 )
+            if schedule.sync_enabled and len(self.optimizers) > 1 and schedule.skips_idle_buckets():
+                profiler = self._engine.profiler
+                if profiler is None or not profiler.active:  # a profile times every bucket of every backward
+                    schedule.capture.agree_on_idle()  # a GAN's half: the other half's buckets send nothing
         self._profile("backward_started")
 
     @override

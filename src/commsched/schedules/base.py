@@ -166,6 +166,12 @@ class Schedule(Generic[SettingsT]):
         step (wait, then `hand_back_gradients`), or leave it in flight for later (DeAR's all-gathers)."""
         raise NotImplementedError
 
+    def skips_idle_buckets(self) -> bool:
+        """True: a backward that no rank can fill some buckets in (`GradientCapture.agree_on_idle`: a GAN's
+        backward of one half) sends nothing for them, and `on_bucket_ready` never sees them. False (here):
+        every bucket is handed on every backward, zeros included, as DDP sends them."""
+        return False
+
     def hand_back_gradients(self, buckets: Iterable[int]) -> None:
         """`.grad` of each parameter of `buckets` becomes a view of its averaged gradient in the bucket
         (None where no rank produced one this step, so the optimizer skips it), as DDP leaves them."""

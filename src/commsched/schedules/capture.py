@@ -59,6 +59,10 @@ class GradientCapture:
         self._mask = torch.zeros(plan.num_params, device=mask_link.device)
         self._mask_work: Optional[Pending] = None
         self._handles: list[RemovableHandle] = []
+        self.idle: frozenset[int] = frozenset()
+        """Buckets no rank can fill in the coming backward (`agree_on_idle`): none of their parameters requires
+        a gradient or holds one on any rank. They are not handed on (nothing is sent for them) and their
+        parameters keep `.grad = None`, which is what DDP leaves in them after averaging their zeros."""
 
     def divide_by_world_size(self, divide: bool) -> None:
         """Whether gradients are divided by the world size as they are copied in (DDP's average), or left
@@ -114,13 +118,16 @@ class GradientCapture:
         self._remaining[:] = self._sizes
         for filled in self._filled:
             filled[:] = [False] * len(filled)
+        for b in self.idle:
+            self._remaining[b] = 0
         self._next = 0
         if in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _hand_on_in_order(self) -> None:
         while self._next < len(self._sizes) and self._remaining[self._next] == 0:
-            self._on_bucket(self._next)
+            if self._next not in self.idle:
+                self._on_bucket(self._next)
             self._next += 1
 
     def _finalize(self) -> None:
@@ -174,5 +181,14 @@ class GradientCapture:
             for param, view, used in zip(bucket.params, bucket.views, self.globally_used[b]):
                 param.grad = view if used else None
 
+    def agree_on_idle(self) -> None:
+        """Before a backward (all ranks together): which buckets no rank can fill, from one small all-reduce on
+        the mask's link. A GAN's backward of one half leaves the other half's buckets idle."""
+        busy = [any(p.requires_grad or p.grad is not None for p in bucket.params) for bucket in self.plan.buckets]
+        flags = self._link.tensor(busy, torch.float32)
+        self._link.all_reduce(flags, "idle-buckets").wait()
+        self.idle = frozenset(b for b, count in enumerate(flags.tolist()) if count == 0)
+
     def reset(self) -> None:
         self.phase = CapturePhase.IDLE
+        self.idle = frozenset()

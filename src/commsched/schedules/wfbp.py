@@ -522,8 +522,16 @@ class WFBPSchedule(Schedule[WFBPSettings]):
         return found
 
     @override
+    def skips_idle_buckets(self) -> bool:
+        """Dense whole-bucket all-reduces only: a sparse exchange's residuals and a communication hook's state
+        (PowerSGD's error feedback) change even on a bucket of zeros, as they do under DDP."""
+        return self.settings.compression.method == "none" and self.settings.comm_hook is None
+
+    @override
     def on_backward_end(self) -> None:
         for b, work in enumerate(self._works):
+            if b in self.capture.idle:
+                continue
             assert work is not None
             work.wait()
             self._works[b] = None
