@@ -63,7 +63,10 @@ def test_the_gan_trains_by_hand_under_dear_as_under_ddp(tmp_path):
         assert found, proc.stdout[-3000:]
         sums[strategy] = found.group(1)
     assert sums["dear"] == sums["ddp"]
-    assert "so WFBP (DDP's schedule, exact with any number of optimizers) runs every iteration" in proc.stderr + proc.stdout
+    assert (
+        "so WFBP (DDP's schedule, exact with any number of optimizers) runs every iteration"
+        in proc.stderr + proc.stdout
+    )
 
 
 def test_the_fabric_loop_trains_under_dear_as_under_ddp_and_resumes_exactly(tmp_path):

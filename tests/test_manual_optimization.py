@@ -15,14 +15,22 @@ from conftest import max_abs_diff, per_link, run_worker
 
 SCHEDULES = ["wfbp", "dear", "deft", "streams"]
 PATTERNS = ["gan", "ganctx", "ganflags", "single", "accum", "localstep"]
-EXTRA = ["topk-accum", "wfbp-twice"]  # top-k's DGC clipping is its own (local, before accumulation): no clip case
+EXTRA = [
+    "topk-accum",
+    "wfbp-twice",
+    "wfbp-ganfrozen",
+]  # top-k's DGC clipping is its own (local, before accumulation): no clip case
 RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("manual")
-    cases = [f"ddp-{p}" for p in [*PATTERNS, "twice"]] + [f"{s}-{p}" for s in SCHEDULES for p in PATTERNS] + EXTRA
+    cases = (
+        [f"ddp-{p}" for p in [*PATTERNS, "twice", "ganfrozen"]]
+        + [f"{s}-{p}" for s in SCHEDULES for p in PATTERNS]
+        + EXTRA
+    )
     cases += [f"ddp-{p}-resume" for p in ("gan", "single")] + [f"{c}-resume" for c in RESUMED]
     proc = run_worker("run_manual.py", str(out), *cases)
     if proc.returncode != 0:
@@ -83,6 +91,16 @@ def test_a_gan_sends_each_half_once_a_batch(runs):
         sent = [tag for link, op, tag, numel in trace if op == "all_reduce" and tag.startswith("bucket")]
         buckets = sorted(set(sent))
         assert len(buckets) == 3 and all(sent.count(b) == 8 for b in buckets), (case, sent)
+
+
+def test_toggling_never_rebuilds_the_buckets_and_a_frozen_parameter_stays_out(runs):
+    """The buckets are built once (one plan check), whether the halves are switched off by Lightning's toggling
+    or by hand and left off at a batch end; a parameter frozen from the start is in no bucket, as under DDP."""
+    for case in ("wfbp-gan", "wfbp-ganflags", "dear-ganflags", "wfbp-ganfrozen"):
+        checks = [r for r in runs(case)["trace"] if r[2] == "model-layout-hash"]
+        assert len(checks) == 1, (case, len(checks))
+    held = lambda case: {name for bucket in runs(case)["buckets"] for name in bucket}  # noqa: E731
+    assert "generator.3.bias" in held("wfbp-gan") and "generator.3.bias" not in held("wfbp-ganfrozen")
 
 
 def test_one_optimizer_pays_nothing_for_it(runs):

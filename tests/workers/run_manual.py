@@ -12,6 +12,7 @@ PATTERN:
   discriminator's gradients from the generator's backward zeroed by `zero_grad` before its own;
 - ganflags: the same with `requires_grad` switched by hand as CycleGAN's `set_requires_grad` does: each half
   switches the other off and itself on, and the discriminator's half leaves the generator off at the batch end;
+- ganfrozen: gan with the generator's last bias frozen from the start, still in its optimizer's parameters;
 - single: one optimizer (SGD with momentum), `opt.step(closure=...)` running `manual_backward` inside,
   `self.clip_gradients` by norm, a per-step LR scheduler stepped by hand, a weight read after each step;
 - accum: one optimizer, two micro-batches per step, the first inside `toggle_model(sync_grad=False)`;
@@ -204,6 +205,8 @@ def fit(case: str, out: Path) -> None:
     g = torch.Generator().manual_seed(2)
     if pattern.startswith("gan"):
         model: pl.LightningModule = GAN({"ganctx": "ctx", "ganflags": "flags"}.get(pattern, "calls"))
+        if pattern == "ganfrozen":
+            model.generator[3].bias.requires_grad_(False)
         data = TensorDataset(torch.randn(160, 8, generator=g) * 0.5 + 1.0)
     else:
         model = Classifier(pattern)
@@ -229,6 +232,7 @@ def fit(case: str, out: Path) -> None:
             "reads": model.reads,
             "buffer_reads": getattr(model, "buffer_reads", []),
             "trace": trace,
+            "buckets": [list(b.names) for b in strategy.last_schedule.plan.buckets] if schedule != "ddp" else [],
         },
         out / f"{case}.rank{trainer.global_rank}.pt",
     )

@@ -235,6 +235,11 @@ class Engine:
         return self.policy.deciding or self.policy.comparing or (deciding is not None and not deciding.settled)
 
     @property
+    def bucketed(self) -> frozenset[int]:
+        """The ids of the parameters the buckets hold (those trainable when they were built)."""
+        return frozenset(self._trainable)
+
+    @property
     def deciding_schedule(self) -> Optional[Schedule]:
         """The schedule whose own choices time the steps: the owner, or the one it handed every iteration to
         for good (the owner then decides nothing)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Container, Iterator, Sequence
 
 from torch.optim import Optimizer
 
@@ -87,12 +87,19 @@ def refuse_by_hand(options: StrategyOptions, optimizers: Sequence[Optimizer], na
 
 
 @contextmanager
-def every_optimizer_trainable(optimizers: Sequence[Any]) -> Iterator[None]:
-    """With several optimizers, every optimizer's parameters count as trainable while the engine plans and
-    checks at a batch start (`toggle_optimizer` may have switched some off), then as the user left them.
-    `requires_grad_` reads and writes no values: pending parameters are not brought up to date by it."""
+def every_optimizer_trainable(optimizers: Sequence[Any], bucketed: Container[int]) -> Iterator[None]:
+    """With several optimizers, the optimizers' parameters that have a bucket (`bucketed`: their ids) count as
+    trainable while the engine plans and checks at a batch start (`toggle_optimizer` may have switched some
+    off), then as the user left them; a parameter frozen from the start stays out of the buckets, as under
+    DDP. `requires_grad_` reads and writes no values: pending parameters are not brought up to date by it."""
     many = len(optimizers) > 1
-    off = [p for o in optimizers for g in o.param_groups for p in g["params"] if many and not p.requires_grad]
+    off = [
+        p
+        for o in optimizers
+        for g in o.param_groups
+        for p in g["params"]
+        if many and not p.requires_grad and id(p) in bucketed
+    ]
     for p in off:
         p.requires_grad_(True)
     try:

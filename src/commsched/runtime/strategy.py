@@ -281,7 +281,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._engine.schedule is not None:
             self._by_hand.stepped_this_batch = False
-            with every_optimizer_trainable(self.optimizers if self._stepped_by_hand else ()):
+            with every_optimizer_trainable(self.optimizers if self._stepped_by_hand else (), self._engine.bucketed):
                 self._engine.at_batch_start(self)
 
     @contextmanager
