@@ -15,11 +15,8 @@ from conftest import max_abs_diff, per_link, run_worker
 
 SCHEDULES = ["wfbp", "dear", "deft", "streams"]
 PATTERNS = ["gan", "ganctx", "ganflags", "single", "accum", "localstep"]
-EXTRA = [
-    "topk-accum",
-    "wfbp-twice",
-    "wfbp-ganfrozen",
-]  # top-k's DGC clipping is its own (local, before accumulation): no clip case
+# top-k's DGC clipping is its own (local, before accumulation): no clip case for it
+EXTRA = ["topk-accum", "wfbp-twice", "wfbp-ganfrozen", "wfbp-ganlate"]
 RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 
 
@@ -27,7 +24,7 @@ RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("manual")
     cases = (
-        [f"ddp-{p}" for p in [*PATTERNS, "twice", "ganfrozen"]]
+        [f"ddp-{p}" for p in [*PATTERNS, "twice", "ganfrozen", "ganlate"]]
         + [f"{s}-{p}" for s in SCHEDULES for p in PATTERNS]
         + EXTRA
     )
@@ -134,6 +131,15 @@ def test_what_cannot_be_served_is_refused_with_the_way_out(tmp_path):
     said = proc.stdout + proc.stderr
     assert "another manual_backward after a synchronised one, before optimizer.step(), under strategy 'dear'" in said
     assert "toggle_model(sync_grad=False)" in said and "strategy='wfbp'" in said
+    proc = run_worker("run_manual.py", str(tmp_path), "dear-emptyclosure")
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "optimizer.step(closure=...) under strategy 'dear' whose closure ran no synchronised manual_backward" in said
+    proc = run_worker("run_manual.py", str(tmp_path), "wfbp-ganhook")
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr
+    assert "got a gradient in a bucket every rank agreed idle before this backward" in said
+    assert "Switch it before calling manual_backward" in said
     proc = run_worker("run_manual.py", str(tmp_path), "topk-gan")
     assert proc.returncode != 0
     said = proc.stdout + proc.stderr

@@ -12,10 +12,15 @@ PATTERN:
   discriminator's gradients from the generator's backward zeroed by `zero_grad` before its own;
 - ganflags: the same with `requires_grad` switched by hand as CycleGAN's `set_requires_grad` does: each half
   switches the other off and itself on, and the discriminator's half leaves the generator off at the batch end;
+- ganlate: gan with the generator's loss computed before toggling (the discriminator's parameters require a
+  gradient in the forward and are switched off before the backward);
+- ganhook: ganlate whose `on_before_backward` switches every parameter on (refused: after the ranks agreed which
+  buckets no rank fills);
 - ganfrozen: gan with the generator's last bias frozen from the start, still in its optimizer's parameters;
 - single: one optimizer (SGD with momentum), `opt.step(closure=...)` running `manual_backward` inside,
   `self.clip_gradients` by norm, a per-step LR scheduler stepped by hand, a weight read after each step;
 - accum: one optimizer, two micro-batches per step, the first inside `toggle_model(sync_grad=False)`;
+- emptyclosure: `opt.step(closure=lambda: None)` (refused under dear: no gradients to step where it holds them);
 - twice: one optimizer, two synchronised backwards per step (each averaged, as DDP averages each);
 - localstep: one optimizer, `opt.step(closure=...)` inside `toggle_model(sync_grad=...)` as the docstring of
   `LightningOptimizer.step` writes it: every other step on this rank's own gradients (the ranks' weights part),
@@ -73,9 +78,13 @@ class GAN(pl.LightningModule):
         opt_g, opt_d = self.optimizers()
         z = torch.randn(real.shape[0], 4, generator=torch.Generator().manual_seed(100 * self.global_rank + batch_idx))
         ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
-        with self._toggled(opt_g):
+        if self.toggle in ("late", "hook"):
             fake = self.generator(z)
             g_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), ones)
+        with self._toggled(opt_g):
+            if self.toggle not in ("late", "hook"):
+                fake = self.generator(z)
+                g_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), ones)
             self.manual_backward(g_loss)
             opt_g.step()
             opt_g.zero_grad()
@@ -88,6 +97,11 @@ class GAN(pl.LightningModule):
             opt_d.zero_grad()
         self.reads.append(float(self.generator[0].weight.detach().double().sum()))
         self.log("g_loss", g_loss, prog_bar=True)
+
+    def on_before_backward(self, loss) -> None:
+        if self.toggle == "hook":
+            for p in self.parameters():
+                p.requires_grad_(True)
 
     def configure_optimizers(self):
         return (
@@ -150,6 +164,8 @@ class Classifier(pl.LightningModule):
 
             opt.step(closure=closure)
             self.lr_schedulers().step()
+        elif self.pattern == "emptyclosure":  # a closure with no backward: refused under dear
+            opt.step(closure=lambda: None)
         elif self.pattern == "localstep":
             sync = batch_idx % 2 == 1
 
@@ -204,7 +220,9 @@ def fit(case: str, out: Path) -> None:
     pl.seed_everything(5, verbose=False)
     g = torch.Generator().manual_seed(2)
     if pattern.startswith("gan"):
-        model: pl.LightningModule = GAN({"ganctx": "ctx", "ganflags": "flags"}.get(pattern, "calls"))
+        model: pl.LightningModule = GAN(
+            {"ganctx": "ctx", "ganflags": "flags", "ganlate": "late", "ganhook": "hook"}.get(pattern, "calls")
+        )
         if pattern == "ganfrozen":
             model.generator[3].bias.requires_grad_(False)
         data = TensorDataset(torch.randn(160, 8, generator=g) * 0.5 + 1.0)

@@ -371,14 +371,19 @@ class CommSchedStrategy(RunReports, DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """`optimizer.step()` in the user's `training_step`: its backward (before, or in `closure`) finished
-        its collectives when it returned; with none, the optimizer steps on `.grad` as it is, as under DDP."""
-        if closure is not do_nothing_closure:  # its backward first: whether one was synchronised decides the step
-            ran = closure()
-            closure = lambda: ran  # noqa: E731 - what Lightning's step gets back from the closure, as it was
+        its collectives when it returned; with no synchronised one (none, or one kept local by `no_sync`), the
+        optimizer steps on `.grad` as it is, as under DDP. The closure runs inside the step, as Lightning runs
+        it: after torch's step pre-hooks, under the sync setting the step was called in."""
+        by_closure = closure is not do_nothing_closure
         run_step = partial(Strategy.optimizer_step, self, optimizer, closure, model, **kwargs)
-        if not self._by_hand.backward_pending:
+        if not (self._by_hand.backward_pending or (by_closure and schedule.sync_enabled)):
             schedule.flush()
+            self._engine.iteration_done()
             return run_step()
+        if by_closure and not schedule.steps_whole:
+            run_step = partial(
+                Strategy.optimizer_step, self, optimizer, self._with_backward(schedule, closure), model, **kwargs
+            )
         try:
             with loss_scale.answered_by(self._engine.loss_scaler, schedule.unscale_gradients):
                 output = schedule.optimizer_step(optimizer, run_step)
@@ -389,6 +394,22 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             self._by_hand.stepped_this_batch = True
             self._clock.stepped(self.exposed_comm_seconds, sum(self.wire_bytes.values()))
         return output
+
+    def _with_backward(self, schedule: Schedule, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """`closure`, then a check that a synchronised backward ran (the schedule steps where it put the
+        gradients; a closure that computed none leaves it nothing to step)."""
+
+        def closure_then_check() -> Any:
+            output = closure()
+            if not self._by_hand.backward_pending:
+                raise CommSchedConfigError(
+                    f"commsched: optimizer.step(closure=...) under strategy '{schedule.name}' whose closure ran no "
+                    "synchronised manual_backward; the step runs where that backward leaves the gradients. Call "
+                    "manual_backward in the closure, step without a closure, or use strategy='wfbp'"
+                )
+            return output
+
+        return closure_then_check
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -406,6 +427,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                     "(`with optimizer.toggle_model(sync_grad=False):`, as DDP needs for speed too), or use "
                     "strategy='wfbp' without compression"
                 )
+            schedule.capture.idle = frozenset()  # agreed again for this backward, or none
             if schedule.sync_enabled and len(self.optimizers) > 1 and schedule.skips_idle_buckets():
                 profiler = self._engine.profiler
                 if profiler is None or not profiler.active:  # a profile times every bucket of every backward

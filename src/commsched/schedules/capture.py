@@ -86,10 +86,17 @@ class GradientCapture:
 
     # ------------------------------------------------------------------ backward
     def _grad_ready(self, b: int, slot: int, param: nn.Parameter) -> None:
-        if not self.sync_enabled:
+        if not self.sync_enabled or param.grad is None:  # None: switched off after its forward, before backward
             return
         if self.phase is not CapturePhase.COLLECTING:
             self._begin(in_backward=True)
+        if b in self.idle:
+            raise ScheduleError(
+                f"commsched {self._name}: parameter '{self.plan.buckets[b].names[slot]}' got a gradient in a bucket "
+                "every rank agreed idle before this backward (no parameter in it required a gradient then): "
+                "requires_grad was switched on after manual_backward started (an on_before_backward hook?). "
+                "Switch it before calling manual_backward."
+            )
         if self._filled[b][slot]:
             return
         self._fill(b, slot, param)
@@ -121,6 +128,7 @@ class GradientCapture:
         for b in self.idle:
             self._remaining[b] = 0
         self._next = 0
+        self._hand_on_in_order()  # past idle buckets at the front: the first busy one goes as soon as it is full
         if in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
