@@ -1,9 +1,9 @@
-"""Manual optimization (``automatic_optimization = False``) under every schedule, against Lightning's ddp on the
-same module (2 processes, 8 batches): a GAN stepping two optimizers with Lightning's toggling (or with
-`requires_grad` switched by hand and left off at the batch end), one optimizer
-stepped with a closure, clipping and a scheduler stepped by hand, accumulation kept local by hand, a step on
-this rank's own gradients every other batch (a closure whose backward is kept local), two
-synchronised backwards per step; resumed from a checkpoint half way; what cannot be served, refused."""
+"""Manual optimization (``automatic_optimization = False``) under every schedule, against Lightning's ddp on
+the same module (2 processes, 8 batches): a GAN stepping two optimizers with Lightning's toggling, with
+`requires_grad` switched by hand and left off at a batch end, under bf16-mixed and compiled; one optimizer
+stepped with a closure, clipping and a scheduler stepped by hand; accumulation kept local by hand; a step on
+this rank's own gradients every other batch; two synchronised backwards per step; resumed from a checkpoint
+half way; and what cannot be served, refused."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from conftest import max_abs_diff, per_link, run_worker
 SCHEDULES = ["wfbp", "dear", "deft", "streams"]
 PATTERNS = ["gan", "ganctx", "ganflags", "single", "accum", "localstep"]
 # top-k's DGC clipping is its own (local, before accumulation): no clip case for it
-EXTRA = ["topk-accum", "wfbp-twice", "wfbp-ganfrozen", "wfbp-ganlate"]
+EXTRA = ["topk-accum", "wfbp-twice", "wfbp-ganfrozen", "wfbp-ganlate", "dear-ganbf16", "dear-gancompiled"]
 RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 
 
@@ -24,7 +24,7 @@ RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("manual")
     cases = (
-        [f"ddp-{p}" for p in [*PATTERNS, "twice", "ganfrozen", "ganlate"]]
+        [f"ddp-{p}" for p in [*PATTERNS, "twice", "ganfrozen", "ganlate", "ganbf16", "gancompiled"]]
         + [f"{s}-{p}" for s in SCHEDULES for p in PATTERNS]
         + EXTRA
     )

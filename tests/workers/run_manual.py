@@ -16,6 +16,7 @@ PATTERN:
   gradient in the forward and are switched off before the backward);
 - ganhook: ganlate whose `on_before_backward` switches every parameter on (refused: after the ranks agreed which
   buckets no rank fills);
+- ganbf16: gan under `precision="bf16-mixed"`; gancompiled: gan with both networks `compile()`d in place;
 - ganfrozen: gan with the generator's last bias frozen from the start, still in its optimizer's parameters;
 - single: one optimizer (SGD with momentum), `opt.step(closure=...)` running `manual_backward` inside,
   `self.clip_gradients` by norm, a per-step LR scheduler stepped by hand, a weight read after each step;
@@ -225,20 +226,24 @@ def fit(case: str, out: Path) -> None:
         )
         if pattern == "ganfrozen":
             model.generator[3].bias.requires_grad_(False)
+        if pattern == "gancompiled":
+            model.generator.compile()
+            model.discriminator.compile()
         data = TensorDataset(torch.randn(160, 8, generator=g) * 0.5 + 1.0)
     else:
         model = Classifier(pattern)
         data = TensorDataset(torch.randn(160, 8, generator=g), torch.randint(0, 4, (160,), generator=g))
     steps = STEPS * (2 if pattern.startswith("gan") else 1)  # Lightning counts each optimizer's steps
     saved = out / f"{case}-half.ckpt"
+    precision = "bf16-mixed" if pattern == "ganbf16" else "32-true"
     if resume:
-        half = pl.Trainer(**trainer_args(strategy_for(schedule), steps // 2, out / f"{case}-half"))
+        half = pl.Trainer(**trainer_args(strategy_for(schedule), steps // 2, out / f"{case}-half", precision))
         half.fit(model, ResumableDataLoader(data, batch_size=8))
         half.save_checkpoint(saved)
         pl.seed_everything(5, verbose=False)
         model = GAN(model.toggle) if pattern.startswith("gan") else Classifier(pattern)  # every weight from the file
     strategy = strategy_for(schedule)
-    trainer = pl.Trainer(**trainer_args(strategy, steps, out / f"{case}-run"))
+    trainer = pl.Trainer(**trainer_args(strategy, steps, out / f"{case}-run", precision))
     trainer.fit(model, ResumableDataLoader(data, batch_size=8), ckpt_path=saved if resume else None)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     optimizers = [strategy.optimizer_state(o) for o in trainer.optimizers]  # as a checkpoint holds them
@@ -256,8 +261,9 @@ def fit(case: str, out: Path) -> None:
     )
 
 
-def trainer_args(strategy, steps: int, root: Path) -> dict:
+def trainer_args(strategy, steps: int, root: Path, precision: str = "32-true") -> dict:
     return dict(
+        precision=precision,
         accelerator="cpu",
         devices=2,
         strategy=strategy,
