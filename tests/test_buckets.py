@@ -89,3 +89,14 @@ def test_plan_signature_is_deterministic():
     assert a.signature() == b.signature()
     c = build_plan(Tied(), 3, lambda i: plan_fixed(i, 100))
     assert a.signature() != c.signature()
+
+
+def test_buckets_cut_where_the_optimizer_changes():
+    """A GAN's two halves in one 25 MB bucket, cut in two: each keeps the planner's order, none holds both."""
+    gan = nn.ModuleDict({"g": nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), "d": nn.Sequential(nn.Linear(4, 1))})
+    owner = {id(p): 0 for p in gan["g"].parameters()} | {id(p): 1 for p in gan["d"].parameters()}
+    whole = build_plan(gan, 2, lambda infos: [list(range(len(infos)))])
+    cut = build_plan(gan, 2, lambda infos: [list(range(len(infos)))], apart=lambda p: owner[id(p)])
+    assert len(whole.buckets) == 1
+    assert [b.names for b in cut.buckets] == [["d.0.bias", "d.0.weight"], [n for n in whole.buckets[0].names[2:]]]
+    assert [n for b in cut.buckets for n in b.names] == whole.buckets[0].names

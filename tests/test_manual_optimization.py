@@ -16,7 +16,15 @@ from conftest import max_abs_diff, per_link, run_worker
 SCHEDULES = ["wfbp", "dear", "deft", "streams"]
 PATTERNS = ["gan", "ganctx", "ganflags", "single", "accum", "localstep"]
 # top-k's DGC clipping is its own (local, before accumulation): no clip case for it
-EXTRA = ["topk-accum", "wfbp-twice", "wfbp-ganfrozen", "wfbp-ganlate", "dear-ganbf16", "dear-gancompiled"]
+EXTRA = [
+    "topk-accum",
+    "wfbp-twice",
+    "wfbp-ganfrozen",
+    "wfbp-ganlate",
+    "dear-ganbf16",
+    "dear-gancompiled",
+    "defaults-ganlong",
+]
 RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 
 
@@ -24,7 +32,7 @@ RESUMED = ["dear-gan", "dear-single", "deft-single", "wfbp-gan"]
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("manual")
     cases = (
-        [f"ddp-{p}" for p in [*PATTERNS, "twice", "ganfrozen", "ganlate", "ganbf16", "gancompiled"]]
+        [f"ddp-{p}" for p in [*PATTERNS, "twice", "ganfrozen", "ganlate", "ganbf16", "gancompiled", "ganlong"]]
         + [f"{s}-{p}" for s in SCHEDULES for p in PATTERNS]
         + EXTRA
     )
@@ -98,6 +106,20 @@ def test_toggling_never_rebuilds_the_buckets_and_a_frozen_parameter_stays_out(ru
         assert len(checks) == 1, (case, len(checks))
     held = lambda case: {name for bucket in runs(case)["buckets"] for name in bucket}  # noqa: E731
     assert "generator.3.bias" in held("wfbp-gan") and "generator.3.bias" not in held("wfbp-ganfrozen")
+
+
+def test_no_bucket_holds_two_optimizers_parameters(runs):
+    """At the defaults the planner's buckets would hold both halves (a GAN's few MB fit one 25 MB bucket), and
+    no backward could leave one idle: buckets are cut where the optimizer changes."""
+    for case in ("defaults-ganlong", "wfbp-gan", "dear-gancompiled"):
+        for bucket in runs(case)["buckets"]:
+            assert len({name.split(".")[0] for name in bucket}) == 1, (case, bucket)
+    trace = runs("defaults-ganlong")["trace"]
+    agreed = max(i for i, r in enumerate(trace) if r[2] == "idle-buckets")
+    first = min(i for i, r in enumerate(trace) if r[2] == "idle-buckets")
+    sent = [r[2] for r in trace[first:agreed] if r[1] == "all_reduce" and r[2].startswith("bucket")]
+    agreements = sum(1 for r in trace[first:agreed] if r[2] == "idle-buckets")
+    assert sent and len(sent) == agreements, sent  # after the profile: one bucket a backward
 
 
 def test_one_optimizer_pays_nothing_for_it(runs):

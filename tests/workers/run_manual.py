@@ -3,8 +3,8 @@
 Usage: python run_manual.py OUT_DIR CASE [CASE ...]   (a case: SCHEDULE-PATTERN)
 
 SCHEDULE: ddp (Lightning's DDPStrategy, find_unused_parameters=True: a GAN's toggled-off half gets no
-gradient), wfbp, dear (DeAR on every step, several buckets), deft, streams (wfbp on 2 streams),
-topk (at a density that sends everything).
+gradient), defaults (dear at its defaults), wfbp, dear (DeAR on every step, several buckets), deft, streams
+(wfbp on 2 streams), topk (at a density that sends everything).
 PATTERN:
 - gan: Lightning's GAN recipe, two optimizers (Adam), `toggle_optimizer` / `untoggle_optimizer` around each
   half, BatchNorm in the generator, a generator step then a discriminator step on every batch;
@@ -16,6 +16,7 @@ PATTERN:
   gradient in the forward and are switched off before the backward);
 - ganhook: ganlate whose `on_before_backward` switches every parameter on (refused: after the ranks agreed which
   buckets no rank fills);
+- ganlong: gan for 24 batches;
 - ganbf16: gan under `precision="bf16-mixed"`; gancompiled: gan with both networks `compile()`d in place;
 - ganfrozen: gan with the generator's last bias frozen from the start, still in its optimizer's parameters;
 - single: one optimizer (SGD with momentum), `opt.step(closure=...)` running `manual_backward` inside,
@@ -199,6 +200,8 @@ def strategy_for(schedule: str):
     common = dict(bucket_cap_mb=TINY_BUCKETS_MB, trace_collectives=True)
     if schedule == "dear":
         return commsched.DeARStrategy(**common, dear=commsched.DeAROptions(fallback="never"))
+    if schedule == "defaults":  # strategy="dear" with nothing else set (the trace aside)
+        return commsched.DeARStrategy(trace_collectives=True)
     if schedule == "wfbp":
         return commsched.WFBPStrategy(**common)
     if schedule == "streams":
@@ -233,7 +236,8 @@ def fit(case: str, out: Path) -> None:
     else:
         model = Classifier(pattern)
         data = TensorDataset(torch.randn(160, 8, generator=g), torch.randint(0, 4, (160,), generator=g))
-    steps = STEPS * (2 if pattern.startswith("gan") else 1)  # Lightning counts each optimizer's steps
+    batches = 3 * STEPS if pattern == "ganlong" else STEPS  # long enough for the defaults' profile to end
+    steps = batches * (2 if pattern.startswith("gan") else 1)  # Lightning counts each optimizer's steps
     saved = out / f"{case}-half.ckpt"
     precision = "bf16-mixed" if pattern == "ganbf16" else "32-true"
     if resume:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -97,13 +97,18 @@ def build_plan(
     module: nn.Module,
     world_size: int,
     planner: Callable[[Sequence[ParamInfo]], list[list[int]]],
+    apart: Optional[Callable[[nn.Parameter], int]] = None,
 ) -> BucketPlan:
+    """`apart`: a key per parameter (the optimizer that steps it): the planner's buckets are cut where the
+    key changes, so that no bucket holds parameters of two keys."""
     names, params, _ = trainable_in_ready_order(module)
     if not params:
         raise CommSchedConfigError(
             "commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise."
         )
     groups = planner(param_infos(module))
+    if apart is not None:
+        groups = [part for group in groups for part in cut_where_key_changes(group, [apart(params[i]) for i in group])]
     flat = sorted(i for g in groups for i in g)
     if flat != list(range(len(params))):
         raise RuntimeError(f"commsched: fusion planner returned an invalid grouping {groups}")
@@ -124,6 +129,17 @@ def build_plan(
             )
         )
     return BucketPlan(buckets, world_size)
+
+
+def cut_where_key_changes(group: list[int], keys: list[int]) -> list[list[int]]:
+    """`group` cut into runs of consecutive members with the same key."""
+    runs: list[list[int]] = []
+    for i, (index, key) in enumerate(zip(group, keys)):
+        if i and key == keys[i - 1]:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
 
 
 def module_layout(module: nn.Module) -> str:

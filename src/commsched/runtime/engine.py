@@ -71,6 +71,7 @@ class Engine:
         self._iteration_starts = True
         self._local = False  # inside `no_sync`
         self._for_good: Optional[tuple[Handover, str]] = None  # (the schedule that runs every iteration, why)
+        self._optimizer_of: dict[int, int] = {}  # parameter id -> the optimizer stepping it (`keep_apart`)
         self.compiled_outside = False
         """The module runs under torch.compile applied around a wrapper of it (Fabric's), which the module
         itself does not show (`runs_compiled`)."""
@@ -90,6 +91,7 @@ class Engine:
         processes per node (the sub-group links: one group per node, one per local rank)."""
         self._hand_over_plan = None  # a layout built for another fit's module
         self._for_good = None
+        self._optimizer_of = {}
         log.debug(
             f"commsched: creating links {self.schedule_class.links_for(self.settings)}, "
             f"{self.schedule_class.streams_for(self.settings)} stream(s) each"
@@ -147,7 +149,7 @@ class Engine:
 
     def build(self, module: nn.Module, world_size: int) -> None:
         assert self.links is not None
-        plan = build_plan(module, world_size, self.policy.planner())
+        plan = build_plan(module, world_size, self.policy.planner(), self._apart_key())
         verify_same_on_all_ranks(plan, module, self.links.control, self.schedule_class.name)
         self.owner = self.schedule = self.schedule_class(plan, self.links, self.settings)
         self._attach(self.owner, module)
@@ -260,6 +262,19 @@ class Engine:
             say(f"commsched {self.schedule_class.name}: {why}")
         self._for_good = (handover, why)
 
+    def keep_apart(self, optimizers: list[Any], module: nn.Module, world_size: int) -> None:
+        """Several optimizers, each stepping its own parameters after a backward of its own (a GAN's): no bucket
+        holds parameters of two of them, so that a backward of one leaves the others' buckets idle. Rebuilt
+        now (at setup, every rank together) where a bucket does."""
+        self._optimizer_of = {id(p): i for i, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]}
+        assert self.owner is not None
+        keys = [{self._optimizer_of.get(id(p), -1) for p in bucket.params} for bucket in self.owner.plan.buckets]
+        if any(len(k) > 1 for k in keys):
+            self.rebuild(module, world_size)
+
+    def _apart_key(self) -> Optional[Any]:
+        return (lambda p: self._optimizer_of.get(id(p), -1)) if self._optimizer_of else None
+
     def summary(self) -> list[str]:
         """What the schedules decided, for the fit's closing summary (called on every rank)."""
         assert self.owner is not None
@@ -296,7 +311,8 @@ class Engine:
         if layout is None or layout.buckets == [list(b.names) for b in self.owner.plan.buckets]:
             return self.owner.plan
         if self._hand_over_plan is None or self._hand_over_plan[0] is not layout:
-            self._hand_over_plan = (layout, build_plan(module, self.owner.plan.world_size, layout.planner()))
+            world_size = self.owner.plan.world_size
+            self._hand_over_plan = (layout, build_plan(module, world_size, layout.planner(), self._apart_key()))
         return self._hand_over_plan[1]
 
     def _take_back(self, module: nn.Module) -> None:

@@ -270,6 +270,8 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 refuse_by_hand(self.options, self.optimizers, name)
             if handover is not None:
                 self._engine.hand_over_for_good(*handover)
+            if by_hand and len(self.optimizers) > 1:
+                self._engine.keep_apart(self.optimizers, trainer.lightning_module, self.world_size)
             self.schedule_class.refuse_optimizers(options, self.optimizers)
             refusals.refuse_under_scaler(self._engine.loss_scaler, self.optimizers, name, steps_whole, self.options)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.
