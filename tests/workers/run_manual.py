@@ -3,8 +3,9 @@
 Usage: python run_manual.py OUT_DIR CASE [CASE ...]   (a case: SCHEDULE-PATTERN)
 
 SCHEDULE: ddp (Lightning's DDPStrategy, find_unused_parameters=True: a GAN's toggled-off half gets no
-gradient), defaults (dear at its defaults), wfbp, dear (DeAR on every step, several buckets), deft, streams
-(wfbp on 2 streams), topk (at a density that sends everything).
+gradient), defaults (dear at its defaults), powersgd (wfbp with torch's powerSGD_hook, error feedback and warm
+start: state kept per bucket, resumed into the buckets as cut), wfbp, dear (DeAR on every step, several
+buckets), deft, streams (wfbp on 2 streams), topk (at a density that sends everything).
 PATTERN:
 - gan: Lightning's GAN recipe, two optimizers (Adam), `toggle_optimizer` / `untoggle_optimizer` around each
   half, BatchNorm in the generator, a generator step then a discriminator step on every batch;
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.utils.data import TensorDataset
 
 import commsched
@@ -200,6 +202,14 @@ def strategy_for(schedule: str):
     common = dict(bucket_cap_mb=TINY_BUCKETS_MB, trace_collectives=True)
     if schedule == "dear":
         return commsched.DeARStrategy(**common, dear=commsched.DeAROptions(fallback="never"))
+    if schedule == "powersgd":  # one 25 MB bucket uncut, one per half once cut
+        hook = powerSGD_hook.powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=7
+        )
+        return commsched.WFBPStrategy(
+            bucket_cap_mb=25, trace_collectives=True, ddp_comm_hook=hook, ddp_comm_state=state
+        )
     if schedule == "defaults":  # strategy="dear" with nothing else set (the trace aside)
         return commsched.DeARStrategy(trace_collectives=True)
     if schedule == "wfbp":

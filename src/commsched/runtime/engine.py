@@ -72,6 +72,7 @@ class Engine:
         self._local = False  # inside `no_sync`
         self._for_good: Optional[tuple[Handover, str]] = None  # (the schedule that runs every iteration, why)
         self._optimizer_of: dict[int, int] = {}  # parameter id -> the optimizer stepping it (`keep_apart`)
+        self._state_later: Optional[state.Restored] = None  # `start(state_later=True)`: loaded by `load_state_later`
         self.compiled_outside = False
         """The module runs under torch.compile applied around a wrapper of it (Fabric's), which the module
         itself does not show (`runs_compiled`)."""
@@ -85,10 +86,12 @@ class Engine:
         restored: Optional[state.Restored],
         device: torch.device,
         per_node: int,
+        state_later: bool = False,
     ) -> None:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
         `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
-        processes per node (the sub-group links: one group per node, one per local rank)."""
+        processes per node (the sub-group links: one group per node, one per local rank); `state_later`: the
+        saved communication state waits for `load_state_later` (the optimizers may still cut the buckets)."""
         self._hand_over_plan = None  # a layout built for another fit's module
         self._for_good = None
         self._optimizer_of = {}
@@ -109,7 +112,8 @@ class Engine:
         self.policy.sparse = compression is not None and compression.method != "none"
         log.debug(f"commsched: building buckets and hooks for '{self.schedule_class.name}'")
         self.build(module, world_size)
-        if restored is not None:
+        self._state_later = restored if state_later else None
+        if restored is not None and not state_later:
             self._load(merged(restored.shared, restored.mine))
         self.links.control.broadcast_tensors([*module.parameters(), *module.buffers()], src=0, tag="initial-state")
         self.maybe_start_profiler(module)
@@ -265,12 +269,15 @@ class Engine:
     def keep_apart(self, optimizers: list[Any], module: nn.Module, world_size: int) -> None:
         """Several optimizers, each stepping its own parameters after a backward of its own (a GAN's): no bucket
         holds parameters of two of them, so that a backward of one leaves the others' buckets idle. Rebuilt
-        now (at setup, every rank together) where a bucket does."""
+        now (at setup, every rank together); the saved state goes in after (`load_state_later`)."""
         self._optimizer_of = {id(p): i for i, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]}
-        assert self.owner is not None
-        keys = [{self._optimizer_of.get(id(p), -1) for p in bucket.params} for bucket in self.owner.plan.buckets]
-        if any(len(k) > 1 for k in keys):
-            self.rebuild(module, world_size)
+        self.rebuild(module, world_size)  # on every rank, whatever its buckets: the plan check is a collective
+
+    def load_state_later(self) -> None:
+        """The saved communication state `start` kept back, into the buckets as they are now."""
+        if self._state_later is not None:
+            restored, self._state_later = self._state_later, None
+            self._load(merged(restored.shared, restored.mine))
 
     def _apart_key(self) -> Optional[Any]:
         return (lambda p: self._optimizer_of.get(id(p), -1)) if self._optimizer_of else None

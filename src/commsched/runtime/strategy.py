@@ -229,6 +229,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
             self._restored,
             self.root_device,
             self.num_processes,
+            state_later=not module.automatic_optimization,  # several optimizers may cut the buckets at setup
         )
         self._restored = None
         self._buffers.needed = True
@@ -272,6 +273,7 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                 self._engine.hand_over_for_good(*handover)
             if by_hand and len(self.optimizers) > 1:
                 self._engine.keep_apart(self.optimizers, trainer.lightning_module, self.world_size)
+            self._engine.load_state_later()
             self.schedule_class.refuse_optimizers(options, self.optimizers)
             refusals.refuse_under_scaler(self._engine.loss_scaler, self.optimizers, name, steps_whole, self.options)
             # Lightning clips through the precision plugin; the schedule knows where the averaged gradients are.

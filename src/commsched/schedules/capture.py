@@ -86,7 +86,7 @@ class GradientCapture:
 
     # ------------------------------------------------------------------ backward
     def _grad_ready(self, b: int, slot: int, param: nn.Parameter) -> None:
-        if not self.sync_enabled or param.grad is None:  # None: switched off after its forward, before backward
+        if not self.sync_enabled or not param.requires_grad:  # switched off after its forward, before backward
             return
         if self.phase is not CapturePhase.COLLECTING:
             self._begin(in_backward=True)
@@ -106,6 +106,12 @@ class GradientCapture:
 
     def _fill(self, b: int, slot: int, param: nn.Parameter) -> None:
         grad = param.grad
+        if grad is None:
+            raise ScheduleError(
+                f"commsched {self._name}: parameter '{self.plan.buckets[b].names[slot]}' has no gradient when its "
+                "hook runs: another hook took it before commsched's (an optimizer stepped inside backward?). "
+                "Gradients must reach every rank before a step; step after backward."
+            )
         if grad.is_sparse:
             raise ScheduleError(
                 f"commsched: parameter '{self.plan.buckets[b].names[slot]}' has a sparse gradient; "
