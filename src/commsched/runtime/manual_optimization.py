@@ -10,15 +10,16 @@ gradients of every synchronised backward before it returns. So does every schedu
 - the forward ends at the first backward of the step (DeAR's pending buckets land before it);
 - each synchronised backward's collectives are finished when it returns (DeAR's all-gathers may still be
   on their way: the first read of a `.grad` waits for them, as under automatic optimization);
-- `optimizer.step()` runs where the schedule holds the gradients; a step with no backward before it (and
-  no closure to run one) is the optimizer's own, as under DDP;
+- `optimizer.step()` runs where the schedule holds the gradients; a step with no synchronised backward (none,
+  or one kept local by `toggle_model(sync_grad=False)`) is the optimizer's own, as under DDP;
 - with several optimizers, the schedules that step the model part by part in the next forward (DeAR,
   DeFT's plans) hand every iteration to WFBP: their deferred update belongs to one optimizer step, and the
   next backward would start before it landed. WFBP is DDP's schedule, exact on any number of optimizers;
 - `toggle_optimizer` switches the other optimizers' parameters off for a backward: they keep their
   buckets (their gradients are missing, as under DDP), and the engine's checks at a batch start see
-  every optimizer's parameters as trainable, so that a toggle left on never drops a parameter from its
-  bucket (`every_optimizer_trainable`).
+  every bucketed optimizer parameter as trainable, so that a toggle left on never drops a parameter from
+  its bucket (`every_optimizer_trainable`); no bucket holds two optimizers' parameters, and a backward
+  sends nothing for buckets no rank can fill (`GradientCapture.agree_on_idle`).
 """
 
 from __future__ import annotations

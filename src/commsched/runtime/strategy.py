@@ -431,11 +431,11 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                     "(`with optimizer.toggle_model(sync_grad=False):`, as DDP needs for speed too), or use "
                     "strategy='wfbp' without compression"
                 )
-            schedule.capture.idle = frozenset()  # agreed again for this backward, or none
-            if schedule.sync_enabled and len(self.optimizers) > 1 and schedule.skips_idle_buckets():
-                profiler = self._engine.profiler
-                if profiler is None or not profiler.active:  # a profile times every bucket of every backward
-                    schedule.capture.agree_on_idle()  # a GAN's half: the other half's buckets send nothing
+            profiling = self._engine.profiler is not None and self._engine.profiler.active  # times every bucket
+            several = len(self.optimizers) > 1  # a GAN's half: the other half's buckets send nothing
+            schedule.capture.agree_on_idle(
+                schedule.sync_enabled and several and schedule.skips_idle_buckets() and not profiling
+            )
         self._profile("backward_started")
 
     @override

@@ -195,9 +195,13 @@ class GradientCapture:
             for param, view, used in zip(bucket.params, bucket.views, self.globally_used[b]):
                 param.grad = view if used else None
 
-    def agree_on_idle(self) -> None:
-        """Before a backward (all ranks together): which buckets no rank can fill, from one small all-reduce on
-        the mask's link. A GAN's backward of one half leaves the other half's buckets idle."""
+    def agree_on_idle(self, agree: bool) -> None:
+        """Before a backward (all ranks together, with the same `agree`): which buckets no rank can fill, from
+        one small all-reduce on the mask's link (a GAN's backward of one half leaves the other half's buckets
+        idle); `agree=False`: none, without a collective."""
+        self.idle = frozenset()
+        if not agree:
+            return
         busy = [any(p.requires_grad or p.grad is not None for p in bucket.params) for bucket in self.plan.buckets]
         flags = self._link.tensor(busy, torch.float32)
         self._link.all_reduce(flags, "idle-buckets").wait()
