@@ -44,12 +44,8 @@ class Engine:
         fusion = options.fusion
         if fusion.policy == "auto" and schedule_class.keeps_its_buckets(options):
             fusion = dataclasses.replace(fusion, policy="fixed")
-        self._new_policy = lambda: PlanPolicy(
-            fusion,
-            options.tuning,
-            planner=schedule_class.planner,
-            hand_over_planners=[SCHEDULES[name].planner for name in schedule_class.hands_over_to],
-        )
+        self._fusion = fusion
+        self._tuning = options.tuning
         self.policy = self._new_policy()
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.owner: Optional[Schedule] = None
@@ -61,7 +57,6 @@ class Engine:
         self.profiler: Optional[RunProfiler] = None
         self.settings: Any = None  # schedule-specific, from `Schedule.settings_for`
         self.loss_scaler: Any = None  # fp16's GradScaler, handed to every schedule made
-        self._fusion = fusion
         self._profile = options.profile
         self._link_options = options.links
         self.wire_dtype = WIRE_DTYPES[options.comm_dtype]
@@ -76,6 +71,15 @@ class Engine:
         self.compiled_outside = False
         """The module runs under torch.compile applied around a wrapper of it (Fabric's), which the module
         itself does not show (`runs_compiled`)."""
+        self._borrowed_links = False  # `start(links=...)`: another engine made them and ends them
+
+    def _new_policy(self) -> PlanPolicy:
+        return PlanPolicy(
+            self._fusion,
+            self._tuning,
+            planner=self.schedule_class.planner,
+            hand_over_planners=[SCHEDULES[name].planner for name in self.schedule_class.hands_over_to],
+        )
 
     def start(
         self,
@@ -87,11 +91,14 @@ class Engine:
         device: torch.device,
         per_node: int,
         state_later: bool = False,
+        links: Optional[Links] = None,
     ) -> None:
         """Links, then buckets and hooks, then the saved state, then rank 0's weights everywhere (fit only).
         `device`: this rank's own device (the model's), where NCCL links keep their tensors; `per_node`:
         processes per node (the sub-group links: one group per node, one per local rank); `state_later`: the
-        saved communication state waits for `load_state_later` (the optimizers may still cut the buckets)."""
+        saved communication state waits for `load_state_later` (the optimizers may still cut the buckets);
+        `links`: another engine's (each of a Fabric run's modules has an engine, all on one set of links),
+        which that engine ends."""
         self._hand_over_plan = None  # a layout built for another fit's module
         self._for_good = None
         self._optimizer_of = {}
@@ -99,9 +106,10 @@ class Engine:
             f"commsched: creating links {self.schedule_class.links_for(self.settings)}, "
             f"{self.schedule_class.streams_for(self.settings)} stream(s) each"
         )
-        if self.trace is not None:
+        self._borrowed_links = links is not None
+        if links is None and self.trace is not None:
             self.trace.clear()
-        self.links = Links(
+        self.links = links or Links(
             self._link_specs(default_backend, world_size, per_node), timeout, self.trace, device, self.wire_dtype
         )
         self._module = module
@@ -258,11 +266,11 @@ class Engine:
         if isinstance(loss, torch.Tensor) and self.owner is not None:
             self.owner.on_loss(loss)
 
-    def hand_over_for_good(self, handover: Handover, why: str) -> None:
-        """The owner cannot serve this run (`why`, said once): `handover`'s schedule runs every iteration from
-        the next one on, and the owner makes none of its own choices. The owner keeps the communication
-        state (the running schedule, on dense buckets, keeps none across steps)."""
-        if self._for_good is None:
+    def hand_over_for_good(self, handover: Handover, why: str, say_why: bool = True) -> None:
+        """The owner cannot serve this run (`why`, said once unless `say_why` is False): `handover`'s schedule
+        runs every iteration from the next one on, and the owner makes none of its own choices. The owner keeps
+        the communication state (the running schedule, on dense buckets, keeps none across steps)."""
+        if self._for_good is None and say_why:
             say(f"commsched {self.schedule_class.name}: {why}")
         self._for_good = (handover, why)
 
@@ -272,6 +280,18 @@ class Engine:
         now (at setup, every rank together); the saved state goes in after (`load_state_later`)."""
         self._optimizer_of = {id(p): i for i, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]}
         self.rebuild(module, world_size)  # on every rank, whatever its buckets: the plan check is a collective
+
+    def serve_as_part(self, module: nn.Module, world_size: int) -> None:
+        """One of several modules or optimizers a Fabric loop steps by hand: DDP's fixed buckets (a planner
+        times the steps of one module with one optimizer), no profile. Rebuilt now if started (every rank
+        together)."""
+        if self.profiler is not None and self.profiler.active:
+            self.profiler.abandon()
+        self._profile = dataclasses.replace(self._profile, steps=0)
+        self._fusion = dataclasses.replace(self._fusion, policy="fixed")
+        self.policy = self._new_policy()
+        if self.owner is not None:
+            self.rebuild(module, world_size)
 
     def load_state_later(self) -> None:
         """The saved communication state `start` kept back, into the buckets as they are now."""
@@ -391,6 +411,8 @@ class Engine:
         if self.owner is not None:
             self.owner.detach()
             self.finished, self.owner, self.schedule = self.owner, None, None
+        if self._borrowed_links:
+            return
         if self.links is not None and destroy_links:
             self.links.destroy()
         elif self.links is not None:

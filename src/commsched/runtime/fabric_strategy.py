@@ -12,6 +12,9 @@ that its forward marks the batch boundaries. The loop's calls map onto the sched
   schedule clips and steps where its gradients are (DeAR's shards, a deferred update);
 - `fabric.save` / `fabric.load`: every update applied first, the communication state saved beside the
   user's and restored into the running engine.
+
+Several modules (a GAN's generator and discriminator set up apart) or optimizers: each module has an engine
+of its own, as each has a `DistributedDataParallel` under Fabric's ddp (`commsched.runtime.fabric_parts`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from commsched.runtime.arguments import checked_arguments, refuse_unknown_argume
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
 from commsched.runtime.fabric_loop import FabricLoop, ScheduledModule
-from commsched.runtime.manual_optimization import without_delays
+from commsched.runtime.fabric_parts import FabricPart, PartView, by_parts_handover, refuse_by_parts
+from commsched.runtime.manual_optimization import every_optimizer_trainable, without_delays
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say
 from commsched.schedules import Schedule
@@ -59,6 +63,8 @@ log = logging.getLogger(__name__)
 
 LOOP_STEPS = "fabric_steps"
 """The optimizer steps a Fabric loop had taken, beside the communication state in its checkpoint."""
+OTHER_PARTS = "fabric_parts"
+"""The communication state of the modules set up after the first, in the order they were set up."""
 
 
 class CommSchedFabricStrategy(RunReports, DDPStrategy):
@@ -146,27 +152,29 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
                 "steps); DeFT still chooses between WFBP, DeAR and its plan on the two links"
             )
         self._engine = Engine(self.schedule_class, self.options, configured.trace_collectives)
-        self._buffers = BufferSync(configured.broadcast_buffers)
-        self._backward_sync_control = _ScheduleSyncControl(self._engine)
+        """The first module's engine (the one the run's reports read); it makes and ends the links."""
+        self._broadcast_buffers = configured.broadcast_buffers
+        self._backward_sync_control = _ScheduleSyncControl(self)
         self.optimizers: list[Optimizer] = []
-        """The optimizers set up with the module (a schedule steps exactly one)."""
+        """The optimizers set up, in order."""
         self.loop = FabricLoop(self)
         """The loop as the engine reads it (a Trainer under the Trainer's strategies)."""
         self.run_dir = None  # Fabric writes no files of its own: neither does commsched, unless asked by name
         self.run_dir_resolved = True
-        self._module: Optional[nn.Module] = None
-        self._batch_open = False  # a forward with gradients ran since the last backward: the batch has started
+        self._parts: list[FabricPart] = []
+        """The modules set up, in order, each with its engine (the first's is `_engine`)."""
+        self._by_parts = False  # several modules or optimizers: `fabric_parts`
         self._evaluating = False  # the forward running has no gradients
-        self._backward_pending = False  # a synchronised backward ran; its collectives are not finished yet
 
     @property
     def lightning_module(self) -> Optional[nn.Module]:
-        """The module trained (the user's, unwrapped), under the name the engine reads on every strategy."""
-        return self._module
+        """The module trained (the user's, unwrapped; the first set up), under the name the engine reads."""
+        return self._parts[0].module if self._parts else None
 
     def request_replan(self) -> None:
         """Decide the fusion plan (and DeFT's plan) again from the next batch on (all ranks must ask together)."""
-        self._engine.request_replan()
+        for part in self._parts or [None]:
+            (part.engine if part is not None else self._engine).request_replan()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -178,20 +186,30 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
-        self._refuse_optimizers(optimizers)
-        self.optimizers = list(optimizers)
-        return self.setup_module(module), optimizers, scheduler
+        self._refuse_optimizers([*self.optimizers, *optimizers])
+        wrapped = self.setup_module(module)
+        for optimizer in optimizers:
+            self._add_optimizer(optimizer)
+        return wrapped, optimizers, scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """`fabric.setup_optimizers` after `fabric.setup_module`: the schedule steps this optimizer."""
+        """`fabric.setup_optimizers` after `fabric.setup_module`: it steps the modules whose parameters it holds."""
         self._refuse_optimizers([*self.optimizers, optimizer])
-        self.optimizers.append(optimizer)
+        self._add_optimizer(optimizer)
         return optimizer
+
+    def _add_optimizer(self, optimizer: Optimizer) -> None:
+        self.optimizers.append(optimizer)
+        for part in self._parts:
+            if part.steps(optimizer):
+                part.optimizers.append(optimizer)
+        if len(self.optimizers) > 1:
+            self._enter_parts()
 
     def _refuse_optimizers(self, optimizers: list[Optimizer]) -> None:
         name = self.schedule_class.name
-        refusals.refuse_optimizer_setup(optimizers, name, self.schedule_class.steps_whole)
+        refusals.refuse_optimizer_setup(optimizers, name, self.schedule_class.steps_whole, by_hand=True)
         self.schedule_class.refuse_optimizers(self.options, optimizers)
         refusals.refuse_under_scaler(
             loss_scale.scaler_of(self.precision), optimizers, name, self.schedule_class.steps_whole, self.options
@@ -199,17 +217,23 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Links, buckets and hooks instead of a DistributedDataParallel wrapper; rank 0's weights everywhere."""
-        if self._module is not None:
+        """Links, buckets and hooks instead of a DistributedDataParallel wrapper; rank 0's weights everywhere.
+        A module set up after the first gets an engine of its own on the first's links."""
+        if any(part.module is module for part in self._parts):
             raise CommSchedConfigError(
-                f"commsched: {type(self).__name__} trains one module per Fabric; this one was already set up with "
-                f"{type(self._module).__name__}. Set up one model (a module holding the others trains them together)."
+                f"commsched: {type(module).__name__} was already set up with this Fabric; set up each module once"
             )
-        log.debug(f"{type(self).__name__}: starting schedule '{self.schedule_class.name}'")
-        self._module = module
-        self._engine.settings = self.schedule_class.settings_for(self.options, self.loop, lambda: None)
-        self._engine.loss_scaler = loss_scale.scaler_of(self.precision)
-        self._engine.start(
+        log.debug(f"{type(self).__name__}: starting schedule '{self.schedule_class.name}' for {type(module).__name__}")
+        first = not self._parts
+        if not first:
+            self._enter_parts(modules=len(self._parts) + 1)
+        engine = self._engine if first else Engine(self.schedule_class, self.options, trace_collectives=False)
+        part = FabricPart(module, engine, BufferSync(self._broadcast_buffers))
+        engine.settings = self.schedule_class.settings_for(self.options, self.loop, lambda: None)
+        engine.loss_scaler = loss_scale.scaler_of(self.precision)
+        if not first:
+            engine.serve_as_part(module, self.world_size)
+        engine.start(
             module,
             self.world_size,
             self._timeout,
@@ -217,80 +241,136 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             None,
             self.root_device,
             self.num_processes,
+            links=None if first else self._engine.links,
         )
-        self._buffers.needed = True
+        self._parts.append(part)
+        if not first:
+            self._hand_over(part.engine, say_why=False)
         return ScheduledModule(module, self)
+
+    def _enter_parts(self, modules: Optional[int] = None) -> None:
+        """Several modules or optimizers from here on (`commsched.runtime.fabric_parts`): every part on DDP's
+        fixed buckets, handed to WFBP where the schedule steps the model part by part (said once)."""
+        if self._by_parts:
+            return
+        modules = modules or len(self._parts)
+        what = f"{modules} module(s) and {len(self.optimizers)} optimizer(s) set up"
+        refuse_by_parts(self.options, self.schedule_class.name, what)
+        self._by_parts = True
+        for part in self._parts:
+            if part.engine.schedule is not None:
+                part.engine.schedule.flush()
+            part.engine.serve_as_part(part.module, self.world_size)
+            self._hand_over(part.engine, say_why=part is self._parts[0])
+
+    def _hand_over(self, engine: Engine, say_why: bool) -> None:
+        handover = by_parts_handover(self.schedule_class.name, self.schedule_class.steps_whole)
+        if handover is not None:
+            engine.hand_over_for_good(*handover, say_why=say_why)
+
+    def _part_of(self, module: nn.Module) -> FabricPart:
+        unwrapped = module.module if isinstance(module, ScheduledModule) else module
+        for part in self._parts:
+            if part.module is unwrapped:
+                return part
+        raise CommSchedConfigError(
+            f"commsched: {type(unwrapped).__name__} was not set up with this Fabric (fabric.setup(module))"
+        )
 
     # --------------------------------------------------------------- the loop
     @torch.compiler.disable
     def forward_starts(self, module: nn.Module, traced: bool) -> None:
         """Before the module's forward: with gradients, a training forward (the first after a backward
-        starts the batch); without, an evaluation that sees every update. `traced`: torch.compile is tracing
-        the wrapper (the module was given to `fabric.setup` compiled): the schedule runs as under compile."""
-        schedule = self._engine.schedule
-        if schedule is None:
+        starts the module's batch); without, an evaluation that sees every update. `traced`: torch.compile is
+        tracing the wrapper (the module was given to `fabric.setup` compiled): the schedule runs as under
+        compile."""
+        part = self._part_of(module)
+        engine = part.engine
+        if engine.schedule is None:
             return
-        if traced and not self._engine.compiled_outside:
-            self._engine.mark_compiled(module, self.world_size)
-            schedule = self._engine.schedule
-            assert schedule is not None
+        if traced and not engine.compiled_outside:
+            engine.mark_compiled(module, self.world_size)
         self._evaluating = not torch.is_grad_enabled()
         if self._evaluating:
-            schedule.flush()
-            self._buffers.before_forward(module, self.control_link)
+            engine.schedule.flush()
+            part.buffers.before_forward(module, self.control_link)
             return
-        if not self._batch_open:
-            self._batch_open = True
-            self._engine.at_batch_start(self)
-            schedule = self._engine.schedule
-            assert schedule is not None
+        if not part.batch_open:
+            part.batch_open = True
+            with every_optimizer_trainable(self.optimizers if self._by_parts else (), engine.bucketed):
+                engine.at_batch_start(PartView(self, part) if self._by_parts else self)
+        schedule = engine.schedule
+        assert schedule is not None
         self._profile("phase_started")
-        self._buffers.before_forward(module, self.control_link)
+        part.buffers.before_forward(module, self.control_link)
         schedule.before_forward()
 
     @torch.compiler.disable
     def forward_ends(self, module: nn.Module) -> None:
-        schedule = self._engine.schedule
+        part = self._part_of(module)
+        schedule = part.engine.schedule
         if schedule is None:
             return
         if not self._evaluating:
             schedule.after_forward()
-        self._buffers.after_forward(schedule.sync_enabled)
+        part.buffers.after_forward(schedule.sync_enabled)
         if not self._evaluating:
             self._profile("forward_done")
 
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-        schedule = self._engine.schedule
-        if schedule is None:
+        if not self._parts or self._engine.schedule is None:
             return super().backward(tensor, module, *args, **kwargs)
+        if self._by_parts:
+            return self._backward_by_parts(tensor, module, *args, **kwargs)
+        part, schedule = self._parts[0], self._engine.schedule
         self._engine.training_step_returned(tensor)  # the loss: a schedule may judge its choices by it
         self._profile("backward_started")
         super().backward(tensor, module, *args, **kwargs)
         self._profile("backward_done")
-        self._batch_open = False
-        self._backward_pending = self._backward_pending or schedule.sync_enabled
+        part.batch_open = False
+        part.backward_pending = part.backward_pending or schedule.sync_enabled
 
-    def _finish_backward(self, schedule: Schedule) -> None:
+    def _backward_by_parts(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """As under Fabric's ddp, where each module has its own `DistributedDataParallel`: the gradients of
+        every module this backward reached are averaged when it returns; a module it did not reach waits."""
+        super().backward(tensor, module, *args, **kwargs)
+        for part in self._parts:
+            part.batch_open = False
+            schedule = part.engine.schedule
+            if schedule is not None and schedule.capture.launched:
+                schedule.finish_backward()
+
+    def _finish_backward(self, part: FabricPart, schedule: Schedule) -> None:
         """Before clipping or stepping: every collective of the step was issued on every rank."""
-        if self._backward_pending:
-            self._backward_pending = False
+        if part.backward_pending:
+            part.backward_pending = False
             schedule.finish_backward()
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         schedule = self._engine.schedule
-        if schedule is None:
+        if schedule is None or not self._parts:
             return super().optimizer_step(optimizer, **kwargs)
-        self._finish_backward(schedule)
+        if self._by_parts:
+            stepped = [part for part in self._parts if any(o is optimizer for o in part.optimizers)]
+            try:
+                return super().optimizer_step(optimizer, **kwargs)  # `.grad` holds the averaged gradients
+            finally:
+                self._stepped(stepped)
+        part = self._parts[0]
+        self._finish_backward(part, schedule)
         try:
             with loss_scale.answered_by(self._engine.loss_scaler, schedule.unscale_gradients):
-                output = schedule.optimizer_step(optimizer, lambda: self.precision.optimizer_step(optimizer, **kwargs))
+                return schedule.optimizer_step(optimizer, lambda: self.precision.optimizer_step(optimizer, **kwargs))
         finally:
-            self._engine.iteration_done()
-            self._batch_open = False
-            self.loop.global_step += 1
-        return output
+            self._stepped([part])
+
+    def _stepped(self, parts: list[FabricPart]) -> None:
+        for part in parts:
+            part.engine.iteration_done()
+            part.batch_open = False
+        self.loop.global_step += 1
 
     @override
     def clip_gradients_norm(
@@ -303,7 +383,7 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
     ) -> torch.Tensor:
         """The global norm of the averaged gradients, wherever the schedule holds them (DeAR: its shards)."""
         schedule = self._engine.schedule
-        if schedule is None:
+        if schedule is None or self._by_parts:  # by parts, `.grad` holds the averaged gradients
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         if float(norm_type) != 2.0:
             raise CommSchedConfigError(
@@ -325,14 +405,14 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
         schedule = self._engine.schedule
-        if schedule is None:
+        if schedule is None or self._by_parts:
             return super().clip_gradients_value(module, optimizer, clip_val)
         self._unscale(schedule, optimizer)
         schedule.clip_gradients(optimizer, float(clip_val), "value")
 
     def _unscale(self, schedule: Schedule, optimizer: Optimizer) -> None:
         """fp16's scaler unscales before clipping (the schedule answers where it holds the gradients)."""
-        self._finish_backward(schedule)
+        self._finish_backward(self._parts[0], schedule)
         with loss_scale.answered_by(self._engine.loss_scaler, schedule.unscale_gradients):
             self.precision.unscale_gradients(optimizer)
 
@@ -342,8 +422,12 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
 
     # ------------------------------------------------------------ checkpoints
     def _flush(self) -> None:
-        if self._engine.schedule is not None:
-            self._engine.schedule.flush()
+        for engine in self._engines():
+            if engine.schedule is not None:
+                engine.schedule.flush()
+
+    def _engines(self) -> list[Engine]:
+        return [part.engine for part in self._parts] or [self._engine]
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -357,7 +441,9 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         saved, owner = super().get_optimizer_state(optimizer), self._engine.owner
-        return owner.optimizer_state(optimizer, saved) if owner is not None else saved
+        if owner is None or self._by_parts:  # by parts, WFBP on dense gradients: the optimizer's own state
+            return saved
+        return owner.optimizer_state(optimizer, saved)
 
     @override
     def save_checkpoint(
@@ -372,7 +458,11 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         if self._engine.owner is not None:
             self._flush()
             saved = self._engine.checkpoint_state(self.world_size, path)
-            saved[LOOP_STEPS] = self.loop.global_step  # where step-driven phases are (top-k's density warm-up)
+            saved[LOOP_STEPS] = self.loop.global_step
+            if len(self._parts) > 1:
+                saved[OTHER_PARTS] = [
+                    part.engine.checkpoint_state(self.world_size) for part in self._parts[1:]
+                ]  # where step-driven phases are (top-k's density warm-up)
             state = {**state, _free_key(state): saved}
         try:
             super().save_checkpoint(path, state, storage_options, filter)
@@ -400,21 +490,30 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         saved = remaining.pop(KEY, None)
         if saved is not None:
             self.loop.global_step = saved.pop(LOOP_STEPS, 0)
-            checkpoint = {KEY: saved}
-            warn_if_saved_after_failure(checkpoint)
-            restored = Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size, path)
-            assert self._module is not None
-            self._engine.restore(restored, self._module, self.world_size)
-            self._batch_open = self._backward_pending = False
+            others = saved.pop(OTHER_PARTS, [])
+            if len(others) != len(self._parts) - 1:
+                raise CommSchedConfigError(
+                    f"commsched: fabric.load({path!r}): the checkpoint holds the communication state of "
+                    f"{len(others) + 1} module(s) set up, this run set up {len(self._parts)}; set up the same "
+                    "modules, in the same order, as the run that saved it"
+                )
+            for part, entry in zip(self._parts, [saved, *others]):
+                checkpoint = {KEY: entry}
+                warn_if_saved_after_failure(checkpoint)
+                rank_path = path if part is self._parts[0] else None
+                restored = Restored(checkpoint, self.schedule_class.name, self.global_rank, self.world_size, rank_path)
+                part.engine.restore(restored, part.module, self.world_size)
+                part.batch_open = part.backward_pending = False
         return remaining
 
     @override
     def teardown(self) -> None:
         log.debug(f"{type(self).__name__}: tearing down schedule and links")
-        if self._engine.schedule is not None:
-            self._engine.schedule.drain()
-        self._engine.stop(destroy_links=True)
-        self._module = None
+        for engine in reversed(self._engines()):  # the first engine's links end last
+            if engine.schedule is not None:
+                engine.schedule.drain()
+            engine.stop(destroy_links=True)
+        self._parts = []
         super().teardown()
 
 
@@ -429,11 +528,11 @@ def _free_key(user_state: dict[str, Any]) -> str:
 
 
 class _ScheduleSyncControl(_BackwardSyncControl):
-    """`fabric.no_backward_sync(model)`: accumulation micro-batches keep their gradients local."""
+    """`fabric.no_backward_sync(model)`: accumulation micro-batches keep that module's gradients local."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self, strategy: CommSchedFabricStrategy) -> None:
+        self._strategy = strategy
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self._engine.no_sync() if enabled else nullcontext()
+        return self._strategy._part_of(module).engine.no_sync() if enabled else nullcontext()

@@ -81,6 +81,11 @@ class GradientCapture:
             handle.remove()
         self._handles.clear()
 
+    @property
+    def launched(self) -> bool:
+        """Every bucket of this backward was handed on: some hook saw a gradient, and the backward has ended."""
+        return self.phase is CapturePhase.LAUNCHED
+
     def filled(self, b: int, slot: int) -> bool:
         return self._filled[b][slot]
 
