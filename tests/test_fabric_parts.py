@@ -29,7 +29,7 @@ STEPPING_PART_BY_PART = ("dear", "deft", "streams", "traced", "compiled")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric_parts")
     first = [f"{pattern}-{s}" for pattern, schedules in EXACT.items() for s in ["ddp", *schedules]]
-    first += ["dcgan-topk", *(f"{case}-first" for case in RESUMED)]
+    first += ["dcgan-topk", "teacher-dear", *(f"{case}-first" for case in RESUMED)]
     said = []
     for cases in (first, [f"{case}-resumed" for case in RESUMED]):  # the second run is a new pair of processes
         proc = run_worker("run_fabric_parts.py", str(out), *cases)
@@ -82,6 +82,11 @@ def test_each_module_is_sent_once_per_backward_that_reaches_it_as_ddp_sends_it(r
 def test_sparse_exchange_with_several_modules_is_refused_with_the_way_out(runs):
     message = runs("dcgan-topk")["refused"]
     assert "invalid compression" in message and "allowed here: 'none'" in message, message
+
+
+def test_a_frozen_module_set_up_is_refused_with_the_way_out(runs):
+    message = runs("teacher-dear")["refused"]
+    assert "no parameter that requires a gradient" in message and "fabric.to_device(module)" in message, message
 
 
 def test_the_hand_over_is_said_once_a_run(runs):

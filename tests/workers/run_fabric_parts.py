@@ -12,6 +12,7 @@ PATTERN:
 - shared: an encoder and a decoder set up apart (`fabric.setup_module`), one SGD with momentum over both
   (`fabric.setup_optimizers`), two micro-batches under `fabric.no_backward_sync` of both, clipping by norm.
 - twoopts: one module, two optimizers (AdamW on the body, SGD on the head) stepped after one backward.
+- teacher: a frozen module set up after the student (refused: its message is saved).
 `-first` trains the first HALF steps and saves with `fabric.save`; `-resumed` loads it in a new run and
 trains the rest. Every rank writes OUT_DIR/<case>.rank<r>.pt: the modules' states and the optimizers'.
 """
@@ -172,7 +173,14 @@ def flat(optimizers: dict) -> dict:
     }
 
 
-PATTERNS = {"dcgan": dcgan, "shared": shared, "twoopts": twoopts}
+def teacher(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:
+    """A frozen teacher given to `fabric.setup_module` (refused, as under Fabric's ddp)."""
+    student = fabric.setup_module(nn.Linear(FEATURES, 1))
+    fabric.setup_module(nn.Linear(FEATURES, 1).requires_grad_(False))
+    return {"state": dict(student.state_dict())}
+
+
+PATTERNS = {"dcgan": dcgan, "shared": shared, "twoopts": twoopts, "teacher": teacher}
 
 
 def run(out: Path, case: str) -> None:

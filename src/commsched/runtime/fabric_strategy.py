@@ -223,6 +223,12 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             raise CommSchedConfigError(
                 f"commsched: {type(module).__name__} was already set up with this Fabric; set up each module once"
             )
+        if not any(p.requires_grad for p in module.parameters()):
+            raise CommSchedConfigError(
+                f"commsched: {type(module).__name__} has no parameter that requires a gradient: there is nothing to "
+                "average (Fabric's ddp refuses it too). A frozen module (a teacher) needs no strategy: move it with "
+                "fabric.to_device(module)"
+            )
         log.debug(f"{type(self).__name__}: starting schedule '{self.schedule_class.name}' for {type(module).__name__}")
         first = not self._parts
         if not first:
