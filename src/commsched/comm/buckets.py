@@ -8,7 +8,7 @@ whose model differs fails at setup with a message instead of corrupting gradient
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -46,6 +46,9 @@ class BucketPlan:
 
     buckets: list[Bucket]
     world_size: int
+    sparse: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    """Parameters whose gradients are sparse (`sparse_gradient_params`): outside the buckets, averaged as
+    sparse tensors at the end of each synchronised backward (`commsched.comm.sparse_average`)."""
 
     @property
     def num_params(self) -> int:
@@ -56,6 +59,7 @@ class BucketPlan:
         for b in self.buckets:
             shapes = ",".join(f"{n}:{tuple(p.shape)}" for n, p in zip(b.names, b.params))
             lines.append(f"{b.index}|{b.buffer.dtype}|{b.buffer.device.type}|{b.buffer.numel()}|{shapes}")
+        lines.extend(f"sparse|{n}:{tuple(p.shape)}|{p.dtype}" for n, p in self.sparse)
         return "\n".join(lines)
 
     def describe(self) -> str:
@@ -64,8 +68,20 @@ class BucketPlan:
         )
 
 
+def sparse_gradient_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters whose gradients are sparse tensors: the weights of `nn.Embedding` and
+    `nn.EmbeddingBag` made with ``sparse=True`` (what DDP looks for too), by name, in registration order."""
+    sparse = {
+        id(sub.weight)
+        for sub in module.modules()
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad
+    }
+    return [(n, p) for n, p in module.named_parameters() if id(p) in sparse]
+
+
 def trainable_in_ready_order(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[int]]:
-    """Trainable parameters in the order gradients usually become ready: reverse registration order.
+    """Trainable parameters with dense gradients in the order they usually become ready: reverse
+    registration order (sparse gradients go apart: `sparse_gradient_params`).
 
     Returns names, parameters and, per parameter, the index of its owning module ("layer"), which
     the N-layers policy groups by. Tied parameters appear once, under their first owner.
@@ -76,7 +92,8 @@ def trainable_in_ready_order(module: nn.Module) -> tuple[list[str], list[nn.Para
         for p in sub.parameters(recurse=False):
             if p.requires_grad and id(p) not in owners:
                 owners[id(p)] = layer_of_module.setdefault(id(sub), len(layer_of_module))
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    sparse = {id(p) for _, p in sparse_gradient_params(module)}
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in sparse]
     named.reverse()
     n_layers = len(layer_of_module)
     names = [n for n, _ in named]
@@ -104,7 +121,10 @@ def build_plan(
     names, params, _ = trainable_in_ready_order(module)
     if not params:
         raise CommSchedConfigError(
-            "commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise."
+            "commsched: the model has no trainable parameters (requires_grad=True) with dense gradients; "
+            "nothing to bucket. A model of sparse embeddings alone: use strategy='ddp'."
+            if sparse_gradient_params(module)
+            else "commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise."
         )
     groups = planner(param_infos(module))
     if apart is not None:
@@ -128,7 +148,7 @@ def build_plan(
                 index, [names[i] for i in group], [params[i] for i in group], buffer, views, numel, padded // world_size
             )
         )
-    return BucketPlan(buckets, world_size)
+    return BucketPlan(buckets, world_size, sparse_gradient_params(module))
 
 
 def cut_where_key_changes(group: list[int], keys: list[int]) -> list[list[int]]:

@@ -26,6 +26,7 @@ from commsched.comm.buckets import BucketPlan, build_plan, verify_same_on_all_ra
 from commsched.comm.device_time import compute_done
 from commsched.comm.link_groups import Links, LinkSpec, local_rank_groups, node_groups
 from commsched.comm.links import WIRE_DTYPES, CollectiveRecord
+from commsched.errors import CommSchedConfigError
 from commsched.options import StrategyOptions
 from commsched.options.links import SECONDARY_IFNAME_ENV
 from commsched.planning.plan_file import SavedPlan
@@ -46,6 +47,8 @@ class Engine:
             fusion = dataclasses.replace(fusion, policy="fixed")
         self._fusion = fusion
         self._tuning = options.tuning
+        self._compression = options.compression
+        self._comm_hook = options.comm_hook
         self.policy = self._new_policy()
         self.trace: Optional[list[CollectiveRecord]] = [] if trace_collectives else None
         self.owner: Optional[Schedule] = None
@@ -163,9 +166,36 @@ class Engine:
         assert self.links is not None
         plan = build_plan(module, world_size, self.policy.planner(), self._apart_key())
         verify_same_on_all_ranks(plan, module, self.links.control, self.schedule_class.name)
+        self._serve_sparse(plan)
         self.owner = self.schedule = self.schedule_class(plan, self.links, self.settings)
         self._attach(self.owner, module)
         self._trainable = _trainable_ids(module)
+
+    def _serve_sparse(self, plan: BucketPlan) -> None:
+        """Sparse gradients (`nn.Embedding(sparse=True)`) are averaged whole at the end of each backward, as DDP
+        averages them: a schedule that steps the model part by part would leave them unstepped, so WFBP runs."""
+        if not plan.sparse:
+            return
+        names = ", ".join(n for n, _ in plan.sparse)
+        name = self.schedule_class.name
+        if self._compression.method != "none":
+            raise CommSchedConfigError(
+                f"commsched: invalid compression={self._compression.method!r} under strategy='{name}': the model has "
+                f"sparse gradients ({names}), which the optimizer steps as they are (a sparse exchange's corrections "
+                "would change their step); allowed here: compression='none', or dense embeddings (sparse=False)"
+            )
+        if self._comm_hook is not None:
+            raise CommSchedConfigError(
+                f"commsched: invalid ddp_comm_hook under strategy='{name}': the model has sparse gradients ({names}), "
+                "which DDP's communication hooks do not take either; allowed here: ddp_comm_hook=None, or dense "
+                "embeddings (sparse=False)"
+            )
+        if not self.schedule_class.steps_whole:
+            self.hand_over_for_good(
+                Handover("wfbp"),
+                f"the model has sparse gradients ({names}), averaged whole at the end of each backward as DDP "
+                "averages them and stepped as they are; WFBP (DDP's schedule) runs every iteration",
+            )
 
     def _attach(self, schedule: Schedule, module: nn.Module) -> None:
         """What every schedule made here is told of the run (fp16's scaler, compile from outside), then hooked."""

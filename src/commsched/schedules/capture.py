@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from commsched.comm.buckets import BucketPlan
 from commsched.comm.links import Link, Pending
+from commsched.comm.sparse_average import average_sparse
 from commsched.errors import ScheduleError
 from commsched.hooks import OwnHook
 
@@ -119,8 +120,9 @@ class GradientCapture:
             )
         if grad.is_sparse:
             raise ScheduleError(
-                f"commsched: parameter '{self.plan.buckets[b].names[slot]}' has a sparse gradient; "
-                "sparse gradients are not supported (use dense embeddings)."
+                f"commsched: parameter '{self.plan.buckets[b].names[slot]}' has a sparse gradient, and is not the "
+                "weight of an nn.Embedding or nn.EmbeddingBag made with sparse=True (whose gradients commsched "
+                "averages apart): make its gradient dense, or use strategy='ddp'."
             )
         torch.mul(grad, self._scale, out=self.plan.buckets[b].views[slot])
         self._filled[b][slot] = True
@@ -169,6 +171,8 @@ class GradientCapture:
         used = [flag for filled in self._filled for flag in filled]
         self._mask.copy_(self._link.tensor(used, self._mask.dtype))
         self._mask_work = self._link.all_reduce(self._mask, "used-mask")
+        for name, param in self.plan.sparse:  # outside the buckets, averaged as DDP averages them
+            param.grad = average_sparse(param.grad, param, self._link, f"sparse-{name}")
         self.phase = CapturePhase.LAUNCHED
         self._on_backward_end()
 

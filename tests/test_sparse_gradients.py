@@ -1,0 +1,81 @@
+"""Sparse embeddings (`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`): their gradients stay out
+of the buckets and are averaged as sparse tensors at the end of each synchronised backward, as DDP averages
+them (workers/run_sparse.py, 2 processes: a recommender's embeddings into an MLP, with SGD, Adagrad, and
+SparseAdam beside Adam by hand and under Fabric). Every schedule trains what Lightning's ddp trains; only
+the rows some rank touched travel; `average_sparse` agrees with a brute-force sum on 3 processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import max_abs_diff, run_worker
+
+TOLERANCE = 1e-5
+ROWS, WIDTH = 400, 8  # run_sparse.py's item embedding
+EXACT = [
+    "sgd-wfbp",
+    "sgd-dear",
+    "sgd-deft",
+    "sgd-defaults",
+    "sgd-traced",
+    "adagrad-dear",
+    "split-dear",
+    "split-wfbp",
+    "fabric-dear",
+    "sgd-dear-resume",
+]
+REFUSED = ["sgd-topk", "sgd-hook"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sparse")
+    references = sorted({f"{case.split('-')[0]}-ddp" for case in EXACT})
+    proc = run_worker("run_sparse.py", str(out), *references, *EXACT, *REFUSED)  # refused last: they stop a fit
+    if proc.returncode != 0:
+        pytest.fail(f"runs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    load = lambda case, rank=0: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)  # noqa: E731
+    load.output = proc.stdout + proc.stderr
+    return load
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_trains_what_ddp_trains(runs, case):
+    reference = f"{case.split('-')[0]}-ddp"
+    for rank in (0, 1):
+        got, expected = runs(case, rank), runs(reference, rank)
+        diff, where = max_abs_diff(got["state"], expected["state"])
+        assert diff <= TOLERANCE, f"{case}, rank {rank}: {diff:.2e} from ddp at {where}"
+        diff, where = max_abs_diff(got["optimizer"], expected["optimizer"])
+        assert diff <= TOLERANCE, f"{case}, rank {rank}: optimizer state {diff:.2e} from ddp at {where}"
+
+
+def test_the_embeddings_train(runs):
+    """Equal to embeddings that never moved would prove nothing."""
+    moved = runs("sgd-ddp")["moved"]
+    assert moved["items.weight"] > 1e-3 and moved["tags.weight"] > 1e-3, moved
+
+
+def test_only_the_rows_some_rank_touched_travel_the_same_on_every_rank(runs):
+    traces = [runs("sgd-traced", rank)["trace"] for rank in (0, 1)]
+    assert traces[0] == traces[1], "the ranks issued different collectives"
+    values = [numel for _, op, tag, numel in traces[0] if tag == "sparse-net.items.weight"]
+    assert values, "the item embedding's gradient was never exchanged"
+    assert max(values) < ROWS * WIDTH, (max(values), ROWS * WIDTH)
+    assert all("sparse" not in tag for _, op, tag, _ in traces[0] if op == "all_reduce")
+
+
+def test_dear_and_deft_say_why_wfbp_runs(runs):
+    assert "the model has sparse gradients (net.items.weight, net.tags.weight)" in runs.output
+
+
+@pytest.mark.parametrize("case, field", [("sgd-topk", "compression"), ("sgd-hook", "ddp_comm_hook")])
+def test_what_sparse_gradients_cannot_have_is_refused_with_the_way_out(runs, case, field):
+    message = runs(case)["refused"]
+    assert f"invalid {field}" in message and "dense embeddings (sparse=False)" in message, message
+
+
+def test_average_sparse_agrees_with_a_brute_force_sum(tmp_path):
+    proc = run_worker("run_sparse_average.py", str(tmp_path), timeout=300)
+    assert proc.returncode == 0 and (tmp_path / "ok").exists(), proc.stderr[-4000:]

@@ -1,0 +1,187 @@
+"""Sparse embeddings (`nn.Embedding(sparse=True)`, `nn.EmbeddingBag(sparse=True)`) under each strategy, for
+test_sparse_gradients.py.
+
+Usage: python run_sparse.py OUT_DIR CASE [CASE ...]   (a case: PATTERN-STRATEGY[-resume])
+
+STRATEGY: ddp (Lightning's), wfbp, dear, deft, defaults (dear with nothing set), traced (wfbp recording its
+collectives), topk and hook (PowerSGD's; both refused: the message is saved).
+PATTERN:
+- sgd: a recommender's shape: an embedding (with a padding row) and an embedding bag, both sparse, into an
+  MLP; one SGD; two micro-batches per step;
+- adagrad: the same with Adagrad (which keeps per-row state for sparse gradients);
+- split: manual optimization, SparseAdam on the embeddings and Adam on the MLP (what sparse embeddings are
+  trained with), stepped after one backward;
+- fabric: a Fabric loop, `fabric.setup(model, sparse_adam, adam)`.
+A case ending in ``-resume`` trains half the steps, saves a checkpoint, and a new Trainer resumes from it.
+Every rank writes OUT_DIR/<case>.rank<r>.pt: weights, optimizer states, the collectives it issued (traced).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.utils.data import TensorDataset
+
+import commsched
+from commsched.data import ResumableDataLoader
+
+warnings.filterwarnings("ignore")
+STEPS, HALF, BATCH, ROWS = 8, 4, 8, 400
+
+
+class Recommender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.items = nn.Embedding(ROWS, 8, sparse=True, padding_idx=0)
+        self.tags = nn.EmbeddingBag(60, 8, mode="sum", sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, items: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([self.items(items).mean(1), self.tags(tags)], 1))
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    items = torch.randint(0, 40, (STEPS * BATCH * 4, 5), generator=g)  # a few of the rows: the gradient is sparse
+    return TensorDataset(
+        items, torch.randint(0, 60, (len(items), 4), generator=g), torch.randn(len(items), 1, generator=g)
+    )
+
+
+def flat(optimizers: dict) -> dict:
+    kept = {
+        f"{name}.{index}.{key}": torch.as_tensor(value)
+        for name, optimizer in optimizers.items()
+        for index, state in optimizer.state_dict()["state"].items()
+        for key, value in state.items()
+    }
+    return {key: value.to_dense() if value.is_sparse else value for key, value in kept.items()}
+
+
+class Lit(pl.LightningModule):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.net = Recommender()
+        self.pattern = pattern
+        self.automatic_optimization = pattern != "split"
+
+    def training_step(self, batch, index):
+        items, tags, target = batch
+        loss = F.mse_loss(self.net(items, tags), target)
+        if self.automatic_optimization:
+            return loss
+        sparse, dense = self.optimizers()
+        self.manual_backward(loss)
+        sparse.step()
+        dense.step()
+        sparse.zero_grad()
+        dense.zero_grad()
+
+    def configure_optimizers(self):
+        if self.pattern == "adagrad":
+            return torch.optim.Adagrad(self.parameters(), lr=0.1)
+        if self.pattern == "split":
+            embeddings = [*self.net.items.parameters(), *self.net.tags.parameters()]
+            return torch.optim.SparseAdam(embeddings, lr=0.01), torch.optim.Adam(self.net.mlp.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def strategy_for(name: str):
+    if name == "ddp":
+        return "ddp"
+    if name == "defaults":
+        return "dear"
+    if name == "traced":
+        return commsched.WFBPStrategy(trace_collectives=True)
+    if name == "topk":
+        return commsched.WFBPStrategy(compression="topk")
+    if name == "hook":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        return commsched.WFBPStrategy(ddp_comm_hook=powerSGD_hook.powerSGD_hook, ddp_comm_state=state)
+    return commsched.CommSchedStrategy(schedule=name, fusion="fixed", bucket_cap_mb=0.0004)
+
+
+def trainer(name: str, steps: int, out: Path, accumulate: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy_for(name),
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+
+
+def run_trainer(out: Path, case: str, pattern: str, name: str) -> dict:
+    accumulate = 1 if pattern == "split" else 2
+    loader = ResumableDataLoader(dataset(), batch_size=BATCH)
+    model = Lit(pattern)
+    if case.endswith("-resume"):
+        first = trainer(name, HALF, out, accumulate)
+        first.fit(model, loader)
+        checkpoint = out / f"{case}.ckpt"
+        first.save_checkpoint(checkpoint)
+        model, fit = Lit(pattern), trainer(name, STEPS, out, accumulate)
+        fit.fit(model, ResumableDataLoader(dataset(), batch_size=BATCH), ckpt_path=checkpoint)
+    else:
+        fit = trainer(name, STEPS, out, accumulate)
+        fit.fit(model, loader)
+    optimizers = fit.optimizers
+    initial = Recommender().state_dict()
+    return {
+        "rank": fit.global_rank,
+        "moved": {k: (v - initial[k]).abs().max().item() for k, v in model.net.state_dict().items()},
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": flat({str(i): o for i, o in enumerate(optimizers)}),
+        "trace": [(r.link, r.op, r.tag, r.numel) for r in getattr(fit.strategy, "collective_trace", [])],
+    }
+
+
+def run_fabric(name: str) -> dict:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp" if name == "ddp" else name)
+    fabric.launch()
+    net = Recommender()
+    sparse = torch.optim.SparseAdam([*net.items.parameters(), *net.tags.parameters()], lr=0.01)
+    dense = torch.optim.Adam(net.mlp.parameters(), lr=0.01)
+    net, sparse, dense = fabric.setup(net, sparse, dense)
+    batches = list(fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset(), batch_size=BATCH)))
+    for items, tags, target in batches[:STEPS]:
+        fabric.backward(F.mse_loss(net(items, tags), target))
+        sparse.step()
+        dense.step()
+        sparse.zero_grad()
+        dense.zero_grad()
+    return {
+        "rank": fabric.global_rank,
+        "state": {k: v.detach().clone() for k, v in net.state_dict().items()},
+        "optimizer": flat({"sparse": sparse, "dense": dense}),
+        "trace": [],
+    }
+
+
+def run(out: Path, case: str) -> None:
+    pattern, name = case.removesuffix("-resume").split("-")
+    try:
+        result = run_fabric(name) if pattern == "fabric" else run_trainer(out, case, pattern, name)
+    except commsched.CommSchedConfigError as error:
+        result = {"rank": int(__import__("os").environ.get("LOCAL_RANK", 0)), "refused": str(error)}
+    torch.save(result, out / f"{case}.rank{result['rank']}.pt")
+
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[1])
+    for case in sys.argv[2:]:
+        run(out_dir, case)

@@ -1,0 +1,76 @@
+"""`average_sparse` on its own in 3 real gloo processes, against a brute-force reference: every rank's
+gradient made dense, summed, divided by 3, and the rows some rank sent (explicit zeros included).
+
+Cases, each with the same seed on every rank (so every rank can build every rank's gradient):
+uncoalesced rows with duplicates; one rank with no gradient; every rank with an empty gradient (zero rows);
+no rank with a gradient (None); rows of a 1-D parameter.
+
+Usage: python run_sparse_average.py OUT_DIR   (writes OUT_DIR/ok when every rank agreed with the reference)
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from commsched.comm.link_groups import Links, LinkSpec
+from commsched.comm.local_workers import run_workers
+from commsched.comm.sparse_average import average_sparse
+
+WORLD, ROWS = 3, 50
+
+
+def gradient(case: str, rank: int, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{case}{rank}{len(shape)}".encode()))
+    if case == "none" or (case == "missing" and rank == 1):
+        return None
+    count = 0 if case == "empty" else int(torch.randint(1, 30, (1,), generator=g))
+    rows = torch.randint(0, ROWS, (1, count), generator=g)  # duplicates: an uncoalesced gradient
+    values = torch.randn(count, *shape[1:], generator=g)
+    return torch.sparse_coo_tensor(rows, values, shape, check_invariants=True)
+
+
+def reference(case: str, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+    grads = [gradient(case, rank, shape) for rank in range(WORLD)]
+    if all(grad is None for grad in grads):
+        return None
+    dense = sum(grad.to_dense() for grad in grads if grad is not None) / WORLD
+    touched = sorted({int(r) for grad in grads if grad is not None for r in grad.coalesce().indices()[0]})
+    rows = torch.tensor([touched], dtype=torch.int64)
+    return torch.sparse_coo_tensor(rows, dense[touched], shape, check_invariants=True).coalesce()
+
+
+def check(rank: int, out: str) -> None:
+    links = Links([LinkSpec("primary", "gloo")], timedelta(seconds=60), None)
+    for case, shape in [
+        ("rows", (ROWS, 4)),
+        ("missing", (ROWS, 4)),
+        ("empty", (ROWS, 4)),
+        ("none", (ROWS, 4)),
+        ("rows", (ROWS,)),
+    ]:
+        param = nn.Parameter(torch.zeros(shape))
+        got = average_sparse(gradient(case, rank, shape), param, links["primary"], f"{case}{len(shape)}")
+        expected = reference(case, shape)
+        if expected is None:
+            assert got is None, (case, got)
+            continue
+        assert got is not None and got.is_sparse, (case, got)
+        assert torch.equal(got.indices(), expected.indices()), (case, got.indices(), expected.indices())
+        assert torch.allclose(got.values(), expected.values(), atol=1e-6), (
+            case,
+            (got.values() - expected.values()).abs().max(),
+        )
+    links.destroy()
+    if rank == 0:
+        Path(out, "ok").write_text("ok")
+
+
+if __name__ == "__main__":
+    run_workers(WORLD, check, sys.argv[1], timeout_s=120)
