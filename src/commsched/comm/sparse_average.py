@@ -1,14 +1,15 @@
-"""DDP's average of a sparse gradient (an `nn.Embedding(sparse=True)`'s), on any backend.
+"""DDP's average of sparse gradients (an `nn.Embedding(sparse=True)`'s), on any backend.
 
 DDP divides each rank's sparse gradient by the world size and all-reduces it as a sparse tensor, which
-gloo does and NCCL does not. Here every rank all-gathers the others' rows instead (their counts first,
-then indices and values padded to the longest), and sums rows that meet: the same gradient on every
-backend, in the same order on every rank, and only the rows some rank touched travel.
+gloo does and NCCL does not. Here every rank all-gathers the others' rows instead, and sums rows that
+meet: the same gradient on every backend, in the same order on every rank, and only the rows some rank
+touched travel. Two collectives for all the sparse parameters of a backward together: the row counts,
+then every table's rows and values packed into one message, each table padded to its longest rank.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -19,35 +20,63 @@ NO_GRADIENT = -1
 """A rank's row count when it produced no gradient at all (an unused embedding), as opposed to zero rows."""
 
 
-def average_sparse(grad: Optional[torch.Tensor], param: nn.Parameter, link: Link, tag: str) -> Optional[torch.Tensor]:
-    """Every rank's `grad` (a sparse COO gradient of `param`, or None) averaged: rows summed where they
-    meet, divided by the world size. None where no rank produced a gradient (the optimizer then skips
-    `param`, as under DDP). Collective: every rank calls it for the same parameters in the same order."""
-    world = link.world_size
-    if grad is not None:
-        grad = grad.coalesce()
-    counts = link.all_gather_int(grad._nnz() if grad is not None else NO_GRADIENT, f"{tag}-rows")
-    if max(counts) == NO_GRADIENT:
+def average_sparse(
+    grads: Sequence[Optional[torch.Tensor]], params: Sequence[nn.Parameter], link: Link, tag: str
+) -> list[Optional[torch.Tensor]]:
+    """Every rank's `grads[i]` (a sparse COO gradient of `params[i]`, rows along the first dimension, or
+    None) averaged: rows summed where they meet, divided by the world size. None where no rank produced a
+    gradient (the optimizer then skips the parameter, as under DDP). Collective: every rank calls it with
+    the same parameters in the same order."""
+    coalesced = [grad.coalesce() if grad is not None else None for grad in grads]
+    counts = _row_counts(coalesced, link, tag)  # [world, tables]
+    rows = [max(int(counts[:, t].max()), 1) for t in range(len(params))]
+    widths = [p[0].numel() if p.dim() > 1 else 1 for p in params]
+    sizes = [r * (8 + w * p.element_size()) for r, w, p in zip(rows, widths, params)]
+    mine = torch.zeros(sum(sizes), dtype=torch.uint8, device=link.device)
+    for grad, part, r, w, p in zip(coalesced, mine.split(sizes), rows, widths, params):
+        if grad is not None and grad._nnz():
+            indices, values = part.split([8 * r, r * w * p.element_size()])
+            n = grad._nnz()
+            indices.view(torch.int64)[:n] = grad.indices()[0].to(link.device)
+            values.view(p.dtype)[: n * w] = grad.values().reshape(-1).to(link.device, p.dtype) / link.world_size
+    everyone = torch.empty(link.world_size * mine.numel(), dtype=torch.uint8, device=link.device)
+    link.all_gather(everyone, mine, tag).wait()
+    return [
+        _summed(everyone, counts[:, t], sum(sizes[:t]), sum(sizes), rows[t], params[t], link.device)
+        for t in range(len(params))
+    ]
+
+
+def _row_counts(grads: Sequence[Optional[torch.Tensor]], link: Link, tag: str) -> torch.Tensor:
+    mine = link.tensor([g._nnz() if g is not None else NO_GRADIENT for g in grads], torch.int64)
+    everyone = torch.empty(link.world_size * len(grads), dtype=torch.int64, device=link.device)
+    link.all_gather(everyone, mine, f"{tag}-rows").wait()
+    return everyone.view(link.world_size, len(grads)).cpu()
+
+
+def _summed(
+    everyone: torch.Tensor,
+    counts: torch.Tensor,
+    offset: int,
+    stride: int,
+    rows: int,
+    param: nn.Parameter,
+    device: torch.device,
+) -> Optional[torch.Tensor]:
+    """One table's rows from every rank's message (`offset` into each rank's `stride` bytes), summed."""
+    if int(counts.max()) == NO_GRADIENT:
         return None
-    rows = max(max(counts), 1)
     width = param[0].numel() if param.dim() > 1 else 1
-    indices = torch.zeros(rows, dtype=torch.int64, device=link.device)
-    values = torch.zeros(rows * width, dtype=param.dtype, device=link.device)
-    if grad is not None and grad._nnz():
-        indices[: grad._nnz()] = grad.indices()[0].to(link.device)
-        values[: grad._nnz() * width] = grad.values().reshape(-1).to(link.device) / world
-    all_indices = torch.empty(world * rows, dtype=torch.int64, device=link.device)
-    all_values = torch.empty(world * rows * width, dtype=param.dtype, device=link.device)
-    gathered = [link.all_gather(all_indices, indices, f"{tag}-indices"), link.all_gather(all_values, values, tag)]
-    for pending in gathered:
-        pending.wait()
-    sent = torch.tensor([max(count, 0) for count in counts], device=link.device)
-    keep = (torch.arange(rows, device=link.device).unsqueeze(0) < sent.unsqueeze(1)).reshape(-1)  # padding off
+    per_rank = everyone.view(-1, stride)[:, offset : offset + rows * (8 + width * param.element_size())]
+    indices = per_rank[:, : 8 * rows].contiguous().view(torch.int64)  # [world, rows]
+    values = per_rank[:, 8 * rows :].contiguous().view(param.dtype).view(-1, rows, *param.shape[1:])
+    sent = counts.clamp(min=0).to(device)
+    keep = torch.arange(rows, device=device).unsqueeze(0) < sent.unsqueeze(1)  # each rank's padding off
     summed = torch.sparse_coo_tensor(
-        all_indices[keep].unsqueeze(0),
-        all_values.view(world * rows, *param.shape[1:])[keep],
+        indices[keep].unsqueeze(0),
+        values[keep],
         param.shape,
-        device=link.device,
+        device=device,
         check_invariants=False,  # rows within the parameter's, from every rank's coalesced gradient
     )
     return summed.coalesce().to(param.device)

@@ -171,8 +171,10 @@ class GradientCapture:
         used = [flag for filled in self._filled for flag in filled]
         self._mask.copy_(self._link.tensor(used, self._mask.dtype))
         self._mask_work = self._link.all_reduce(self._mask, "used-mask")
-        for name, param in self.plan.sparse:  # outside the buckets, averaged as DDP averages them
-            param.grad = average_sparse(param.grad, param, self._link, f"sparse-{name}")
+        if self.plan.sparse:  # outside the buckets, averaged as DDP averages them
+            params = [param for _, param in self.plan.sparse]
+            for param, averaged in zip(params, average_sparse([p.grad for p in params], params, self._link, "sparse")):
+                param.grad = averaged
         self.phase = CapturePhase.LAUNCHED
         self._on_backward_end()
 
