@@ -17,9 +17,11 @@ TOLERANCE = 1e-5
 STEPS = 8  # run_fabric_parts.py
 EXACT = {
     "dcgan": ["wfbp", "dear", "deft", "streams", "traced", "compiled"],
-    "shared": ["dear"],
-    "twoopts": ["wfbp", "dear"],
+    "shared": ["wfbp", "dear", "deft"],
+    "twoopts": ["wfbp", "dear", "deft"],
+    "optfirst": ["dear"],
 }
+REFERENCE = {"optfirst": "twoopts"}  # the same loop, its optimizers set up first
 RESUMED = ["dcgan-dear", "shared-dear"]
 HANDED_OVER = "runs every iteration, on DDP's fixed buckets"
 STEPPING_PART_BY_PART = ("dear", "deft", "streams", "traced", "compiled")
@@ -29,7 +31,7 @@ STEPPING_PART_BY_PART = ("dear", "deft", "streams", "traced", "compiled")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric_parts")
     first = [f"{pattern}-{s}" for pattern, schedules in EXACT.items() for s in ["ddp", *schedules]]
-    first += ["dcgan-topk", "teacher-dear", *(f"{case}-first" for case in RESUMED)]
+    first += ["dcgan-topk", "teacher-dear", "tied-dear", *(f"{case}-first" for case in RESUMED)]
     said = []
     for cases in (first, [f"{case}-resumed" for case in RESUMED]):  # the second run is a new pair of processes
         proc = run_worker("run_fabric_parts.py", str(out), *cases)
@@ -52,7 +54,8 @@ def _assert_trains_what_ddp_trains(runs, case: str, reference: str) -> None:
 
 @pytest.mark.parametrize("case", [f"{pattern}-{s}" for pattern, schedules in EXACT.items() for s in schedules])
 def test_trains_what_fabric_ddp_trains(runs, case):
-    _assert_trains_what_ddp_trains(runs, case, f"{case.split('-')[0]}-ddp")
+    pattern = case.split("-")[0]
+    _assert_trains_what_ddp_trains(runs, case, f"{REFERENCE.get(pattern, pattern)}-ddp")
     assert runs(case)["ran"] == "wfbp", "several modules or optimizers: every iteration runs WFBP"
 
 
@@ -87,6 +90,11 @@ def test_sparse_exchange_with_several_modules_is_refused_with_the_way_out(runs):
 def test_a_frozen_module_set_up_is_refused_with_the_way_out(runs):
     message = runs("teacher-dear")["refused"]
     assert "no parameter that requires a gradient" in message and "fabric.to_device(module)" in message, message
+
+
+def test_modules_sharing_a_parameter_are_refused_with_the_way_out(runs):
+    message = runs("tied-dear")["refused"]
+    assert "shares 2 parameter(s) (e.g. '1.weight')" in message and "Set up one module holding both" in message
 
 
 def test_the_hand_over_is_said_once_a_run(runs):

@@ -23,6 +23,8 @@ EXACT = [
     "split-dear",
     "split-wfbp",
     "fabric-dear",
+    "fabric1-dear",
+    "fabricapart-dear",
     "sgd-dear-resume",
 ]
 REFUSED = ["sgd-topk", "sgd-hook"]

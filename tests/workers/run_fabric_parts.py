@@ -12,7 +12,9 @@ PATTERN:
 - shared: an encoder and a decoder set up apart (`fabric.setup_module`), one SGD with momentum over both
   (`fabric.setup_optimizers`), two micro-batches under `fabric.no_backward_sync` of both, clipping by norm.
 - twoopts: one module, two optimizers (AdamW on the body, SGD on the head) stepped after one backward.
-- teacher: a frozen module set up after the student (refused: its message is saved).
+- optfirst: twoopts with the optimizers set up before the module (`fabric.setup_optimizers` first).
+- teacher: a frozen module set up after the student; tied: two modules sharing a layer (both refused: the
+  message is saved).
 `-first` trains the first HALF steps and saves with `fabric.save`; `-resumed` loads it in a new run and
 trains the rest. Every rank writes OUT_DIR/<case>.rank<r>.pt: the modules' states and the optimizers'.
 """
@@ -173,6 +175,34 @@ def flat(optimizers: dict) -> dict:
     }
 
 
+def optfirst(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:
+    """twoopts with `fabric.setup_optimizers` before `fabric.setup_module`, which Fabric's ddp allows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    body = torch.optim.AdamW([*model[0].parameters(), *model[2].parameters()], lr=1e-2)
+    head = torch.optim.SGD(model[4].parameters(), lr=0.05, momentum=0.9)
+    body, head = fabric.setup_optimizers(body, head)
+    model = fabric.setup_module(model)
+    batches = list(fabric.setup_dataloaders(data()))
+    for step in range(start, stop):
+        (x,) = batches[step]
+        y = model(x).squeeze(1)
+        fabric.backward(0.1 * y.pow(2).mean() + (x.sum(1) - y).pow(2).mean())
+        body.step()
+        head.step()
+        body.zero_grad()
+        head.zero_grad()
+    return {"state": dict(model.state_dict()), "optimizer": flat({"body": body, "head": head})}
+
+
+def tied(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:
+    """Two modules set up apart that share a layer (refused: its message is saved)."""
+    shared = nn.Linear(FEATURES, FEATURES)
+    encoder = fabric.setup_module(nn.Sequential(shared, nn.Tanh()))
+    fabric.setup_module(nn.Sequential(nn.Linear(FEATURES, FEATURES), shared))
+    return {"state": dict(encoder.state_dict())}
+
+
 def teacher(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:
     """A frozen teacher given to `fabric.setup_module` (refused, as under Fabric's ddp)."""
     student = fabric.setup_module(nn.Linear(FEATURES, 1))
@@ -180,7 +210,14 @@ def teacher(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bo
     return {"state": dict(student.state_dict())}
 
 
-PATTERNS = {"dcgan": dcgan, "shared": shared, "twoopts": twoopts, "teacher": teacher}
+PATTERNS = {
+    "dcgan": dcgan,
+    "shared": shared,
+    "twoopts": twoopts,
+    "optfirst": optfirst,
+    "teacher": teacher,
+    "tied": tied,
+}
 
 
 def run(out: Path, case: str) -> None:

@@ -11,7 +11,9 @@ PATTERN:
 - adagrad: the same with Adagrad (which keeps per-row state for sparse gradients);
 - split: manual optimization, SparseAdam on the embeddings and Adam on the MLP (what sparse embeddings are
   trained with), stepped after one backward;
-- fabric: a Fabric loop, `fabric.setup(model, sparse_adam, adam)`.
+- fabric: a Fabric loop, `fabric.setup(model, sparse_adam, adam)`; fabric1: `fabric.setup(model, sgd)`;
+  fabricapart: the tables and the MLP set up as two modules (the tables' module has no dense parameter),
+  one SGD over both.
 A case ending in ``-resume`` trains half the steps, saves a checkpoint, and a new Trainer resumes from it.
 Every rank writes OUT_DIR/<case>.rank<r>.pt: weights, optimizer states, the collectives it issued (traced).
 """
@@ -47,6 +49,17 @@ class Recommender(nn.Module):
 
     def forward(self, items: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
         return self.mlp(torch.cat([self.items(items).mean(1), self.tags(tags)], 1))
+
+
+class Tables(nn.Module):
+    """A recommender's tables as a module of their own (no dense parameter)."""
+
+    def __init__(self, items: nn.Embedding, tags: nn.EmbeddingBag) -> None:
+        super().__init__()
+        self.items, self.tags = items, tags
+
+    def forward(self, items: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.items(items).mean(1), self.tags(tags)], 1)
 
 
 def dataset() -> TensorDataset:
@@ -172,10 +185,47 @@ def run_fabric(name: str) -> dict:
     }
 
 
+def run_fabric_one(name: str) -> dict:
+    """One module, one optimizer (SGD over the tables and the MLP)."""
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp" if name == "ddp" else name)
+    fabric.launch()
+    net = Recommender()
+    net, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    batches = list(fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset(), batch_size=BATCH)))
+    for items, tags, target in batches[:STEPS]:
+        fabric.backward(F.mse_loss(net(items, tags), target))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"rank": fabric.global_rank, "state": dict(net.state_dict()), "optimizer": {}, "trace": []}
+
+
+def run_fabric_tables_apart(name: str) -> dict:
+    """The tables and the MLP set up as two modules, one optimizer over both: the tables' module has no dense
+    parameter, so only its sparse gradients say that a backward reached it."""
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp" if name == "ddp" else name)
+    fabric.launch()
+    net = Recommender()
+    tables = fabric.setup_module(Tables(net.items, net.tags))
+    mlp = fabric.setup_module(net.mlp)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
+    batches = list(fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset(), batch_size=BATCH)))
+    for items, tags, target in batches[:STEPS]:
+        fabric.backward(F.mse_loss(mlp(tables(items, tags)), target))
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {f"items.{k}": v for k, v in net.items.state_dict().items()} | {
+        f"mlp.{k}": v for k, v in net.mlp.state_dict().items()
+    }
+    return {"rank": fabric.global_rank, "state": state, "optimizer": {}, "trace": []}
+
+
+FABRIC = {"fabric": run_fabric, "fabric1": run_fabric_one, "fabricapart": run_fabric_tables_apart}
+
+
 def run(out: Path, case: str) -> None:
     pattern, name = case.removesuffix("-resume").split("-")
     try:
-        result = run_fabric(name) if pattern == "fabric" else run_trainer(out, case, pattern, name)
+        result = FABRIC[pattern](name) if pattern in FABRIC else run_trainer(out, case, pattern, name)
     except commsched.CommSchedConfigError as error:
         result = {"rank": int(__import__("os").environ.get("LOCAL_RANK", 0)), "refused": str(error)}
     torch.save(result, out / f"{case}.rank{result['rank']}.pt")

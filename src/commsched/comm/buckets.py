@@ -119,14 +119,12 @@ def build_plan(
     """`apart`: a key per parameter (the optimizer that steps it): the planner's buckets are cut where the
     key changes, so that no bucket holds parameters of two keys."""
     names, params, _ = trainable_in_ready_order(module)
-    if not params:
+    sparse = sparse_gradient_params(module)
+    if not params and not sparse:
         raise CommSchedConfigError(
-            "commsched: the model has no trainable parameters (requires_grad=True) with dense gradients; "
-            "nothing to bucket. A model of sparse embeddings alone: use strategy='ddp'."
-            if sparse_gradient_params(module)
-            else "commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise."
+            "commsched: the model has no trainable parameters (requires_grad=True); nothing to synchronise."
         )
-    groups = planner(param_infos(module))
+    groups = planner(param_infos(module)) if params else []  # sparse tables alone: no bucket
     if apart is not None:
         groups = [part for group in groups for part in cut_where_key_changes(group, [apart(params[i]) for i in group])]
     flat = sorted(i for g in groups for i in g)
@@ -148,7 +146,7 @@ def build_plan(
                 index, [names[i] for i in group], [params[i] for i in group], buffer, views, numel, padded // world_size
             )
         )
-    return BucketPlan(buckets, world_size, sparse_gradient_params(module))
+    return BucketPlan(buckets, world_size, sparse)
 
 
 def cut_where_key_changes(group: list[int], keys: list[int]) -> list[list[int]]:

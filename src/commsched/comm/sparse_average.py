@@ -4,7 +4,8 @@ DDP divides each rank's sparse gradient by the world size and all-reduces it as 
 gloo does and NCCL does not. Here every rank all-gathers the others' rows instead, and sums rows that
 meet: the same gradient on every backend, in the same order on every rank, and only the rows some rank
 touched travel. Two collectives for all the sparse parameters of a backward together: the row counts,
-then every table's rows and values packed into one message, each table padded to its longest rank.
+then every table's rows and values packed into one message, each table padded to its longest rank
+(and to 8 bytes, where the next table's row numbers start).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ def average_sparse(
     counts = _row_counts(coalesced, link, tag)  # [world, tables]
     rows = [max(int(counts[:, t].max()), 1) for t in range(len(params))]
     widths = [p[0].numel() if p.dim() > 1 else 1 for p in params]
-    sizes = [r * (8 + w * p.element_size()) for r, w, p in zip(rows, widths, params)]
+    sizes = [-(-r * (8 + w * p.element_size()) // 8) * 8 for r, w, p in zip(rows, widths, params)]  # 8-aligned
     mine = torch.zeros(sum(sizes), dtype=torch.uint8, device=link.device)
     for grad, part, r, w, p in zip(coalesced, mine.split(sizes), rows, widths, params):
         if grad is not None and grad._nnz():
-            indices, values = part.split([8 * r, r * w * p.element_size()])
+            indices, values = part[: 8 * r], part[8 * r : 8 * r + r * w * p.element_size()]
             n = grad._nnz()
             indices.view(torch.int64)[:n] = grad.indices()[0].to(link.device)
             values.view(p.dtype)[: n * w] = grad.values().reshape(-1).to(link.device, p.dtype) / link.world_size

@@ -93,7 +93,7 @@ def by_parts_handover(name: str, steps_whole: bool) -> Optional[tuple[Handover, 
 
 def refuse_by_parts(options: StrategyOptions, name: str, what: str) -> None:
     """The options a loop over several modules or optimizers cannot have, each with the way out. `what`: the
-    modules and optimizers, in words."""
+    loop's modules and optimizers, in words."""
     refused = [
         (
             "compression",

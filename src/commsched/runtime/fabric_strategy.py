@@ -164,6 +164,7 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
         self._parts: list[FabricPart] = []
         """The modules set up, in order, each with its engine (the first's is `_engine`)."""
         self._by_parts = False  # several modules or optimizers: `fabric_parts`
+        self._said_hand_over = False
         self._evaluating = False  # the forward running has no gradients
 
     @property
@@ -219,25 +220,17 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Links, buckets and hooks instead of a DistributedDataParallel wrapper; rank 0's weights everywhere.
         A module set up after the first gets an engine of its own on the first's links."""
-        if any(part.module is module for part in self._parts):
-            raise CommSchedConfigError(
-                f"commsched: {type(module).__name__} was already set up with this Fabric; set up each module once"
-            )
-        if not any(p.requires_grad for p in module.parameters()):
-            raise CommSchedConfigError(
-                f"commsched: {type(module).__name__} has no parameter that requires a gradient: there is nothing to "
-                "average (Fabric's ddp refuses it too). A frozen module (a teacher) needs no strategy: move it with "
-                "fabric.to_device(module)"
-            )
+        self._refuse_module(module)
         log.debug(f"{type(self).__name__}: starting schedule '{self.schedule_class.name}' for {type(module).__name__}")
         first = not self._parts
-        if not first:
-            self._enter_parts(modules=len(self._parts) + 1)
+        if not first or len(self.optimizers) > 1:
+            self._enter_parts()
         engine = self._engine if first else Engine(self.schedule_class, self.options, trace_collectives=False)
         part = FabricPart(module, engine, BufferSync(self._broadcast_buffers))
+        part.optimizers = [o for o in self.optimizers if part.steps(o)]  # `fabric.setup_optimizers` may come first
         engine.settings = self.schedule_class.settings_for(self.options, self.loop, lambda: None)
         engine.loss_scaler = loss_scale.scaler_of(self.precision)
-        if not first:
+        if self._by_parts:
             engine.serve_as_part(module, self.world_size)
         engine.start(
             module,
@@ -250,29 +243,50 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             links=None if first else self._engine.links,
         )
         self._parts.append(part)
-        if not first:
-            self._hand_over(part.engine, say_why=False)
+        if self._by_parts:
+            self._hand_over(part.engine)
         return ScheduledModule(module, self)
 
-    def _enter_parts(self, modules: Optional[int] = None) -> None:
+    def _refuse_module(self, module: nn.Module) -> None:
+        """Set up once, with something to average, sharing no parameter with a module set up before."""
+        if any(part.module is module for part in self._parts):
+            raise CommSchedConfigError(
+                f"commsched: {type(module).__name__} was already set up with this Fabric; set up each module once"
+            )
+        if not any(p.requires_grad for p in module.parameters()):
+            raise CommSchedConfigError(
+                f"commsched: {type(module).__name__} has no parameter that requires a gradient: there is nothing to "
+                "average (Fabric's ddp refuses it too). A frozen module (a teacher) needs no strategy: move it with "
+                "fabric.to_device(module)"
+            )
+        earlier = {id(p): part for part in self._parts for p in part.module.parameters()}
+        shared = [(name, earlier[id(p)]) for name, p in module.named_parameters() if id(p) in earlier]
+        if shared:
+            name, part = shared[0]
+            raise CommSchedConfigError(
+                f"commsched: {type(module).__name__} shares {len(shared)} parameter(s) (e.g. '{name}') with "
+                f"{type(part.module).__name__}, set up before it: each module set up has its own buckets, and a "
+                "parameter cannot be in two. Set up one module holding both (or give each its own parameters)."
+            )
+
+    def _enter_parts(self) -> None:
         """Several modules or optimizers from here on (`commsched.runtime.fabric_parts`): every part on DDP's
         fixed buckets, handed to WFBP where the schedule steps the model part by part (said once)."""
         if self._by_parts:
             return
-        modules = modules or len(self._parts)
-        what = f"{modules} module(s) and {len(self.optimizers)} optimizer(s) set up"
-        refuse_by_parts(self.options, self.schedule_class.name, what)
+        refuse_by_parts(self.options, self.schedule_class.name, "several modules or optimizers set up")
         self._by_parts = True
         for part in self._parts:
             if part.engine.schedule is not None:
                 part.engine.schedule.flush()
             part.engine.serve_as_part(part.module, self.world_size)
-            self._hand_over(part.engine, say_why=part is self._parts[0])
+            self._hand_over(part.engine)
 
-    def _hand_over(self, engine: Engine, say_why: bool) -> None:
+    def _hand_over(self, engine: Engine) -> None:
         handover = by_parts_handover(self.schedule_class.name, self.schedule_class.steps_whole)
         if handover is not None:
-            engine.hand_over_for_good(*handover, say_why=say_why)
+            engine.hand_over_for_good(*handover, say_why=not self._said_hand_over)
+            self._said_hand_over = True
 
     def _part_of(self, module: nn.Module) -> FabricPart:
         unwrapped = module.module if isinstance(module, ScheduledModule) else module
@@ -520,6 +534,8 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
                 engine.schedule.drain()
             engine.stop(destroy_links=True)
         self._parts = []
+        self.optimizers = []
+        self._by_parts = self._said_hand_over = False
         super().teardown()
 
 

@@ -76,6 +76,8 @@ class GradientCapture:
                 self._handles.append(
                     param.register_post_accumulate_grad_hook(OwnHook(partial(self._grad_ready, bucket.index, slot)))
                 )
+        for _, param in self.plan.sparse:
+            self._handles.append(param.register_post_accumulate_grad_hook(OwnHook(self._sparse_grad_ready)))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -109,6 +111,12 @@ class GradientCapture:
         self._remaining[b] -= 1
         if b == self._next and self._remaining[b] == 0:
             self._hand_on_in_order()
+
+    def _sparse_grad_ready(self, param: nn.Parameter) -> None:
+        """A sparse gradient is averaged at the end of backward; its arrival alone starts the step's
+        collection, as a dense one's does (a backward that reaches only an embedding still averages it)."""
+        if self.sync_enabled and param.requires_grad and self.phase is not CapturePhase.COLLECTING:
+            self._begin(in_backward=True)
 
     def _fill(self, b: int, slot: int, param: nn.Parameter) -> None:
         grad = param.grad
