@@ -142,12 +142,18 @@ def shared(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: boo
     }
 
 
-def twoopts(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:
+def twoopts(
+    fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool, optimizers_first: bool = False
+) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
     body = torch.optim.AdamW([*model[0].parameters(), *model[2].parameters()], lr=1e-2)
     head = torch.optim.SGD(model[4].parameters(), lr=0.05, momentum=0.9)
-    model, body, head = fabric.setup(model, body, head)
+    if optimizers_first:  # which Fabric's ddp allows
+        body, head = fabric.setup_optimizers(body, head)
+        model = fabric.setup_module(model)
+    else:
+        model, body, head = fabric.setup(model, body, head)
     state = {"model": model, "body": body, "head": head}
     if resumed:
         fabric.load(checkpoint, state)
@@ -176,23 +182,7 @@ def flat(optimizers: dict) -> dict:
 
 
 def optfirst(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:
-    """twoopts with `fabric.setup_optimizers` before `fabric.setup_module`, which Fabric's ddp allows."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
-    body = torch.optim.AdamW([*model[0].parameters(), *model[2].parameters()], lr=1e-2)
-    head = torch.optim.SGD(model[4].parameters(), lr=0.05, momentum=0.9)
-    body, head = fabric.setup_optimizers(body, head)
-    model = fabric.setup_module(model)
-    batches = list(fabric.setup_dataloaders(data()))
-    for step in range(start, stop):
-        (x,) = batches[step]
-        y = model(x).squeeze(1)
-        fabric.backward(0.1 * y.pow(2).mean() + (x.sum(1) - y).pow(2).mean())
-        body.step()
-        head.step()
-        body.zero_grad()
-        head.zero_grad()
-    return {"state": dict(model.state_dict()), "optimizer": flat({"body": body, "head": head})}
+    return twoopts(fabric, start, stop, checkpoint, resumed, first, optimizers_first=True)
 
 
 def tied(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:
