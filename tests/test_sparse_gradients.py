@@ -27,7 +27,7 @@ EXACT = [
     "fabricapart-dear",
     "sgd-dear-resume",
 ]
-REFUSED = ["sgd-topk", "sgd-hook"]
+REFUSED = ["sgd-topk", "sgd-hook", "tied-dear"]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,12 @@ def test_dear_and_deft_say_why_wfbp_runs(runs):
 def test_what_sparse_gradients_cannot_have_is_refused_with_the_way_out(runs, case, field):
     message = runs(case)["refused"]
     assert f"invalid {field}" in message and "dense embeddings (sparse=False)" in message, message
+
+
+def test_a_sparse_table_whose_gradient_turns_dense_is_refused_with_the_way_out(runs):
+    message = runs("tied-dear")["refused"]
+    assert "'net.items.weight' belongs to an embedding made with sparse=True, but its gradient is dense" in message
+    assert "Make the embedding dense (sparse=False)" in message
 
 
 def test_average_sparse_agrees_with_a_brute_force_sum(tmp_path):

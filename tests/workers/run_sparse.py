@@ -9,6 +9,8 @@ PATTERN:
 - sgd: a recommender's shape: an embedding (with a padding row) and an embedding bag, both sparse, into an
   MLP; one SGD; two micro-batches per step;
 - adagrad: the same with Adagrad (which keeps per-row state for sparse gradients);
+- tied: sgd whose loss also reads the item table whole (its gradient turns dense: refused at the first
+  backward, the message saved);
 - split: manual optimization, SparseAdam on the embeddings and Adam on the MLP (what sparse embeddings are
   trained with), stepped after one backward;
 - fabric: a Fabric loop, `fabric.setup(model, sparse_adam, adam)`; fabric1: `fabric.setup(model, sgd)`;
@@ -20,6 +22,7 @@ Every rank writes OUT_DIR/<case>.rank<r>.pt: weights, optimizer states, the coll
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,6 +37,7 @@ from torch.utils.data import TensorDataset
 
 import commsched
 from commsched.data import ResumableDataLoader
+from commsched.errors import ScheduleError
 
 warnings.filterwarnings("ignore")
 STEPS, HALF, BATCH, ROWS = 8, 4, 8, 400
@@ -90,6 +94,8 @@ class Lit(pl.LightningModule):
     def training_step(self, batch, index):
         items, tags, target = batch
         loss = F.mse_loss(self.net(items, tags), target)
+        if self.pattern == "tied":  # the item table also read whole, as an output layer tied to it would
+            loss = loss + 1e-3 * self.net.items.weight[:, 0].sum()
         if self.automatic_optimization:
             return loss
         sparse, dense = self.optimizers()
@@ -226,8 +232,8 @@ def run(out: Path, case: str) -> None:
     pattern, name = case.removesuffix("-resume").split("-")
     try:
         result = FABRIC[pattern](name) if pattern in FABRIC else run_trainer(out, case, pattern, name)
-    except commsched.CommSchedConfigError as error:
-        result = {"rank": int(__import__("os").environ.get("LOCAL_RANK", 0)), "refused": str(error)}
+    except (commsched.CommSchedConfigError, ScheduleError) as error:
+        result = {"rank": int(os.environ.get("LOCAL_RANK", 0)), "refused": str(error)}
     torch.save(result, out / f"{case}.rank{result['rank']}.pt")
 
 

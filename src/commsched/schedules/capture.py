@@ -180,11 +180,21 @@ class GradientCapture:
         self._mask.copy_(self._link.tensor(used, self._mask.dtype))
         self._mask_work = self._link.all_reduce(self._mask, "used-mask")
         if self.plan.sparse:  # outside the buckets, averaged as DDP averages them
-            params = [param for _, param in self.plan.sparse]
-            for param, averaged in zip(params, average_sparse([p.grad for p in params], params, self._link, "sparse")):
-                param.grad = averaged
+            self._average_sparse()
         self.phase = CapturePhase.LAUNCHED
         self._on_backward_end()
+
+    def _average_sparse(self) -> None:
+        for name, param in self.plan.sparse:
+            if param.grad is not None and not param.grad.is_sparse:
+                raise ScheduleError(
+                    f"commsched {self._name}: parameter '{name}' belongs to an embedding made with sparse=True, but "
+                    "its gradient is dense: the weight is also used outside the embedding (tied to an output "
+                    "layer?). Make the embedding dense (sparse=False), or stop sharing its weight."
+                )
+        params = [param for _, param in self.plan.sparse]
+        for param, averaged in zip(params, average_sparse([p.grad for p in params], params, self._link, "sparse")):
+            param.grad = averaged
 
     def finish(self) -> None:
         """After Lightning's closure: make sure this step's buckets and mask were handed on (a rank
