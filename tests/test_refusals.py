@@ -165,6 +165,7 @@ def test_sync_batchnorm_on_cpu_refused_before_spawning(name):
         ("lbfgs", "optimizer LBFGS re-evaluates the closure"),
         ("plan-mismatch", "differs between ranks"),
         ("fused-fp16", "Adam unscales inside its own step (fused=True)"),
+        ("lazy", "parameter 'lazy.weight' is not made yet (a lazy module"),
     ],
 )
 def test_refused_in_workers_with_clear_error(mode, message, tmp_path):

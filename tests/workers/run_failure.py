@@ -153,6 +153,10 @@ def model_for(mode: str) -> pl.LightningModule:
         return FusedAdamToyNet()
     if mode == "lbfgs":
         return ToyNet(optimizer="lbfgs")
+    if mode == "lazy":
+        model = ToyNet()
+        model.lazy = torch.nn.LazyLinear(2)  # never run before fit: its parameters are not made yet
+        return model
     if mode == "plan-mismatch":
         model = ToyNet()
         if rank == 1:

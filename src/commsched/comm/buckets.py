@@ -118,6 +118,13 @@ def build_plan(
 ) -> BucketPlan:
     """`apart`: a key per parameter (the optimizer that steps it): the planner's buckets are cut where the
     key changes, so that no bucket holds parameters of two keys."""
+    lazy = next((n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)), None)
+    if lazy is not None:
+        raise CommSchedConfigError(
+            f"commsched: parameter '{lazy}' is not made yet (a lazy module, e.g. nn.LazyLinear): its size is known "
+            "only after a forward. Run one forward with a dummy batch before fit (in the module's __init__ or "
+            "setup()), as DDP requires too."
+        )
     names, params, _ = trainable_in_ready_order(module)
     sparse = sparse_gradient_params(module)
     if not params and not sparse:
