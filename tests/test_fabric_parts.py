@@ -23,7 +23,7 @@ EXACT = {
 }
 REFERENCE = {"optfirst": "twoopts"}  # the same loop, its optimizers set up first
 RESUMED = ["dcgan-dear", "shared-dear"]
-HANDED_OVER = "runs every iteration, on DDP's fixed buckets"
+HANDED_OVER = "this Fabric loop steps several modules or optimizers by hand"
 STEPPING_PART_BY_PART = ("dear", "deft", "streams", "traced", "compiled")
 
 

@@ -190,12 +190,10 @@ class Engine:
                 "which DDP's communication hooks do not take either; allowed here: ddp_comm_hook=None, or dense "
                 "embeddings (sparse=False)"
             )
-        if not self.schedule_class.steps_whole:
-            self.hand_over_for_good(
-                Handover("wfbp"),
-                f"the model has sparse gradients ({names}), averaged whole at the end of each backward as DDP "
-                "averages them and stepped as they are; WFBP (DDP's schedule) runs every iteration",
-            )
+        self.step_whole_for_good(
+            f"the model has sparse gradients ({names}), averaged whole at the end of each backward as DDP averages "
+            "them and stepped as they are"
+        )
 
     def _attach(self, schedule: Schedule, module: nn.Module) -> None:
         """What every schedule made here is told of the run (fp16's scaler, compile from outside), then hooked."""
@@ -303,6 +301,22 @@ class Engine:
         if self._for_good is None and say_why:
             say(f"commsched {self.schedule_class.name}: {why}")
         self._for_good = (handover, why)
+
+    def step_whole_for_good(self, because: str, say_why: bool = True) -> None:
+        """The run steps what this schedule would step part by part in the next forward (`because`: what the
+        run does, in words): a schedule that does hands every iteration to WFBP, DDP's schedule, exact with any
+        number of optimizers, modules and sparse tables. Nothing for a schedule that steps the model whole."""
+        if not self.schedule_class.steps_whole:
+            self.hand_over_for_good(
+                Handover("wfbp"),
+                f"{because}, so WFBP (DDP's schedule, exact with any number of optimizers) runs every iteration",
+                say_why,
+            )
+
+    @property
+    def steps_whole(self) -> bool:
+        """The running schedule steps the whole model at once (the configured one, or WFBP for good)."""
+        return self.schedule_class.steps_whole or self._for_good is not None
 
     def keep_apart(self, optimizers: list[Any], module: nn.Module, world_size: int) -> None:
         """Several optimizers, each stepping its own parameters after a backward of its own (a GAN's): no bucket

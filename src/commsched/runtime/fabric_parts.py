@@ -27,7 +27,6 @@ from commsched.errors import CommSchedConfigError
 from commsched.options import StrategyOptions
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
-from commsched.schedules import Handover
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,16 +78,11 @@ class PartView:
         return getattr(self._strategy, name)
 
 
-def by_parts_handover(name: str, steps_whole: bool) -> Optional[tuple[Handover, str]]:
-    """What a schedule that steps the model part by part hands its iterations to here (and why)."""
-    if steps_whole:
-        return None
-    return (
-        Handover("wfbp"),
-        "this Fabric loop steps several modules or optimizers by hand; an update applied bucket by bucket in the "
-        "next forward would be overtaken by another backward, so WFBP (DDP's schedule, exact with any number "
-        "of them) runs every iteration, on DDP's fixed buckets",
-    )
+BY_PARTS = (
+    "this Fabric loop steps several modules or optimizers by hand, on DDP's fixed buckets; an update applied "
+    "bucket by bucket in the next forward would be overtaken by another backward"
+)
+"""Why a schedule that steps the model part by part hands every iteration to WFBP here."""
 
 
 def refuse_by_parts(options: StrategyOptions, name: str, what: str) -> None:

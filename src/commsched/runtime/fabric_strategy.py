@@ -52,7 +52,7 @@ from commsched.runtime.arguments import checked_arguments, refuse_unknown_argume
 from commsched.runtime.buffer_sync import BufferSync
 from commsched.runtime.engine import Engine
 from commsched.runtime.fabric_loop import FabricLoop, ScheduledModule
-from commsched.runtime.fabric_parts import FabricPart, PartView, by_parts_handover, refuse_by_parts
+from commsched.runtime.fabric_parts import BY_PARTS, FabricPart, PartView, refuse_by_parts
 from commsched.runtime.manual_optimization import every_optimizer_trainable, without_delays
 from commsched.runtime.run_reports import RunReports
 from commsched.say import say
@@ -283,10 +283,8 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
             self._hand_over(part.engine)
 
     def _hand_over(self, engine: Engine) -> None:
-        handover = by_parts_handover(self.schedule_class.name, self.schedule_class.steps_whole)
-        if handover is not None:
-            engine.hand_over_for_good(*handover, say_why=not self._said_hand_over)
-            self._said_hand_over = True
+        engine.step_whole_for_good(BY_PARTS, say_why=not self._said_hand_over)
+        self._said_hand_over = True
 
     def _part_of(self, module: nn.Module) -> FabricPart:
         unwrapped = module.module if isinstance(module, ScheduledModule) else module

@@ -32,7 +32,6 @@ from torch.optim import Optimizer
 
 from commsched.errors import CommSchedConfigError
 from commsched.options import StrategyOptions
-from commsched.schedules import Handover
 
 
 @dataclasses.dataclass
@@ -60,19 +59,6 @@ def without_delays(options: StrategyOptions) -> StrategyOptions:
         deft=exact,
         preserver=dataclasses.replace(options.preserver, enabled=False),
         schedule_options=schedule_options,
-    )
-
-
-def whole_step_handover(name: str, optimizers: Sequence[Optimizer], steps_whole: bool) -> tuple[Handover, str] | None:
-    """With several optimizers, a schedule that steps the model part by part hands its iterations to WFBP
-    (and why, for the log and the closing summary)."""
-    if steps_whole or len(optimizers) < 2:
-        return None
-    return (
-        Handover("wfbp"),
-        f"this module steps {len(optimizers)} optimizers by hand; each optimizer's update "
-        f"would land bucket by bucket in the next forward after the next backward started, so WFBP (DDP's "
-        "schedule, exact with any number of optimizers) runs every iteration",
     )
 
 

@@ -56,7 +56,6 @@ from commsched.runtime.manual_optimization import (
     StepMarks,
     every_optimizer_trainable,
     refuse_by_hand,
-    whole_step_handover,
     without_delays,
 )
 from commsched.runtime.run_reports import RunReports
@@ -264,13 +263,15 @@ class CommSchedStrategy(RunReports, DDPStrategy):
                     trainer.lightning_module, self.lr_scheduler_configs, self._steps_this_iteration
                 )
             name = self.schedule_class.name
-            handover = whole_step_handover(name, self.optimizers, self.schedule_class.steps_whole) if by_hand else None
-            steps_whole = self.schedule_class.steps_whole or handover is not None  # as the running schedule steps
+            if by_hand and len(self.optimizers) > 1:
+                self._engine.step_whole_for_good(
+                    f"this module steps {len(self.optimizers)} optimizers by hand; each optimizer's update would "
+                    "land bucket by bucket in the next forward after the next backward started"
+                )
+            steps_whole = self._engine.steps_whole  # as the running schedule steps
             refusals.refuse_optimizer_setup(self.optimizers, name, steps_whole, by_hand)
             if by_hand:
                 refuse_by_hand(self.options, self.optimizers, name)
-            if handover is not None:
-                self._engine.hand_over_for_good(*handover)
             if by_hand and len(self.optimizers) > 1:
                 self._engine.keep_apart(self.optimizers, trainer.lightning_module, self.world_size)
             self._engine.load_state_later()
