@@ -174,8 +174,8 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
 
     def request_replan(self) -> None:
         """Decide the fusion plan (and DeFT's plan) again from the next batch on (all ranks must ask together)."""
-        for part in self._parts or [None]:
-            (part.engine if part is not None else self._engine).request_replan()
+        for engine in self._engines():
+            engine.request_replan()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -445,6 +445,7 @@ class CommSchedFabricStrategy(RunReports, DDPStrategy):
                 engine.schedule.flush()
 
     def _engines(self) -> list[Engine]:
+        """Every module's engine, in setup order (the first's alone before any module is set up)."""
         return [part.engine for part in self._parts] or [self._engine]
 
     @override
