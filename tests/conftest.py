@@ -185,6 +185,17 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
     return worst
 
 
+def assert_same_as_reference(load: Callable[..., dict], case: str, reference: str, tolerance: float) -> None:
+    """Both ranks' weights (`"state"`) and optimizer states (`"optimizer"`) of `case` within `tolerance` of
+    `reference`'s, as `load(case, rank)` returns them."""
+    for rank in (0, 1):
+        got, expected = load(case, rank), load(reference, rank)
+        diff, where = max_abs_diff(got["state"], expected["state"])
+        assert diff <= tolerance, f"{case}, rank {rank}: {diff:.2e} from {reference} at {where}"
+        diff, where = max_abs_diff(got["optimizer"], expected["optimizer"])
+        assert diff <= tolerance, f"{case}, rank {rank}: optimizer state {diff:.2e} from {reference} at {where}"
+
+
 def per_link(trace: list[tuple]) -> dict[str, list[tuple]]:
     """A collective trace split by link (process group): the order that must match across ranks."""
     links: dict[str, list[tuple]] = {}

@@ -11,7 +11,7 @@ import collections
 import pytest
 import torch
 
-from conftest import max_abs_diff, run_worker
+from conftest import assert_same_as_reference, run_worker
 
 TOLERANCE = 1e-5
 STEPS = 8  # run_fabric_parts.py
@@ -43,25 +43,16 @@ def runs(tmp_path_factory):
     return load
 
 
-def _assert_trains_what_ddp_trains(runs, case: str, reference: str) -> None:
-    for rank in (0, 1):
-        got, expected = runs(case, rank), runs(reference, rank)
-        diff, where = max_abs_diff(got["state"], expected["state"])
-        assert diff <= TOLERANCE, f"{case}, rank {rank}: {diff:.2e} from Fabric's ddp at {where}"
-        diff, where = max_abs_diff(got["optimizer"], expected["optimizer"])
-        assert diff <= TOLERANCE, f"{case}, rank {rank}: optimizer state {diff:.2e} from Fabric's ddp at {where}"
-
-
 @pytest.mark.parametrize("case", [f"{pattern}-{s}" for pattern, schedules in EXACT.items() for s in schedules])
 def test_trains_what_fabric_ddp_trains(runs, case):
     pattern = case.split("-")[0]
-    _assert_trains_what_ddp_trains(runs, case, f"{REFERENCE.get(pattern, pattern)}-ddp")
+    assert_same_as_reference(runs, case, f"{REFERENCE.get(pattern, pattern)}-ddp", TOLERANCE)
     assert runs(case)["ran"] == "wfbp", "several modules or optimizers: every iteration runs WFBP"
 
 
 @pytest.mark.parametrize("case", RESUMED)
 def test_loaded_half_way_in_a_new_run_ends_where_the_whole_run_ends(runs, case):
-    _assert_trains_what_ddp_trains(runs, f"{case}-resumed", f"{case.split('-')[0]}-ddp")
+    assert_same_as_reference(runs, f"{case}-resumed", f"{case.split('-')[0]}-ddp", TOLERANCE)
 
 
 def test_the_reference_trains(runs):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import max_abs_diff, run_worker
+from conftest import assert_same_as_reference, run_worker
 
 TOLERANCE = 1e-5
 ROWS, WIDTH, STEPS = 400, 8, 8  # run_sparse.py's item embedding, and its optimizer steps
@@ -44,13 +44,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", EXACT)
 def test_trains_what_ddp_trains(runs, case):
-    reference = f"{case.split('-')[0]}-ddp"
-    for rank in (0, 1):
-        got, expected = runs(case, rank), runs(reference, rank)
-        diff, where = max_abs_diff(got["state"], expected["state"])
-        assert diff <= TOLERANCE, f"{case}, rank {rank}: {diff:.2e} from ddp at {where}"
-        diff, where = max_abs_diff(got["optimizer"], expected["optimizer"])
-        assert diff <= TOLERANCE, f"{case}, rank {rank}: optimizer state {diff:.2e} from ddp at {where}"
+    assert_same_as_reference(runs, case, f"{case.split('-')[0]}-ddp", TOLERANCE)
 
 
 def test_the_embeddings_train(runs):

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import commsched
+from optimizer_states import flat
 
 warnings.filterwarnings("ignore")
 STEPS, HALF, BATCH, LATENT, FEATURES = 8, 4, 8, 6, 12
@@ -169,16 +170,6 @@ def twoopts(
     if first:
         fabric.save(checkpoint, state)
     return {"state": dict(model.state_dict()), "optimizer": flat({"body": body, "head": head})}
-
-
-def flat(optimizers: dict) -> dict:
-    """Every tensor of the optimizers' states, by optimizer, parameter index and name."""
-    return {
-        f"{name}.{index}.{key}": torch.as_tensor(value)
-        for name, optimizer in optimizers.items()
-        for index, kept in optimizer.state_dict()["state"].items()
-        for key, value in kept.items()
-    }
 
 
 def optfirst(fabric: Fabric, start: int, stop: int, checkpoint: Path, resumed: bool, first: bool) -> dict:

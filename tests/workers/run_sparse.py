@@ -38,6 +38,7 @@ from torch.utils.data import TensorDataset
 import commsched
 from commsched.data import ResumableDataLoader
 from commsched.errors import ScheduleError
+from optimizer_states import flat
 
 warnings.filterwarnings("ignore")
 STEPS, HALF, BATCH, ROWS = 8, 4, 8, 400
@@ -72,16 +73,6 @@ def dataset() -> TensorDataset:
     return TensorDataset(
         items, torch.randint(0, 60, (len(items), 4), generator=g), torch.randn(len(items), 1, generator=g)
     )
-
-
-def flat(optimizers: dict) -> dict:
-    kept = {
-        f"{name}.{index}.{key}": torch.as_tensor(value)
-        for name, optimizer in optimizers.items()
-        for index, state in optimizer.state_dict()["state"].items()
-        for key, value in state.items()
-    }
-    return {key: value.to_dense() if value.is_sparse else value for key, value in kept.items()}
 
 
 class Lit(pl.LightningModule):
