@@ -21,7 +21,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$python" -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name(0))"
 case "${1:-tests}" in
   tests)
-    "$python" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --timeout 900 -ra 2>&1 | tee "$OUT/gpu_tests.log"
+    # the two-rank tier first: a run cut short still has its verdicts, one line per test (-v)
+    "$python" -m pytest -v -p no:cacheprovider -m gpu tests/gpu/test_two_ranks.py tests/gpu/test_gpu.py \
+      --timeout 900 -ra --durations=8 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   bench)
     # shellcheck disable=SC2086  # WHERE holds several overrides

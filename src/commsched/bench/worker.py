@@ -307,6 +307,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                 rounds[schedule].append(
                     (timer.median, timer.median_cpu, timer.median_wire_bytes, timer.median_local_bytes)
                 )
+                if rank == 0:  # a long bench shows where it is; a run cut short still leaves its figures
+                    print(
+                        f"bench: {model_name} {schedule} round {len(rounds[schedule])}: "
+                        f"{timer.median * 1e3:.1f} ms a step",
+                        flush=True,
+                    )
                 final.setdefault(schedule, (state, chose[schedule]["steps_run"]))
                 if decided:
                     deft.setdefault("streams" if "entry" in decided else "rounds", []).append(decided)
