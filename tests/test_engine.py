@@ -118,7 +118,8 @@ def test_a_plan_is_revised_when_asked(cases):
 def test_links_keep_one_order_whatever_completes_first(tmp_path):
     """workers/run_links.py (4 processes): continuations run on completion; second stages requested
     after their first stage keep their place on their link although a random per-rank delay decides
-    when the first stage's continuation ends; a chain of 3000 collectives; sub-group links and streams."""
+    when the first stage's continuation ends; a chain of 3000 collectives; sub-group links and streams;
+    many tensors broadcast as one message."""
     proc = run_worker("run_links.py", str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ok").read_text() == "ok"

@@ -104,6 +104,32 @@ def test_ranks_sharing_a_gpu_run_as_nodes_of_their_own_over_gloo(tmp_path, monke
     assert all(r["step_ms"] > 0 and r["weights_vs_ddp"] <= 1e-5 for r in rows), rows
 
 
+def _bench_row(schedule: str, weights: float) -> dict:
+    return {
+        "schedule": schedule, "step_ms": 30.0, "cpu_ms": 30.0, "samples_per_s": 2000.0, "speedup_vs_ddp": 1.0,
+        "median_speedup_vs_ddp": 1.0, "wire_mb": None, "local_mb": None, "theoretical_ms": None,
+        "measured_over_theoretical": None, "predicted_ms": None, "prediction_error": None,
+        "weights_vs_ddp": weights, "rounds_ms": [30.0, 30.0],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("floor", [0.0, 3.2e-3])
+def test_the_table_says_when_ddp_does_not_repeat_itself(floor):
+    """On a GPU ddp's second run can differ from its first (kernels that sum in a varying order): the
+    weights column is then read against that floor, and the table says so; where ddp repeats itself
+    exactly it says nothing."""
+    from rich.console import Console
+
+    from commsched.bench.report import print_results
+
+    result = {"model": "resnet18", "gradient_mb": 42.6, "buckets": 3, "components_ms": {"t_ff": 1.0}, "rows": [
+        _bench_row("ddp", floor), _bench_row("dear", 5e-3)]}  # fmt: skip
+    console = Console(record=True, width=400)
+    print_results([result], {"devices": 2, "batch_size": 32}, "none", console)
+    text = console.export_text()
+    assert ("ddp differs from its own second run by 3.2e-03" in text) == bool(floor), text
+
+
 @pytest.mark.parametrize(
     "override, field",
     [

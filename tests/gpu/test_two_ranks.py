@@ -15,6 +15,7 @@ is itself kept working (`COMMSCHED_TEST_ACCELERATOR=cpu` asks for that on a GPU 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -218,6 +219,24 @@ def test_ctrl_c_stops_both_ranks_at_one_step_and_the_resume_is_exact(tmp_path):
         for part in ("state", "momenta"):
             diff, key = max_abs_diff(got[part], expected[part])
             assert diff <= 1e-5, f"rank {rank}: {part} {key} differs by {diff:.3g} after resuming from step {stopped}"
+
+
+@pytest.mark.skipif(ON_CPU, reason="the bench's accelerator=gpu needs a CUDA device")
+def test_the_bench_times_two_ranks_sharing_the_gpu(tmp_path):
+    """`commsched-bench accelerator=gpu devices=2` on a one-GPU machine: each rank a node of its own on
+    cuda:0, every entry over gloo; the table is written, and each run's weights, trained on the GPU,
+    are compared with ddp's on the host (not across devices)."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "commsched.bench.cli", "accelerator=gpu", "devices=2", "width=8", "steps=3",
+         "warmup=1", "rounds=1", f"hydra.run.dir={out}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "each runs as a node of its own on the first GPU" in proc.stdout
+    rows = {row["schedule"]: row for row in json.loads((out / "results.json").read_text())[0]["rows"]}
+    assert set(rows) == {"ddp", "wfbp", "dear"}
+    assert all(row["step_ms"] > 0 and row["weights_vs_ddp"] < 1e-2 for row in rows.values()), rows
 
 
 def _wait_for(path: Path, pair: Pair, timeout: float = 300) -> None:

@@ -7,7 +7,9 @@
   every rank still issues the same sequence and every result is right;
 - a chain of 3000 collectives (`InOrder`) runs without recursion;
 - sub-group links (one group per node, one per local rank) and streams: each rank's group holds
-  the right ranks and its collectives reduce over them alone.
+  the right ranks and its collectives reduce over them alone;
+- many tensors broadcast as one message (a module's buffers): every dtype, strides, a 0-d and an
+  empty tensor arrive as the source's, in place, and the source's own are left alone.
 
 Usage: python run_links.py OUT_DIR
 """
@@ -47,6 +49,7 @@ def check(rank: int, out: str) -> None:
     second_stages_keep_their_place(links, rank)
     long_chains_do_not_recurse(links)
     sub_groups_and_streams(links, rank)
+    tensors_arrive_as_the_source_sent_them(links, rank)
     torch.save([tuple(vars(r).values()) for r in trace], Path(out) / f"trace.rank{rank}.pt")
     links.destroy()
     if rank == 0:
@@ -124,6 +127,31 @@ def sub_groups_and_streams(links: Links, rank: int) -> None:
         pending.wait()
         assert torch.all(t == WORLD)
     assert dist.get_world_size() == WORLD
+
+
+def tensors_arrive_as_the_source_sent_them(links: Links, rank: int) -> None:
+    def made_by(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return [
+            torch.randn(3, 5, generator=g),
+            torch.randint(-9, 9, (7,), generator=g),
+            torch.rand(3, generator=g) > 0.5,
+            torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+            torch.tensor(float(seed)),
+            torch.empty(0),
+            torch.randn(3, generator=g).half(),
+            torch.randn(2, dtype=torch.complex128, generator=g),
+            torch.randn(5, 4, generator=g).t(),
+        ]
+
+    source = 1
+    tensors, sent = made_by(rank), made_by(source)
+    storages = [t.data_ptr() for t in tensors]
+    links["primary"].broadcast_tensors(tensors, source, "buffers")
+    for got, expected in zip(tensors, sent):
+        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+    assert [t.data_ptr() for t in tensors] == storages, "copied into, not replaced"
+    assert tensors[3].is_contiguous(memory_format=torch.channels_last) and not tensors[8].is_contiguous()
 
 
 if __name__ == "__main__":

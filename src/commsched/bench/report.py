@@ -172,6 +172,14 @@ def print_results(
                 "ddp is Lightning's own DDP: not instrumented, so it has no bound of its own; its schedule "
                 "is wfbp's (the same bound and simulation)."
             )
+        floor = next((row.get("weights_vs_ddp") for row in result["rows"] if row["schedule"] == "ddp"), None)
+        if floor:
+            console.print(
+                f"ddp differs from its own second run by {floor:.1e}: this device's kernels are not "
+                "bit-reproducible (on a GPU, cuDNN may pick convolution kernels that sum in a varying order "
+                "unless deterministic algorithms are asked for), so the weights column is judged against "
+                "that, not against 0."
+            )
         warn_if_noisy(result, console, more_steps)
 
 

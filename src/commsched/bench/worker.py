@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
@@ -134,7 +135,7 @@ def time_schedule(
     )  # where they go
     trainer = _trainer(strategy, spec, steps, callbacks, out)
     trainer.fit(model, _loader(make_data, spec, steps))
-    state = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
+    state = host_copy(model.state_dict())
     choices = {**_choices(strategy, timer), "steps_run": trainer.global_step}
     profile = getattr(strategy, "profile", None) if plain_wfbp else None
     return (
@@ -155,11 +156,14 @@ class Snapshots(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step in self.steps:
-            self.states[trainer.global_step] = {
-                k: v.detach().double().clone() for k, v in pl_module.state_dict().items()
-            }
+            self.states[trainer.global_step] = host_copy(pl_module.state_dict())
         if trainer.global_step >= max(self.steps):
             trainer.should_stop = True
+
+
+def host_copy(state: dict) -> dict:
+    """Weights in float64 on the host: entries compared across runs whatever device each trained on."""
+    return {k: v.detach().to("cpu", torch.float64, copy=True) for k, v in state.items()}
 
 
 def ddp_weights(model_name: str, spec: dict, steps: set[int], out: Path) -> dict[int, dict]:

@@ -232,6 +232,34 @@ class Pending:
         return self._future.done() if self._future is not None else self._work.is_completed()
 
 
+def byte_layout(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Where each tensor's bytes start in a packed message, and its total length last: every start
+    aligned to 16 bytes (the widest element, complex128), so each piece can be read back as its own
+    dtype without a copy."""
+    offsets, offset = [], 0
+    for t in tensors:
+        offsets.append(offset)
+        offset += -(-t.numel() * t.element_size() // 16) * 16
+    return [*offsets, offset]
+
+
+def pack_bytes(tensors: Sequence[torch.Tensor], layout: list[int], device: torch.device) -> torch.Tensor:
+    """The tensors' bytes in one uint8 tensor on `device` (one concatenation; the padding is left unset)."""
+    pad = torch.empty(16, dtype=torch.uint8, device=device)
+    pieces: list[torch.Tensor] = []
+    for t, start, end in zip(tensors, layout, layout[1:]):
+        raw = t.detach().reshape(-1).view(torch.uint8).to(device)
+        pieces += [raw, pad[: end - start - raw.numel()]]
+    return torch.cat(pieces)
+
+
+def unpack_bytes(message: torch.Tensor, tensors: Sequence[torch.Tensor], layout: list[int]) -> None:
+    """Copy each tensor's piece of `message` (on the tensors' device) into it, whatever its strides."""
+    for t, start in zip(tensors, layout):
+        piece = message[start : start + t.numel() * t.element_size()]
+        t.copy_(piece.view(t.dtype).view(t.shape))
+
+
 def _who_failed(otherwise: str) -> str:
     """The rank known gone ('rank 1 (process 4242) has exited'), else what probably happened."""
     gone = peers.describe_gone()
@@ -549,19 +577,22 @@ class Link:
         return holder[0]
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int, tag: str) -> None:
-        """Blocking broadcast of many tensors from `src` as one message of their bytes, whatever their dtypes."""
+        """Blocking broadcast of many tensors from `src` as one message of their bytes, whatever their
+        dtypes (a module's buffers before each forward, as DDP broadcasts them). The message is packed
+        and unpacked on the tensors' own device: for a CUDA model on a gloo link that is one copy each
+        way, not one blocking copy per tensor. `src` sends its own tensors and leaves them as they are."""
         if not tensors:
             return
+        home = tensors[0].device if all(t.device == tensors[0].device for t in tensors) else self.device
+        layout = byte_layout(tensors)
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8).to(self.device) for t in tensors])
-            self.broadcast(flat, src, tag).wait()
-            offset = 0
-            for t in tensors:
-                n = t.numel() * t.element_size()
-                # clone: an aligned, contiguous copy that can be reinterpreted as t's dtype (t may be
-                # channels_last or otherwise strided, so it is filled by copy_, not by a view)
-                t.copy_(flat[offset : offset + n].clone().view(t.dtype).view(t.shape))
-                offset += n
+            if self.rank == src:
+                message = pack_bytes(tensors, layout, home).to(self.device)
+            else:
+                message = torch.empty(layout[-1], dtype=torch.uint8, device=self.device)
+            self.broadcast(message, src, tag).wait()
+            if self.rank != src:
+                unpack_bytes(message.to(home), tensors, layout)
 
     def stop(self) -> None:
         self._issuer.stop()
