@@ -17,7 +17,7 @@ import torch
 from commsched.cluster import netns
 from commsched.options import FusionOptions
 from commsched.profile.probe import fit_line
-from conftest import ended_with_an_error
+from conftest import ended_with_an_error, run_worker
 
 CAN_EMULATE = netns.unavailable_reason() is None
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason=str(netns.unavailable_reason()))
@@ -111,6 +111,31 @@ def _bench_row(schedule: str, weights: float) -> dict:
         "measured_over_theoretical": None, "predicted_ms": None, "prediction_error": None,
         "weights_vs_ddp": weights, "rounds_ms": [30.0, 30.0],
     }  # fmt: skip
+
+
+def test_where_layer_timing_distorts_a_step_the_totals_come_from_steps_timed_whole(tmp_path):
+    """On a GPU every layer hook of the profiler waits for the device, which a launch-bound step pays
+    for many times over: there steps timed layer by layer alternate with steps timed whole, and the
+    forward and backward totals (which the layers are scaled to, and the bounds and planners read) are
+    the whole steps' medians. Played on the CPU by naming it such a device (2 processes)."""
+    steps = 4
+    proc = run_worker("run_profile_apart.py", str(tmp_path), str(steps), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    warmup = profile["warmup_steps"]
+    records = profile["steps"]
+    assert profile["profiled_steps"] == len(records) == warmup + 2 * (steps - warmup)
+    assert [r["layers_timed"] for r in records] == [k % 2 == 0 for k in range(len(records))]
+    hooked = torch.load(tmp_path / "hooked.rank0.pt")
+    assert hooked[: len(records)] == [r["layers_timed"] for r in records], "hooks on exactly the layer-timed steps"
+    assert not any(hooked[len(records) :]), "no hook left once the profile finished"
+    whole = [r for r in records[warmup:] if not r["layers_timed"]]
+    summary = profile["summary"]
+    for phase, total in (("forward_s", "t_ff"), ("backward_s", "t_bp")):
+        values = sorted(r[phase] for r in whole)
+        assert summary[total] == pytest.approx((values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2)
+    layers = profile["workload"]["layers"]
+    assert sum(layer["forward_s"] for layer in layers) == pytest.approx(summary["t_ff"])
 
 
 @pytest.mark.parametrize("floor", [0.0, 3.2e-3])

@@ -75,6 +75,10 @@ class LayerTimer:
             handle.remove()
         self._handles.clear()
 
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
     def _enter(self, index: int) -> None:
         if not torch.is_grad_enabled():
             return  # validation and prediction forwards are not part of a training step

@@ -45,6 +45,14 @@ def collectives_to_time() -> list[str]:
     return [*COLLECTIVES, *sorted(extra)]
 
 
+LAYERS_APART_ON = frozenset({"cuda"})
+"""Devices where timing every layer distorts the step it times: each layer's hooks wait for the device
+to finish, and a GPU whose step is bound by launching kernels then spends longer waiting than running
+them. There the profile alternates steps timed layer by layer (their shares of the step) with steps
+timed whole (the forward and backward totals the layers are scaled to), and profiles twice as many
+steps after its warm-up. On a CPU the wait costs nothing: every step is timed layer by layer."""
+
+
 class RunProfiler:
     def __init__(
         self,
@@ -75,6 +83,7 @@ class RunProfiler:
         self._phase_exposed = 0.0
         self._epoch = (time.time(), time.perf_counter())
         self._device = torch.device("cpu")
+        self._layered: list[bool] = []  # per step: timed layer by layer (else timed whole)
 
     @property
     def active(self) -> bool:
@@ -83,10 +92,16 @@ class RunProfiler:
     def start(self, module: Any, links: Optional[Links]) -> None:
         """Time the steps from here; every link is measured, those a stream search makes later too."""
         self._device = next(module.parameters()).device
-        self._timer = LayerTimer(module, self._device).attach()
+        if self._apart:
+            self.steps = self.warmup + 2 * max(1, self.steps - self.warmup)
+        self._timer = LayerTimer(module, self._device)
         self._links = []
         if links is not None:
             links.when_made(self._measure)
+
+    @property
+    def _apart(self) -> bool:
+        return self._device.type in LAYERS_APART_ON
 
     def _measure(self, link: Link) -> None:
         if self._timer is None:  # made after this profile finished
@@ -95,22 +110,29 @@ class RunProfiler:
         link.measuring = True
         self._links.append(link)
 
+    @property
+    def _timing(self) -> bool:
+        """A profiled step is under way: from the first batch start after `start` (a profile started
+        in the middle of a batch times from the next one, so every record of a step is that step's)."""
+        return self._timer is not None and bool(self._layered)
+
     def phase_started(self, strategy: Any) -> None:
         """Start of training_step's forward or of backward (the strategy calls it at both)."""
-        if self._timer is not None:
+        if self._timing:
             self._mark = (self._now(), strategy.exposed_comm_seconds)
 
     def forward_done(self, strategy: Any) -> None:
-        if self._timer is not None:
+        if self._timing:
             self._forward.append(self._phase_seconds(strategy))
 
     def backward_started(self, strategy: Any) -> None:
-        if self._timer is not None:
-            self._timer.backward_started()
+        if self._timing:
+            if self._layered[-1]:
+                self._timer.backward_started()
             self.phase_started(strategy)
 
     def backward_done(self, strategy: Any) -> None:
-        if self._timer is not None:
+        if self._timing:
             self._backward.append(self._phase_seconds(strategy))
 
     def _phase_seconds(self, strategy: Any) -> float:
@@ -128,13 +150,20 @@ class RunProfiler:
         if self._timer is None:
             return
         now = self._now()
-        if self._step_starts:
+        if self._step_starts and self._layered[-1]:
             self._timer.end_step()
         self._step_starts.append(now)
         self._exposed.append(strategy.exposed_comm_seconds)
         self._wire.append(dict(strategy.wire_bytes))
         if len(self._step_starts) > self.steps:
             self.finish(strategy)
+            return
+        layered = not self._apart or len(self._layered) % 2 == 0
+        if layered and not self._timer.attached:
+            self._timer.attach()
+        elif not layered:
+            self._timer.detach()
+        self._layered.append(layered)
 
     def abandon(self) -> None:
         """Stop timing without a result (the run's state was replaced by a checkpoint's)."""
@@ -163,10 +192,11 @@ class RunProfiler:
         bucket_times = time_buckets(plan, link, collectives_to_time(), self.repeats)
         fitted, probe_medians = probe_link(link) if self.probe else (None, None)
         result = self._summarise(strategy, timer, plan, bucket_times)
-        skip = min(self.warmup, timer.steps - 1)
-        window = (self._step_starts[skip], self._step_starts[timer.steps])
+        steps = self._complete_steps()
+        skip = min(self.warmup, steps - 1)
+        window = (self._step_starts[skip], self._step_starts[steps])
         result["summary"]["busy_s"] = {
-            lane.removeprefix("link: "): seconds / max(1, timer.steps - skip)
+            lane.removeprefix("link: "): seconds / max(1, steps - skip)
             for lane, seconds in busy_per_lane(spans, *window).items()
             if lane.startswith("link: ")
         }
@@ -179,6 +209,22 @@ class RunProfiler:
         if dist.get_rank() == 0:
             self._write(strategy, result, [s for rank_spans in everyone or [] for s in rank_spans])
 
+    def _complete_steps(self) -> int:
+        """Steps whose start, forward and backward were all timed."""
+        return min(len(self._step_starts) - 1, len(self._forward), len(self._backward))
+
+    def _totals(self) -> tuple[float, float]:
+        """Median forward and backward seconds of the steps timed whole (every step where layers are
+        timed on the way: the CPU), after the warm-up."""
+        steps = self._complete_steps()
+        skip = min(self.warmup, steps - 1)
+        whole = [k for k in range(skip, steps) if not (self._apart and self._layered[k])]
+        whole = whole or list(range(skip, steps))  # a run that ended after one step of each kind
+        return (
+            statistics.median(self._forward[k] for k in whole),
+            statistics.median(self._backward[k] for k in whole),
+        )
+
     def _to_wall(self, spans: list[Span]) -> list[Span]:
         wall, perf = self._epoch
         rank = dist.get_rank()
@@ -190,9 +236,8 @@ class RunProfiler:
         module = strategy.lightning_module
         schedule = strategy.schedule
         schedule_name = schedule.name
-        skip = min(self.warmup, timer.steps - 1)
-        t_ff = statistics.median(self._forward[skip : timer.steps])
-        t_bp = statistics.median(self._backward[skip : timer.steps])
+        skip = min(sum(self._layered[: self.warmup]), timer.steps - 1)  # layer-timed steps in the warm-up
+        t_ff, t_bp = self._totals()
         wire_as = schedule.link.wire_for(plan.buckets[0].buffer.dtype)
         wire = torch.tensor([], dtype=wire_as).element_size()
         workload = timer.workload(
@@ -215,7 +260,7 @@ class RunProfiler:
             )
         isolated = sum(t[c] for t in bucket_times for c in schedule.step_collectives)
         steps = []
-        for k in range(timer.steps):
+        for k in range(self._complete_steps()):
             exposed = self._exposed[k + 1] - self._exposed[k]
             step_s = self._step_starts[k + 1] - self._step_starts[k]
             wire = {name: self._wire[k + 1].get(name, 0.0) - self._wire[k].get(name, 0.0) for name in self._wire[k + 1]}
@@ -231,9 +276,10 @@ class RunProfiler:
                     # the collectives take alone, or longer (contention, a slower peer): nothing was hidden
                     "overlap_ratio": min(1.0, max(0.0, 1.0 - exposed / isolated)) if isolated > 0 else 1.0,
                     "wire_bytes": wire,  # sent by this rank, per link
+                    "layers_timed": self._layered[k],  # each layer waited for (its time then includes that wait)
                 }
             )
-        timed = steps[skip:]
+        timed = steps[min(self.warmup, len(steps) - 1) :]
         comm_totals = {c: sum(t[c] for t in bucket_times) for c in bucket_times[0]}
         summary = {
             "step_s": statistics.median(s["step_s"] for s in timed),
