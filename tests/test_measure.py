@@ -138,6 +138,20 @@ def test_where_layer_timing_distorts_a_step_the_totals_come_from_steps_timed_who
     assert sum(layer["forward_s"] for layer in layers) == pytest.approx(summary["t_ff"])
 
 
+def test_a_step_of_two_backwards_is_one_record_of_the_profile(tmp_path):
+    """A GAN's step (two backwards, two optimizers) on a device timed layer by layer and whole by
+    turns: each step's record holds both its backwards (the second sleeps, so every record's backward
+    lasts at least that long), and the records alternate as the steps do."""
+    proc = run_worker("run_profile_apart.py", str(tmp_path), "4", "gan", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    profile = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    records = profile["steps"]
+    assert [r["layers_timed"] for r in records] == [k % 2 == 0 for k in range(len(records))]
+    slow = 0.03  # run_profile_apart.SLOW_BACKWARD_S
+    assert all(r["backward_s"] >= slow for r in records), [r["backward_s"] for r in records]
+    assert profile["summary"]["t_bp"] >= slow
+
+
 @pytest.mark.parametrize("floor", [0.0, 3.2e-3])
 def test_the_table_says_when_ddp_does_not_repeat_itself(floor):
     """On a GPU ddp's second run can differ from its first (kernels that sum in a varying order): the

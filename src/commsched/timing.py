@@ -64,6 +64,11 @@ class StepTimer(pl.Callback):
             trainer.should_stop = True
 
     @property
+    def timing(self) -> bool:
+        """The step under way is one this timer times (read in a callback after the timer's own batch start)."""
+        return self._last is not None and self._seen > self.warmup
+
+    @property
     def durations(self) -> list[float]:
         """Seconds of each timed step."""
         return self._steps.seconds()

@@ -142,6 +142,7 @@ def tensors_arrive_as_the_source_sent_them(links: Links, rank: int) -> None:
             torch.randn(3, generator=g).half(),
             torch.randn(2, dtype=torch.complex128, generator=g),
             torch.randn(5, 4, generator=g).t(),
+            torch.randn(10, generator=g)[::2],
         ]
 
     source = 1
@@ -151,7 +152,8 @@ def tensors_arrive_as_the_source_sent_them(links: Links, rank: int) -> None:
     for got, expected in zip(tensors, sent):
         assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
     assert [t.data_ptr() for t in tensors] == storages, "copied into, not replaced"
-    assert tensors[3].is_contiguous(memory_format=torch.channels_last) and not tensors[8].is_contiguous()
+    assert tensors[3].is_contiguous(memory_format=torch.channels_last)
+    assert not tensors[8].is_contiguous() and not tensors[9].is_contiguous()
 
 
 if __name__ == "__main__":

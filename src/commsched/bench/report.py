@@ -173,12 +173,11 @@ def print_results(
                 "is wfbp's (the same bound and simulation)."
             )
         floor = next((row.get("weights_vs_ddp") for row in result["rows"] if row["schedule"] == "ddp"), None)
-        if floor:
+        if floor and floor == floor:  # neither 0 nor NaN
             console.print(
-                f"ddp differs from its own second run by {floor:.1e}: this device's kernels are not "
-                "bit-reproducible (on a GPU, cuDNN may pick convolution kernels that sum in a varying order "
-                "unless deterministic algorithms are asked for), so the weights column is judged against "
-                "that, not against 0."
+                f"ddp differs from its own second run by {floor:.1e}: on this device the same training is not "
+                "bit-reproducible (on a GPU, kernels need not sum in a fixed order unless deterministic "
+                "algorithms are asked for), so the weights column is judged against that, not against 0."
             )
         warn_if_noisy(result, console, more_steps)
 

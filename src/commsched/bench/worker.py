@@ -25,10 +25,12 @@ from torch.utils.data import DataLoader
 
 import commsched
 from commsched.bench.models import BENCH_MODELS
+from commsched.bench.operator_profile import OperatorProfile
 from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
 from commsched.comm.local_workers import end_process_group
 from commsched.options import CompressionOptions, ProfileOptions, StreamOptions
 from commsched.plugins import import_plugins
+from commsched.profile.run_profiler import profile_length
 from commsched.runtime.compressed_ddp import CompressedDDP
 from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
@@ -111,19 +113,22 @@ def _loader(make_data: Any, spec: dict, steps: int) -> DataLoader:
 
 
 def time_schedule(
-    model_name: str, entry: str, spec: dict, out: Path
+    model_name: str, entry: str, spec: dict, out: Path, operators: Optional[Path] = None
 ) -> tuple[StepTimer, int, dict, dict, dict, Optional[dict]]:
     """One run of `entry` (a schedule, `+callback` for a user's callback in the Trainer): its step
     timer (after its choices and a warm-up), this process's rank, the final weights (every schedule
     starts from the same seed and sees the same batches), for deft or a stream search what it
     decided, what the strategy chose by itself with the steps that took, and the profile a plain
-    wfbp run took of its first steps on fixed buckets to plan from (None otherwise)."""
+    wfbp run took of its first steps on fixed buckets to plan from (None otherwise). `operators`: where
+    torch.profiler's tables of the timed steps go (a run whose times are then not counted)."""
     schedule, _, user = entry.partition("+")
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     steps = fit_length(spec)
     timer = StepTimer(warmup=spec["warmup"], stop_after=spec["steps"])
     callbacks: list[pl.Callback] = [timer] + ([USER_CALLBACKS[user]()] if user else [])
+    if operators is not None:
+        callbacks.append(OperatorProfile(timer, operators))
     if wire_of(schedule)[0] == "deft" and spec["preserver"]:
         # stale plans at once (stale_after_steps=0): the bench times them within its few steps
         callbacks.append(commsched.Preserver(max_staleness=spec["max_staleness"], stale_after_steps=0))
@@ -244,12 +249,14 @@ def profile_components(model_name: str, spec: dict, out: Path, wire: str = "fp32
     collectives in the wire dtype `wire`."""
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
-    steps = spec["warmup"] + spec["steps"] + 1
+    asked = spec["warmup"] + spec["steps"]
+    # a profile asked for leaves its first step out (warm-up 1); on a GPU it runs more steps than asked
+    steps = profile_length(asked, 1, spec.get("accelerator") == "gpu") + 1
     # fixed buckets (the size ddp uses): the components of one step, not a planner's choice
     strategy = _strategy(
         "wfbp" if wire == "fp32" else f"wfbp-{wire}",
         {**spec, "bucket_cap_mb": spec.get("bucket_cap_mb") or 25.0},
-        profile=ProfileOptions(steps=spec["warmup"] + spec["steps"], dir=str(_profile_dir(out, f"wfbp-{wire}"))),
+        profile=ProfileOptions(steps=asked, dir=str(_profile_dir(out, f"wfbp-{wire}"))),
     )
     trainer = _trainer(strategy, spec, steps + 1, [], out)
     trainer.fit(model, _loader(make_data, spec, steps + 1))
@@ -320,6 +327,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 final.setdefault(schedule, (state, chose[schedule]["steps_run"]))
                 if decided:
                     deft.setdefault("streams" if "entry" in decided else "rounds", []).append(decided)
+        if spec.get("operator_profile"):  # a run more of each entry, under torch.profiler; its times are not counted
+            for schedule in spec["schedules"]:
+                operators = out / model_name / "operators" / schedule.replace("/", "_").replace(":", "_")
+                time_schedule(model_name, schedule, spec, out / model_name, operators)
         exact = [
             s
             for s in spec["schedules"]

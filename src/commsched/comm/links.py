@@ -232,6 +232,10 @@ class Pending:
         return self._future.done() if self._future is not None else self._work.is_completed()
 
 
+PACKED_ON_DEVICE_UP_TO = 64 * 2**20
+"""Bytes of a many-tensor broadcast packed on the tensors' own device (`Link.broadcast_tensors`)."""
+
+
 def byte_layout(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Where each tensor's bytes start in a packed message, and its total length last: every start
     aligned to 16 bytes (the widest element, complex128), so each piece can be read back as its own
@@ -244,11 +248,11 @@ def byte_layout(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 
 def pack_bytes(tensors: Sequence[torch.Tensor], layout: list[int], device: torch.device) -> torch.Tensor:
-    """The tensors' bytes in one uint8 tensor on `device` (one concatenation; the padding is left unset)."""
-    pad = torch.empty(16, dtype=torch.uint8, device=device)
+    """The tensors' bytes in one uint8 tensor on `device` (one concatenation; padding zeros)."""
+    pad = torch.zeros(16, dtype=torch.uint8, device=device)
     pieces: list[torch.Tensor] = []
     for t, start, end in zip(tensors, layout, layout[1:]):
-        raw = t.detach().reshape(-1).view(torch.uint8).to(device)
+        raw = t.detach().resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8).to(device)
         pieces += [raw, pad[: end - start - raw.numel()]]
     return torch.cat(pieces)
 
@@ -578,13 +582,16 @@ class Link:
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int, tag: str) -> None:
         """Blocking broadcast of many tensors from `src` as one message of their bytes, whatever their
-        dtypes (a module's buffers before each forward, as DDP broadcasts them). The message is packed
-        and unpacked on the tensors' own device: for a CUDA model on a gloo link that is one copy each
-        way, not one blocking copy per tensor. `src` sends its own tensors and leaves them as they are."""
+        dtypes (a module's buffers before each forward, as DDP broadcasts them). A message of up to
+        `PACKED_ON_DEVICE_UP_TO` bytes is packed and unpacked on the tensors' own device: for a CUDA
+        model on a gloo link that is one copy each way, not one blocking copy per tensor; a larger one
+        (a whole model's state at setup) is packed on the link's device, needing no second copy of the
+        model beside it on the GPU. `src` sends its own tensors and leaves them as they are."""
         if not tensors:
             return
-        home = tensors[0].device if all(t.device == tensors[0].device for t in tensors) else self.device
         layout = byte_layout(tensors)
+        together = all(t.device == tensors[0].device for t in tensors) and layout[-1] <= PACKED_ON_DEVICE_UP_TO
+        home = tensors[0].device if together else self.device
         with torch.no_grad():
             if self.rank == src:
                 message = pack_bytes(tensors, layout, home).to(self.device)

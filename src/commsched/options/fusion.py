@@ -67,7 +67,8 @@ class FusionOptions:
     bucket_layers: int = option(1, positive_int)
     """layers: consecutive layers (modules owning parameters) per bucket."""
     profile_steps: int = option(5, positive_int)
-    """Model planners: steps profiled before rank 0 plans."""
+    """Model planners: steps profiled before rank 0 plans (on a GPU twice as many: steps timed layer by
+    layer alternate with steps timed whole)."""
     profile_warmup_steps: int = option(5, non_negative_int)
     """Model planners: steps left out before those (a CPU run's first steps are up to 2x slower)."""
     confirm_steps: int = option(3, positive_int)
@@ -91,7 +92,8 @@ class ProfileOptions:
     """The in-run profiler: per-layer, per-bucket and per-link times of the first steps."""
 
     steps: int = option(0, non_negative_int)
-    """Profile the first N training steps (0: off); writes profile.json and a Chrome trace.json."""
+    """Profile the first N training steps (0: off); writes profile.json and a Chrome trace.json. On a
+    GPU the N - 1 after the first are doubled: steps timed layer by layer alternate with steps timed whole."""
     dir: Optional[str] = option(None, optional(text))
     """Where the profile goes (default: commsched_profile/ in the run's folder: the logger's, else default_root_dir)."""
     probe: bool = option(False, flag)

@@ -4,7 +4,8 @@ Fixed 25 MB buckets (DDP's default) make a model of a few tens of MB one or two 
 nothing overlaps; the planners know better, but a plan is a model's prediction. So the run decides
 from its own steps, every one of them a normal training step:
 
-1. profile: `profile_warmup_steps` steps, then `profile_steps` profiled ones, on fixed buckets;
+1. profile: `profile_warmup_steps` steps, then `profile_steps` profiled ones (twice as many on a GPU),
+   on fixed buckets;
 2. plan: rank 0 plans with the schedule's own planner (`Schedule.planner`: MG-WFBP's programme for
    all-reduce schedules, the DeAR model for DeAR and DeFT) and every rank receives the plan;
 3. confirm: the same model predicts the fixed layout too; fixed and planned buckets take turns on

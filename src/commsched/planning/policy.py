@@ -196,7 +196,7 @@ class PlanPolicy:
             plans = link.broadcast_object(mine, 0, "auto-plan")
             candidate = SavedPlan(**plans[auto.planner])
             self._hand_over_planned = {p: SavedPlan(**plans[p]) for p in self._hand_over_planners}
-            auto.steps_deciding += self.fusion.profile_warmup_steps + self.fusion.profile_steps
+            auto.steps_deciding += profile["profiled_steps"]  # on a GPU more than asked for (the profiler's own)
             if candidate.buckets == fixed.buckets:
                 self.decided = fixed
                 auto.decided_without_confirming()

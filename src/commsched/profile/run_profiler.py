@@ -1,8 +1,9 @@
-"""The profiler a commsched strategy runs for the first N training steps (`profile_steps=N`).
+"""The profiler a commsched strategy runs for the first N training steps (`profile_steps=N`; on a GPU
+the steps after the warm-up are doubled, see `LAYERS_APART_ON`).
 
 While profiling: per-layer forward/backward times (`LayerTimer`), every collective's
 launch-to-completion span per link, step time and exposed communication (time the loop waited).
-At the start of step N+1 every rank flushes the schedule, times each bucket's collectives in
+At the start of the step after the last every rank flushes the schedule, times each bucket's collectives in
 isolation (and, if asked, probes the link), then rank 0 writes `profile.json` (read by the
 simulator and the planners) and `trace.json` (chrome://tracing, Perfetto: per rank one compute lane
 and one lane per link), and logs per-step `profile/*` metrics to the Trainer's logger.
@@ -53,6 +54,12 @@ timed whole (the forward and backward totals the layers are scaled to), and prof
 steps after its warm-up. On a CPU the wait costs nothing: every step is timed layer by layer."""
 
 
+def profile_length(steps: int, warmup: int, apart: bool) -> int:
+    """The steps a profile of `steps` (with `warmup` of them left out of its medians) runs: twice the
+    timed ones where steps timed layer by layer alternate with steps timed whole."""
+    return warmup + 2 * max(1, steps - warmup) if apart else steps
+
+
 class RunProfiler:
     def __init__(
         self,
@@ -62,9 +69,13 @@ class RunProfiler:
         repeats: int = 5,
         warmup: int = 1,
         announce: bool = True,
+        layers_apart: Optional[bool] = None,
     ) -> None:
         """`announce`: say where the profile went (a profile the user asked for; a planner's own is
-        reported by the plan it led to)."""
+        reported by the plan it led to). `layers_apart`: alternate layer-timed and whole steps (None:
+        where the device is in `LAYERS_APART_ON`; False for a compiled model, whose graphs would be
+        recompiled each time the layer hooks come and go)."""
+        self._layers_apart = layers_apart
         self.steps = steps
         self.announce = announce
         self.out_dir = Path(out_dir).expanduser() if out_dir is not None else None
@@ -77,8 +88,8 @@ class RunProfiler:
         self._step_starts: list[float] = []
         self._exposed: list[float] = []
         self._wire: list[dict[str, float]] = []  # per step start: bytes sent so far per link
-        self._forward: list[float] = []  # per step: training_step wall time minus communication waits in it
-        self._backward: list[float] = []
+        self._forward: list[float] = []  # per step: its forwards' wall time minus communication waits in them
+        self._backward: list[float] = []  # per step, its backwards' likewise (a GAN's step runs several)
         self._mark = (0.0, 0.0)  # (perf_counter, exposed comm) at the start of the current phase
         self._phase_exposed = 0.0
         self._epoch = (time.time(), time.perf_counter())
@@ -90,10 +101,10 @@ class RunProfiler:
         return self._timer is not None
 
     def start(self, module: Any, links: Optional[Links]) -> None:
-        """Time the steps from here; every link is measured, those a stream search makes later too."""
+        """Time the steps from the next batch start (a profile asked for in the middle of a batch leaves
+        that batch out); every link is measured, those a stream search makes later too."""
         self._device = next(module.parameters()).device
-        if self._apart:
-            self.steps = self.warmup + 2 * max(1, self.steps - self.warmup)
+        self.steps = profile_length(self.steps, self.warmup, self._apart)
         self._timer = LayerTimer(module, self._device)
         self._links = []
         if links is not None:
@@ -101,7 +112,7 @@ class RunProfiler:
 
     @property
     def _apart(self) -> bool:
-        return self._device.type in LAYERS_APART_ON
+        return self._device.type in LAYERS_APART_ON if self._layers_apart is None else self._layers_apart
 
     def _measure(self, link: Link) -> None:
         if self._timer is None:  # made after this profile finished
@@ -123,7 +134,7 @@ class RunProfiler:
 
     def forward_done(self, strategy: Any) -> None:
         if self._timing:
-            self._forward.append(self._phase_seconds(strategy))
+            self._forward[-1] += self._phase_seconds(strategy)
 
     def backward_started(self, strategy: Any) -> None:
         if self._timing:
@@ -133,7 +144,7 @@ class RunProfiler:
 
     def backward_done(self, strategy: Any) -> None:
         if self._timing:
-            self._backward.append(self._phase_seconds(strategy))
+            self._backward[-1] += self._phase_seconds(strategy)
 
     def _phase_seconds(self, strategy: Any) -> float:
         started, exposed = self._mark
@@ -150,7 +161,7 @@ class RunProfiler:
         if self._timer is None:
             return
         now = self._now()
-        if self._step_starts and self._layered[-1]:
+        if self._layered and self._layered[-1]:
             self._timer.end_step()
         self._step_starts.append(now)
         self._exposed.append(strategy.exposed_comm_seconds)
@@ -158,12 +169,16 @@ class RunProfiler:
         if len(self._step_starts) > self.steps:
             self.finish(strategy)
             return
-        layered = not self._apart or len(self._layered) % 2 == 0
+        # by optimizer step: with accumulation, batch by batch would time every local micro-batch one way
+        group = max(1, int(getattr(getattr(strategy, "loop", None), "accumulate_grad_batches", 1) or 1))
+        layered = not self._apart or len(self._layered) // group % 2 == 0
         if layered and not self._timer.attached:
             self._timer.attach()
         elif not layered:
             self._timer.detach()
         self._layered.append(layered)
+        self._forward.append(0.0)
+        self._backward.append(0.0)
 
     def abandon(self) -> None:
         """Stop timing without a result (the run's state was replaced by a checkpoint's)."""
@@ -177,7 +192,7 @@ class RunProfiler:
         timer, self._timer = self._timer, None
         assert timer is not None
         timer.detach()
-        if timer.steps < 1 or len(self._forward) < 1:  # the run ended before a whole step was profiled
+        if timer.steps < 1 or self._complete_steps() < 1:  # the run ended before a whole step was profiled
             for link in self._links:
                 link.recorder, link.measuring = None, False
             say("commsched: the run ended before a step was profiled: no profile written")
@@ -210,20 +225,15 @@ class RunProfiler:
             self._write(strategy, result, [s for rank_spans in everyone or [] for s in rank_spans])
 
     def _complete_steps(self) -> int:
-        """Steps whose start, forward and backward were all timed."""
-        return min(len(self._step_starts) - 1, len(self._forward), len(self._backward))
+        """Steps that ran from their start to the next step's start."""
+        return len(self._step_starts) - 1
 
-    def _totals(self) -> tuple[float, float]:
-        """Median forward and backward seconds of the steps timed whole (every step where layers are
-        timed on the way: the CPU), after the warm-up."""
+    def _whole_steps(self) -> list[int]:
+        """The steps the summary's medians read: after the warm-up, those timed whole (on a CPU every
+        step is; a run that ended before a whole step after the warm-up: every step after it)."""
         steps = self._complete_steps()
-        skip = min(self.warmup, steps - 1)
-        whole = [k for k in range(skip, steps) if not (self._apart and self._layered[k])]
-        whole = whole or list(range(skip, steps))  # a run that ended after one step of each kind
-        return (
-            statistics.median(self._forward[k] for k in whole),
-            statistics.median(self._backward[k] for k in whole),
-        )
+        after = range(min(self.warmup, steps - 1), steps)
+        return [k for k in after if not (self._apart and self._layered[k])] or list(after)
 
     def _to_wall(self, spans: list[Span]) -> list[Span]:
         wall, perf = self._epoch
@@ -237,7 +247,9 @@ class RunProfiler:
         schedule = strategy.schedule
         schedule_name = schedule.name
         skip = min(sum(self._layered[: self.warmup]), timer.steps - 1)  # layer-timed steps in the warm-up
-        t_ff, t_bp = self._totals()
+        whole = self._whole_steps()
+        t_ff = statistics.median(self._forward[k] for k in whole)
+        t_bp = statistics.median(self._backward[k] for k in whole)
         wire_as = schedule.link.wire_for(plan.buckets[0].buffer.dtype)
         wire = torch.tensor([], dtype=wire_as).element_size()
         workload = timer.workload(
@@ -279,7 +291,7 @@ class RunProfiler:
                     "layers_timed": self._layered[k],  # each layer waited for (its time then includes that wait)
                 }
             )
-        timed = steps[min(self.warmup, len(steps) - 1) :]
+        timed = [steps[k] for k in whole]
         comm_totals = {c: sum(t[c] for t in bucket_times) for c in bucket_times[0]}
         summary = {
             "step_s": statistics.median(s["step_s"] for s in timed),
@@ -289,6 +301,8 @@ class RunProfiler:
             "t_other": statistics.median(s["other_s"] for s in timed),
             "exposed_comm_s": statistics.median(s["exposed_comm_s"] for s in timed),
             "overlap_ratio": statistics.median(s["overlap_ratio"] for s in timed),
+            # on a CPU every step is timed layer by layer (the waits cost nothing there)
+            "totals_from": "layer-timed steps" if any(s["layers_timed"] for s in timed) else "whole steps",
             "wire_bytes": {
                 name: statistics.median(s["wire_bytes"].get(name, 0.0) for s in timed)
                 for name in timed[-1]["wire_bytes"]
@@ -343,6 +357,7 @@ class RunProfiler:
                         "profile/backward_ms": step["backward_s"] * 1e3,
                         "profile/exposed_comm_ms": step["exposed_comm_s"] * 1e3,
                         "profile/overlap_ratio": step["overlap_ratio"],
+                        "profile/layers_timed": float(step["layers_timed"]),
                         **{f"profile/wire_mb/{name}": sent / 1e6 for name, sent in step["wire_bytes"].items()},
                     },
                     step=step["step"],

@@ -411,7 +411,12 @@ class Engine:
         warmup = self._fusion.profile_warmup_steps if planning else 1
         steps = max(self._profile.steps, self._fusion.profile_steps + warmup if planning else 0)
         self.profiler = RunProfiler(
-            steps, self._profile.dir, self._profile.probe or planning, warmup=warmup, announce=bool(self._profile.steps)
+            steps,
+            self._profile.dir,
+            self._profile.probe or planning,
+            warmup=warmup,
+            announce=bool(self._profile.steps),
+            layers_apart=False if self.policy.compiled else None,
         )
         self.profiler.start(module, self.links)
         self._profile = dataclasses.replace(self._profile, steps=0)  # the asked-for profile runs once
