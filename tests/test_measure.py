@@ -113,6 +113,19 @@ def _bench_row(schedule: str, weights: float) -> dict:
     }  # fmt: skip
 
 
+def test_the_bench_shows_what_each_entry_spends_its_timed_steps_on(tmp_path):
+    """`operator_profile=true`: each entry runs once more under torch.profiler, over exactly its timed
+    steps (3 here: the optimizer stepped 3 times), and the table is the plain runs' alone."""
+    proc, rows = quick_bench(tmp_path, "width=8", "schedules=[ddp,wfbp]", "operator_profile=true")
+    assert [r["schedule"] for r in rows] == ["ddp", "wfbp"]
+    for entry in ("ddp", "wfbp"):
+        table = (tmp_path / "small_cnn" / "operators" / f"{entry}.txt").read_text()
+        assert table.startswith("3 timed steps, rank 0")
+        (step,) = [line for line in table.splitlines() if "Optimizer.step#SGD.step" in line]
+        assert step.split()[-1] == "3", step
+        assert (tmp_path / "small_cnn" / "operators" / f"{entry}.trace.json").stat().st_size > 1000
+
+
 def test_where_layer_timing_distorts_a_step_the_totals_come_from_steps_timed_whole(tmp_path):
     """On a GPU every layer hook of the profiler waits for the device, which a launch-bound step pays
     for many times over: there steps timed layer by layer alternate with steps timed whole, and the

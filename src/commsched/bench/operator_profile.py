@@ -28,10 +28,12 @@ class OperatorProfile(pl.Callback):
         self._profile: Optional[profile] = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._profile is None and self.timer.timing:
+        if self._profile is None and self.timer.timing and not trainer.should_stop:
             cuda = pl_module.device.type == "cuda"
             self._profile = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             self._profile.__enter__()
+        elif self._profile is not None and trainer.should_stop:  # the timer has its steps: this batch is not one
+            self.on_train_end(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._profile is None:
