@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from test_gpu import CASES as ONE_GPU_CASES  # noqa: E402
 
 from commsched.comm.local_workers import free_port  # noqa: E402
-from conftest import WORKERS, max_abs_diff, per_link  # noqa: E402
+from conftest import WORKERS, assert_same_as_reference, max_abs_diff, per_link  # noqa: E402
 
 ON_CPU = os.environ.get("COMMSCHED_TEST_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
 pytestmark = [] if ON_CPU else [pytest.mark.gpu]
@@ -219,6 +219,26 @@ def test_ctrl_c_stops_both_ranks_at_one_step_and_the_resume_is_exact(tmp_path):
         for part in ("state", "momenta"):
             diff, key = max_abs_diff(got[part], expected[part])
             assert diff <= 1e-5, f"rank {rank}: {part} {key} differs by {diff:.3g} after resuming from step {stopped}"
+
+
+SPARSE = ["sgd-wfbp", "sgd-dear", "adagrad-wfbp", "split-dear"]
+"""Sparse embeddings (workers/run_sparse.py): their rows averaged apart from the buckets, staged through
+the host for a gloo link; a pattern's reference is Lightning's ddp on the same setting."""
+
+
+@pytest.fixture(scope="module")
+def sparse_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two-ranks-sparse")
+    references = sorted({f"{case.split('-')[0]}-ddp" for case in SPARSE})
+    run_pair("run_sparse.py", str(out), *references, *SPARSE, logs=out / "logs", timeout=900)
+    return lambda case, rank: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("case", SPARSE)
+def test_sparse_embeddings_equal_ddp_with_two_ranks_on_one_gpu(sparse_runs, case):
+    assert "refused" not in sparse_runs(case, 0), sparse_runs(case, 0).get("refused")
+    assert sparse_runs(case, 0)["device"] == DEVICE
+    assert_same_as_reference(sparse_runs, case, f"{case.split('-')[0]}-ddp", 1e-5)
 
 
 @pytest.mark.skipif(ON_CPU, reason="the bench's accelerator=gpu needs a CUDA device")

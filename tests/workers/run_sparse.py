@@ -18,6 +18,10 @@ PATTERN:
   one SGD over both.
 A case ending in ``-resume`` trains half the steps, saves a checkpoint, and a new Trainer resumes from it.
 Every rank writes OUT_DIR/<case>.rank<r>.pt: weights, optimizer states, the collectives it issued (traced).
+
+The Trainer's cases run where `COMMSCHED_TEST_ACCELERATOR` says (default cpu); with
+`COMMSCHED_TEST_SHARED_GPU=1` each rank is a node of its own (`NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`)
+on one device, every strategy over gloo: two ranks sharing one GPU (tests/gpu/test_two_ranks.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.utils.data import TensorDataset
@@ -42,6 +47,9 @@ from optimizer_states import flat
 
 warnings.filterwarnings("ignore")
 STEPS, HALF, BATCH, ROWS = 8, 4, 8, 400
+ACCELERATOR = os.environ.get("COMMSCHED_TEST_ACCELERATOR", "cpu")
+SHARED = os.environ.get("COMMSCHED_TEST_SHARED_GPU") == "1"
+"""Every rank a node of its own on the one device, over gloo (else 2 local workers)."""
 
 
 class Recommender(nn.Module):
@@ -106,24 +114,26 @@ class Lit(pl.LightningModule):
 
 
 def strategy_for(name: str):
+    common = {"process_group_backend": "gloo"} if SHARED else {}
     if name == "ddp":
-        return "ddp"
+        return DDPStrategy(**common) if SHARED else "ddp"
     if name == "defaults":
-        return "dear"
+        return commsched.DeARStrategy(**common) if SHARED else "dear"
     if name == "traced":
-        return commsched.WFBPStrategy(trace_collectives=True)
+        return commsched.WFBPStrategy(trace_collectives=True, **common)
     if name == "topk":
-        return commsched.WFBPStrategy(compression="topk")
+        return commsched.WFBPStrategy(compression="topk", **common)
     if name == "hook":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        return commsched.WFBPStrategy(ddp_comm_hook=powerSGD_hook.powerSGD_hook, ddp_comm_state=state)
-    return commsched.CommSchedStrategy(schedule=name, fusion="fixed", bucket_cap_mb=0.0004)
+        return commsched.WFBPStrategy(ddp_comm_hook=powerSGD_hook.powerSGD_hook, ddp_comm_state=state, **common)
+    return commsched.CommSchedStrategy(schedule=name, fusion="fixed", bucket_cap_mb=0.0004, **common)
 
 
 def trainer(name: str, steps: int, out: Path, accumulate: int) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator=ACCELERATOR,
+        devices=1 if SHARED else 2,
+        num_nodes=2 if SHARED else 1,
         strategy=strategy_for(name),
         max_steps=steps,
         accumulate_grad_batches=accumulate,
@@ -154,8 +164,9 @@ def run_trainer(out: Path, case: str, pattern: str, name: str) -> dict:
     return {
         "rank": fit.global_rank,
         "moved": {k: (v - initial[k]).abs().max().item() for k, v in model.net.state_dict().items()},
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optimizer": flat({str(i): o for i, o in enumerate(optimizers)}),
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "optimizer": {k: v.cpu() for k, v in flat({str(i): o for i, o in enumerate(optimizers)}).items()},
+        "device": str(next(model.parameters()).device),
         "trace": [(r.link, r.op, r.tag, r.numel) for r in getattr(fit.strategy, "collective_trace", [])],
     }
 
