@@ -68,9 +68,7 @@ class BenchConfig:
     preserver: bool = True  # deft: with the Preserver (False: the knapsack's plan as solved)
     max_staleness: int = 0  # deft: the Preserver's max_staleness
     timeout_s: int = 600
-    operator_profile: bool = (
-        False  # one more run of each entry under torch.profiler: operators/<entry>.txt, .trace.json
-    )
+    operator_profile: bool = False  # each entry once more under torch.profiler: MODEL/operators/ENTRY.txt
 
 
 def register_bench_config() -> None:

@@ -30,7 +30,7 @@ from commsched.cli.quiet import exit_silently_on_interrupt, quiet_lightning
 from commsched.comm.local_workers import end_process_group
 from commsched.options import CompressionOptions, ProfileOptions, StreamOptions
 from commsched.plugins import import_plugins
-from commsched.profile.run_profiler import profile_length
+from commsched.profile.run_profiler import ASKED_FOR_WARMUP, profile_length
 from commsched.runtime.compressed_ddp import CompressedDDP
 from commsched.sim import Measured, Workload, timelines
 from commsched.timing import StepTimer
@@ -250,8 +250,7 @@ def profile_components(model_name: str, spec: dict, out: Path, wire: str = "fp32
     pl.seed_everything(0, verbose=False)
     model, make_data = BENCH_MODELS[model_name](spec["width"])
     asked = spec["warmup"] + spec["steps"]
-    # a profile asked for leaves its first step out (warm-up 1); on a GPU it runs more steps than asked
-    steps = profile_length(asked, 1, spec.get("accelerator") == "gpu") + 1
+    steps = profile_length(asked, ASKED_FOR_WARMUP, spec.get("accelerator") == "gpu") + 1  # on a GPU: more
     # fixed buckets (the size ddp uses): the components of one step, not a planner's choice
     strategy = _strategy(
         "wfbp" if wire == "fp32" else f"wfbp-{wire}",

@@ -54,6 +54,11 @@ timed whole (the forward and backward totals the layers are scaled to), and prof
 steps after its warm-up. On a CPU the wait costs nothing: every step is timed layer by layer."""
 
 
+ASKED_FOR_WARMUP = 1
+"""Steps a profile the user asked for (`ProfileOptions.steps`) leaves out of its medians; a planner's
+own profile leaves out `FusionOptions.profile_warmup_steps`."""
+
+
 def profile_length(steps: int, warmup: int, apart: bool) -> int:
     """The steps a profile of `steps` (with `warmup` of them left out of its medians) runs: twice the
     timed ones where steps timed layer by layer alternate with steps timed whole."""
@@ -207,11 +212,10 @@ class RunProfiler:
         bucket_times = time_buckets(plan, link, collectives_to_time(), self.repeats)
         fitted, probe_medians = probe_link(link) if self.probe else (None, None)
         result = self._summarise(strategy, timer, plan, bucket_times)
-        steps = self._complete_steps()
-        skip = min(self.warmup, steps - 1)
-        window = (self._step_starts[skip], self._step_starts[steps])
+        after = self._after_warmup()
+        window = (self._step_starts[after.start], self._step_starts[after.stop])
         result["summary"]["busy_s"] = {
-            lane.removeprefix("link: "): seconds / max(1, steps - skip)
+            lane.removeprefix("link: "): seconds / max(1, len(after))
             for lane, seconds in busy_per_lane(spans, *window).items()
             if lane.startswith("link: ")
         }
@@ -228,11 +232,15 @@ class RunProfiler:
         """Steps that ran from their start to the next step's start."""
         return len(self._step_starts) - 1
 
-    def _whole_steps(self) -> list[int]:
-        """The steps the summary's medians read: after the warm-up, those timed whole (on a CPU every
-        step is; a run that ended before a whole step after the warm-up: every step after it)."""
+    def _after_warmup(self) -> range:
+        """The complete steps after the warm-up (the last complete one at least)."""
         steps = self._complete_steps()
-        after = range(min(self.warmup, steps - 1), steps)
+        return range(min(self.warmup, steps - 1), steps)
+
+    def _summarised_steps(self) -> list[int]:
+        """The steps the summary's medians read: after the warm-up, those timed whole where layer and
+        whole steps alternate, else all of them (also a run that ended before a whole one)."""
+        after = self._after_warmup()
         return [k for k in after if not (self._apart and self._layered[k])] or list(after)
 
     def _to_wall(self, spans: list[Span]) -> list[Span]:
@@ -247,9 +255,9 @@ class RunProfiler:
         schedule = strategy.schedule
         schedule_name = schedule.name
         skip = min(sum(self._layered[: self.warmup]), timer.steps - 1)  # layer-timed steps in the warm-up
-        whole = self._whole_steps()
-        t_ff = statistics.median(self._forward[k] for k in whole)
-        t_bp = statistics.median(self._backward[k] for k in whole)
+        summarised = self._summarised_steps()
+        t_ff = statistics.median(self._forward[k] for k in summarised)
+        t_bp = statistics.median(self._backward[k] for k in summarised)
         wire_as = schedule.link.wire_for(plan.buckets[0].buffer.dtype)
         wire = torch.tensor([], dtype=wire_as).element_size()
         workload = timer.workload(
@@ -291,7 +299,7 @@ class RunProfiler:
                     "layers_timed": self._layered[k],  # each layer waited for (its time then includes that wait)
                 }
             )
-        timed = [steps[k] for k in whole]
+        timed = [steps[k] for k in summarised]
         comm_totals = {c: sum(t[c] for t in bucket_times) for c in bucket_times[0]}
         summary = {
             "step_s": statistics.median(s["step_s"] for s in timed),

@@ -31,7 +31,7 @@ from commsched.options import StrategyOptions
 from commsched.options.links import SECONDARY_IFNAME_ENV
 from commsched.planning.plan_file import SavedPlan
 from commsched.planning.policy import PlanPolicy
-from commsched.profile.run_profiler import RunProfiler
+from commsched.profile.run_profiler import ASKED_FOR_WARMUP, RunProfiler
 from commsched.say import say
 from commsched.schedules import SCHEDULES, Handover, Schedule
 from commsched.schedules.base import runs_compiled
@@ -408,7 +408,7 @@ class Engine:
         planning = self.policy.wants_profile
         if not (self._profile.steps or planning):
             return
-        warmup = self._fusion.profile_warmup_steps if planning else 1
+        warmup = self._fusion.profile_warmup_steps if planning else ASKED_FOR_WARMUP
         steps = max(self._profile.steps, self._fusion.profile_steps + warmup if planning else 0)
         self.profiler = RunProfiler(
             steps,
